@@ -1,0 +1,111 @@
+import pytest
+
+import utils
+from utils import ConfigError, PRESETS, config_from_args, override, validate
+
+TINY = PRESETS["tiny"]
+
+# (overrides, substring the error must contain): each violates exactly one rule of the tiny preset.
+INVALID = [
+    ({"n_head": 3}, "--model_dimension (128) must be divisible by --n_head (3)"),
+    ({"n_device_axis": (1, 1, 8)}, "--n_head (4) must be divisible by TP"),
+    ({"model_dimension": 132, "n_device_axis": (8, 1, 1)}, "--model_dimension (132) must be divisible by DP"),
+    ({"latent_dim": 30}, None),  # valid: no FSDP split of the latent on dp 1
+    ({"n_device_axis": (4, 1, 1), "latent_dim": 30}, "--latent_dim (30) must be divisible by DP"),
+    ({"n_device_axis": (4, 1, 1), "q_latent_dim": 6}, "--q_latent_dim (6) must be divisible by DP"),
+    ({"blocks": 3, "n_device_axis": (1, 2, 1)}, "--blocks (3) must be divisible by PP"),
+    ({"n_device_axis": (1, 2, 1), "micro_batch_size": 1, "train_batch_size": 4, "val_batch_size": 4},
+     "--micro_batch_size (1) must be divisible by PP"),
+    ({"train_batch_size": 5}, "--train_batch_size (5) must be divisible by --micro_batch_size (2)"),
+    ({"val_batch_size": 3}, "--val_batch_size (3) must be divisible by --micro_batch_size (2)"),
+    ({"k": 5}, "--k (5) must be <= --n_experts (4)"),
+    ({"k": 0}, "--k must be >= 1"),
+    ({"n_experts": 0}, "--n_experts must be >= 1"),
+    ({"n_shared": -1}, "--n_shared must be >= 0"),
+    ({"capacity_factor": -0.5}, "--capacity_factor must be >= 0"),
+    ({"dhR": 15}, "--dhR (15) must be even"),
+    ({"dhR": 0}, "--dhR must be >= 2"),
+    ({"dropout_rate": 1.0}, "--dropout_rate must be in [0, 1)"),
+    ({"model_dtype": "float16"}, "--model_dtype must be bfloat16 or float32"),
+    ({"remat": "some"}, "--remat must be full, dots or none"),
+    ({"T": 1}, "--T must be >= 2"),
+    ({"max_tokens": 128}, "--max_tokens (128) must be < --T (128)"),
+    ({"temperature": 0.0}, "--temperature must be > 0"),
+    ({"top_k": 0}, "--top_k must be >= 1"),
+    ({"max_lr": 0.0}, "--max_lr must be > 0"),
+    ({"warmup_steps": 500}, "--warmup_steps (500) must be <= --end_steps (300)"),
+    ({"grad_step": 0}, "--grad_step must be >= 1"),
+    ({"grad_clip_norm": -1.0}, "--grad_clip_norm must be > 0"),
+    ({"checkpoint_steps": 0}, "--checkpoint_steps must be >= 1"),
+    ({"eval_steps": 0}, "--eval_steps must be >= 1"),
+    ({"training_steps": 0}, "--training_steps must be >= 1"),
+    ({"n_device_axis": (0, 1, 1)}, "--n_device_axis needs three positive sizes"),
+    ({"vocab_size": 100_277, "n_device_axis": (1, 1, 8), "n_head": 8},
+     None),  # padded vocab 100,352 splits over tp 8
+    ({"model_dimension": 120, "n_head": 4, "n_device_axis": (1, 1, 4), "vocab_size": 100}, None),
+]
+
+
+@pytest.mark.parametrize("values,message", INVALID)
+def test_each_rule_has_its_own_error(values, message):
+    cfg = override(TINY, **values)
+    if message is None:
+        assert validate(cfg, n_devices=8) is cfg
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, n_devices=8)
+    assert message in str(err.value)
+    assert str(err.value).count("\n  - ") == 1, f"expected exactly one violated rule: {err.value}"
+
+
+def test_all_violations_reported_together():
+    cfg = override(TINY, n_head=3, k=9, dhR=7)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).count("\n  - ") == 3
+
+
+def test_moe1B_on_8_2_2_needs_32_devices():
+    cfg = config_from_args(["--preset", "moe1B", "--n_device_axis", "8", "2", "2"])
+    assert cfg.run.n_device_axis == (8, 2, 2) and cfg.model.n_layers == 48
+    assert validate(cfg, n_devices=32) is cfg
+    with pytest.raises(ConfigError, match=r"--n_device_axis 8 2 2 needs 32 devices.*8 available"):
+        validate(cfg, n_devices=8)
+
+
+def test_mesh_must_divide_device_count():
+    cfg = override(TINY, n_device_axis=(1, 3, 1), blocks=3, micro_batch_size=3, train_batch_size=3,
+                   val_batch_size=3)
+    with pytest.raises(ConfigError, match="needs 3 devices, which must divide the 8 available"):
+        validate(cfg, n_devices=8)
+    assert validate(cfg, n_devices=6) is cfg
+
+
+def test_cli_keeps_guide_flag_names_and_overrides_preset():
+    cfg = config_from_args(["--model_dimension", "256", "--n_device_axis", "2", "2", "2", "--T", "64",
+                            "--micro_batch_size", "4", "--grad_step", "2", "--use_cache", "false", "--wandb"])
+    assert (cfg.model.model_dimension, cfg.model.T, cfg.run.n_device_axis) == (256, 64, (2, 2, 2))
+    assert (cfg.run.micro_batch_size, cfg.optim.grad_step, cfg.inference.use_cache, cfg.run.wandb) == (4, 2, False, True)
+    assert cfg.model.n_head == PRESETS["tiny"].model.n_head
+
+
+def test_cli_rejects_bad_values(capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(["--n_device_axis", "2", "2"])
+    with pytest.raises(SystemExit):
+        config_from_args(["--preset", "huge"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_help_states_flag_meanings(capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "NUMBER of pipeline micro-batches" in out and "checkpoint is saved every 10 intervals" in out
+
+
+def test_lr_schedule_shape():
+    o = override(TINY, min_lr=0.0, max_lr=1.0, end_lr=0.1, warmup_steps=10, end_steps=110).optim
+    lr = utils.lr_schedule(o)
+    assert float(lr(0)) == 0.0 and abs(float(lr(5)) - 0.5) < 1e-6 and abs(float(lr(10)) - 1.0) < 1e-6
+    assert abs(float(lr(60)) - 0.55) < 1e-6 and abs(float(lr(110)) - 0.1) < 1e-6 and abs(float(lr(500)) - 0.1) < 1e-6

@@ -1,0 +1,306 @@
+"""Configuration, CLI, presets, validation and FLOP/MFU accounting.
+
+Every shape rule the model and the mesh rely on is checked here, before JAX is touched, so that a bad
+flag gets one message naming the flag and the valid values rather than a trace error deep in XLA.
+The CLI keeps the flag names of the JAXformer guide, so its commands paste unchanged.
+"""
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+# The embedding table is padded to a multiple of this many rows, independent of the mesh, so that a
+# checkpoint written on one mesh restores on any other and the vocab splits evenly over tp.
+VOCAB_PAD_MULTIPLE = 128
+MESH_AXES = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 100_277          # cl100k_base
+    model_dimension: int = 128         # d_model
+    n_head: int = 4
+    blocks: int = 2                    # B; each block is layers_per_block layers, the last one MoE + NoPE
+    layers_per_block: int = 2
+    T: int = 128                       # context length
+    latent_dim: int = 32               # KV latent width (c_kv)
+    q_latent_dim: int = 32             # query latent width (c_q)
+    dhR: int = 16                      # decoupled RoPE width per head
+    n_experts: int = 4                 # routed experts E
+    k: int = 2                         # experts per token
+    n_shared: int = 1                  # shared experts, always added
+    capacity_factor: float = 1.5       # 0 = dropless
+    dropout_rate: float = 0.0
+    model_dtype: str = "bfloat16"      # matmul dtype; master weights are always fp32
+    alpha: float = 1e-4                # sequence-wise balance loss coefficient
+    rope_base: float = 10_000.0
+    remat: str = "full"                # what the backward pass recomputes: full | dots | none
+
+    @property
+    def head_dim(self):
+        return self.model_dimension // self.n_head
+
+    @property
+    def ffn_dim(self):
+        return 4 * self.model_dimension
+
+    @property
+    def padded_vocab(self):
+        return -(-self.vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+    @property
+    def n_layers(self):
+        return self.blocks * self.layers_per_block
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    max_lr: float = 3e-3
+    min_lr: float = 3e-4               # lr at step 0, warmed up linearly to max_lr
+    end_lr: float = 3e-4               # lr reached by the cosine at end_steps, held after
+    warmup_steps: int = 30
+    end_steps: int = 300
+    training_steps: int = 300
+    grad_step: int = 1                 # gradient-accumulation steps per optimizer step
+    grad_clip_norm: float = 1.0
+    weight_decay: float = 0.1          # matrices only
+    b1: float = 0.9
+    b2: float = 0.95
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    output_dir: str = "runs"
+    data_dir: str = ""                 # token shards (local dir or fsspec URL); "" = the bundled corpus, cached
+    train_batch_size: int = 16         # sequences per data-parallel replica per micro-step
+    val_batch_size: int = 16
+    micro_batch_size: int = 2          # NUMBER of pipeline micro-batches M per step (the guide's meaning)
+    checkpoint_steps: int = 50         # eval/log interval; a checkpoint is saved every 10 of them and at the end
+    eval_steps: int = 4                # validation batches per evaluation
+    seed: int = 0
+    wandb: bool = False
+    n_device_axis: tuple = (1, 1, 1)   # dp pp tp
+    cpu_devices: int = 0               # >0: simulate this many CPU devices (to try a mesh on a laptop)
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    prompt: str = "And God said,"
+    top_k: int = 20
+    temperature: float = 0.8
+    max_tokens: int = 64
+    use_cache: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+
+
+PRESETS = {
+    "tiny": Config(),
+    # The guide's headline run on 32 TPU-v4 chips.
+    "moe1B": Config(
+        model=ModelConfig(model_dimension=768, n_head=12, blocks=8, layers_per_block=6, T=1024, latent_dim=128,
+                          q_latent_dim=128, dhR=128, n_experts=16, k=2, n_shared=2, capacity_factor=1.5),
+        optim=OptimConfig(max_lr=4e-4, min_lr=0.0, end_lr=4e-5, warmup_steps=1000, end_steps=40_000,
+                          training_steps=40_000),
+        run=RunConfig(name="moe1B", train_batch_size=32, val_batch_size=32, micro_batch_size=4,
+                      checkpoint_steps=100, eval_steps=20, n_device_axis=(8, 2, 2))),
+}
+
+SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
+
+HELP = {
+    "model_dimension": "d_model", "n_head": "attention heads", "blocks": "blocks B (split over pp)",
+    "layers_per_block": "layers per block; the last is MoE + NoPE, the rest dense + RoPE",
+    "T": "context length", "latent_dim": "KV latent width", "q_latent_dim": "query latent width",
+    "dhR": "decoupled RoPE width per head (even)", "n_experts": "routed experts", "k": "experts per token",
+    "n_shared": "shared experts", "capacity_factor": "expert capacity factor; 0 = dropless",
+    "model_dtype": "matmul dtype: bfloat16 or float32", "alpha": "balance loss coefficient",
+    "remat": "rematerialisation: full (recompute all), dots (save matmul outputs), none",
+    "train_batch_size": "sequences per data-parallel replica (global batch = DP x this)",
+    "val_batch_size": "validation sequences per data-parallel replica",
+    "micro_batch_size": "NUMBER of pipeline micro-batches per step (not their size)",
+    "grad_step": "gradient-accumulation steps per optimizer step",
+    "checkpoint_steps": "eval/log interval in steps; a checkpoint is saved every 10 intervals, at the end "
+                        "and on SIGTERM",
+    "eval_steps": "validation batches per evaluation", "warmup_steps": "linear warmup from min_lr to max_lr",
+    "end_steps": "step at which the cosine reaches end_lr", "n_device_axis": "mesh sizes DP PP TP",
+    "data_dir": "token shards (dir or gs:// URL) with a manifest; empty = bundled corpus",
+    "cpu_devices": "simulate N CPU devices (try a 3-D mesh on one machine)",
+    "wandb": "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)",
+    "use_cache": "KV-cached generation (true/false)",
+}
+
+
+def _parse_bool(text):
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description="Train, evaluate and sample a sharded MoE + MLA transformer. With no flags: the tiny "
+                    "preset on the bundled corpus.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="starting configuration; every other flag overrides one of its fields")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            kwargs = {"default": None, "help": HELP.get(f.name, f.name.replace("_", " "))}
+            if f.name == "n_device_axis":
+                kwargs.update(nargs=3, type=int, metavar=("DP", "PP", "TP"))
+            elif f.type is bool or f.type == "bool":
+                kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
+            else:
+                kwargs["type"] = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def config_from_args(argv=None):
+    """Parse the CLI into a Config: the preset, then every flag given on top of it."""
+    args = vars(build_parser().parse_args(argv))
+    return override(PRESETS[args.pop("preset")], **{k: v for k, v in args.items() if v is not None})
+
+
+def override(cfg, **values):
+    """A copy of cfg with fields replaced by name, whichever section they live in."""
+    sections = {}
+    for name, value in values.items():
+        owner = [s for s, cls in SECTIONS.items() if name in {f.name for f in dataclasses.fields(cls)}]
+        if not owner:
+            raise ValueError(f"unknown config field {name!r}")
+        sections.setdefault(owner[0], {})[name] = tuple(value) if name == "n_device_axis" else value
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v) for s, v in sections.items()})
+
+
+class ConfigError(ValueError):
+    """One or more invalid settings; the message lists every violated rule."""
+
+
+def _divides(errors, size, size_flag, by, by_flag):
+    if by > 0 and size % by:
+        errors.append(f"{size_flag} ({size}) must be divisible by {by_flag} ({by}); valid values of {size_flag} "
+                      f"are multiples of {by}")
+
+
+def _at_least(errors, value, flag, low):
+    if value < low:
+        errors.append(f"{flag} must be >= {low}, got {value}")
+
+
+def validate(cfg, n_devices=None):
+    """Raise ConfigError listing every violated rule (with flag names and valid values); return cfg."""
+    m, o, r, i = cfg.model, cfg.optim, cfg.run, cfg.inference
+    errors = []
+    if len(r.n_device_axis) != 3 or any(n < 1 for n in r.n_device_axis):
+        errors.append(f"--n_device_axis needs three positive sizes DP PP TP, got {r.n_device_axis}")
+        dp = pp = tp = 1
+    else:
+        dp, pp, tp = r.n_device_axis
+    for flag, value, low in [("--model_dimension", m.model_dimension, 1), ("--n_head", m.n_head, 1),
+                             ("--blocks", m.blocks, 1), ("--layers_per_block", m.layers_per_block, 1),
+                             ("--T", m.T, 2), ("--latent_dim", m.latent_dim, 1),
+                             ("--q_latent_dim", m.q_latent_dim, 1), ("--dhR", m.dhR, 2),
+                             ("--n_experts", m.n_experts, 1), ("--k", m.k, 1), ("--n_shared", m.n_shared, 0),
+                             ("--capacity_factor", m.capacity_factor, 0), ("--alpha", m.alpha, 0),
+                             ("--vocab_size", m.vocab_size, 2), ("--train_batch_size", r.train_batch_size, 1),
+                             ("--val_batch_size", r.val_batch_size, 1), ("--micro_batch_size", r.micro_batch_size, 1),
+                             ("--grad_step", o.grad_step, 1), ("--training_steps", o.training_steps, 1),
+                             ("--warmup_steps", o.warmup_steps, 0), ("--end_steps", o.end_steps, 1),
+                             ("--checkpoint_steps", r.checkpoint_steps, 1), ("--eval_steps", r.eval_steps, 1),
+                             ("--min_lr", o.min_lr, 0), ("--end_lr", o.end_lr, 0), ("--weight_decay", o.weight_decay, 0),
+                             ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 1),
+                             ("--cpu_devices", r.cpu_devices, 0)]:
+        _at_least(errors, value, flag, low)
+    for flag, value in [("--max_lr", o.max_lr), ("--grad_clip_norm", o.grad_clip_norm),
+                        ("--temperature", i.temperature), ("--rope_base", m.rope_base)]:
+        if not value > 0:
+            errors.append(f"{flag} must be > 0, got {value}")
+    if not 0 <= m.dropout_rate < 1:
+        errors.append(f"--dropout_rate must be in [0, 1), got {m.dropout_rate}")
+    if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
+        errors.append(f"--b1 and --b2 must be in [0, 1), got {o.b1}, {o.b2}")
+    if m.model_dtype not in ("bfloat16", "float32"):
+        errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
+    if m.remat not in ("full", "dots", "none"):
+        errors.append(f"--remat must be full, dots or none, got {m.remat!r}")
+    if m.n_experts >= 1 and m.k > m.n_experts:
+        errors.append(f"--k ({m.k}) must be <= --n_experts ({m.n_experts}); valid values are 1..{m.n_experts}")
+    if m.dhR % 2:
+        errors.append(f"--dhR ({m.dhR}) must be even: RoPE rotates pairs of channels")
+    _divides(errors, m.model_dimension, "--model_dimension", m.n_head, "--n_head")
+    _divides(errors, m.n_head, "--n_head", tp, "TP of --n_device_axis")
+    _divides(errors, m.ffn_dim, "4 x --model_dimension (FFN and expert width)", tp, "TP of --n_device_axis")
+    _divides(errors, m.padded_vocab, f"--vocab_size padded to a multiple of {VOCAB_PAD_MULTIPLE}", tp,
+             "TP of --n_device_axis")
+    _divides(errors, m.model_dimension, "--model_dimension", dp, "DP of --n_device_axis (FSDP shards)")
+    _divides(errors, m.latent_dim, "--latent_dim", dp, "DP of --n_device_axis (FSDP shards)")
+    _divides(errors, m.q_latent_dim, "--q_latent_dim", dp, "DP of --n_device_axis (FSDP shards)")
+    _divides(errors, m.blocks, "--blocks", pp, "PP of --n_device_axis")
+    _divides(errors, r.micro_batch_size, "--micro_batch_size", pp, "PP of --n_device_axis")
+    _divides(errors, r.train_batch_size, "--train_batch_size", r.micro_batch_size, "--micro_batch_size")
+    _divides(errors, r.val_batch_size, "--val_batch_size", r.micro_batch_size, "--micro_batch_size")
+    if o.warmup_steps > o.end_steps:
+        errors.append(f"--warmup_steps ({o.warmup_steps}) must be <= --end_steps ({o.end_steps})")
+    if m.T >= 2 and i.max_tokens >= m.T:
+        errors.append(f"--max_tokens ({i.max_tokens}) must be < --T ({m.T}): the KV cache holds T positions")
+    n_mesh = dp * pp * tp
+    if n_devices is not None and (n_mesh > n_devices or n_devices % n_mesh):
+        errors.append(f"--n_device_axis {dp} {pp} {tp} needs {n_mesh} devices, which must divide the "
+                      f"{n_devices} available; valid meshes have DP x PP x TP dividing {n_devices}")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    return cfg
+
+
+def describe(cfg):
+    """A few lines summarising the run, for the log."""
+    lines = []
+    for section in SECTIONS:
+        values = dataclasses.asdict(getattr(cfg, section))
+        lines.append(f"{section:>9}: " + " ".join(f"{k}={v}" for k, v in values.items()))
+    return "\n".join(lines)
+
+
+def lr_schedule(o):
+    """Linear warmup min_lr -> max_lr, cosine max_lr -> end_lr at end_steps, then end_lr. Pure Python + jnp."""
+    import jax.numpy as jnp
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = o.min_lr + (o.max_lr - o.min_lr) * step / max(o.warmup_steps, 1)
+        progress = jnp.clip((step - o.warmup_steps) / max(o.end_steps - o.warmup_steps, 1), 0.0, 1.0)
+        cosine = o.end_lr + 0.5 * (o.max_lr - o.end_lr) * (1 + jnp.cos(math.pi * progress))
+        return jnp.where(step < o.warmup_steps, warm, cosine)
+    return schedule
+
+
+# Dense bf16 peaks per chip, for MFU when the device kind is known (bench.py also measures one).
+PEAK_BF16_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12,
+                   "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
+
+
+def peak_flops(device_kind):
+    """The bf16 dense peak of a device kind, or None when unknown (a CPU)."""
+    for prefix, peak in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if device_kind.startswith(prefix):
+            return peak
+    return None
+
+
+MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x peak FLOP/s); model FLOPs per token = "
+               "6 x active params (incl. output projection) + 6 x layers x T x attention width (causal)")
+
+
+def mfu(tokens_per_second, flops_per_token, n_devices, peak):
+    return None if not peak else tokens_per_second * flops_per_token / (n_devices * peak)
