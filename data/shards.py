@@ -1,0 +1,456 @@
+"""The tokenization core shared by both drivers (data/tokenize_local.py, data/tokenize_ray.py).
+
+A *plan* is an ordered list of segments, each a document source and the split its shards go to:
+
+- one source, `split="auto"`: the first `val_shards` shards are val, the rest train;
+- separate sources, `split="val"` / `split="train"`: each segment's last (partial) shard is flushed when
+  its source ends, so every shard holds one split only. The bundled corpus (`--source bundled`) is the
+  plan [val: the KJV val books, train: the KJV train books].
+
+Documents come from `datasets` in every case: a Hugging Face dataset name, streamed, or local
+text/json/jsonl(.gz)/parquet files loaded through the same `load_dataset(..., streaming=True)` path.
+Each document is encoded as [<|endoftext|>] + encode_ordinary(text) and the token stream is packed
+contiguously into shards of exactly `shard_size` uint32 tokens (little-endian, `<split>_<NNNNNN>.bin`;
+a segment's last shard may be shorter).
+
+`manifest.json` next to the shards records the plan, each closed shard (file, split, tokens, sha256),
+the tokenizer, and the resume cursor, rewritten after every shard:
+
+    cursor = {"segment": i, "docs": d, "carry": c}
+
+meaning: in segment i, documents [0, d) are consumed and everything before the open shard is written;
+the open shard starts with the last c tokens of document d-1 (the document that straddled the last
+shard boundary; c may exceed shard_size for a very long document). On `--resume` the core skips d-1
+documents, re-encodes document d-1, keeps its last c tokens and carries on, so the output is
+byte-identical to an uninterrupted run whatever instant the process was killed at: shard and manifest
+writes are atomic (temp file + rename), a shard written but not yet in the manifest is simply written
+again with the same bytes, and leftover temp files are removed.
+
+The drivers only differ in how a batch of documents gets encoded (`encode_batch`): an ordered,
+bounded-window map over a multiprocessing pool or Ray tasks (`ordered_map`).
+
+Test hook: JAXFORMER_TOKENIZE_KILL_AT="<event>:<n>" makes the writer SIGKILL its own process group
+(or only itself when it does not lead one) at a deterministic point, to test crash-resume:
+  doc:N       right after the N-th document of this run has been packed (mid-shard),
+  tmp:N       after half of the N-th shard's temp file is written (a torn temp file is left behind),
+  shard:N     after the N-th shard is renamed into place but before the manifest lists it,
+  manifest:N  after the manifest for the N-th shard is written (mid-document when a document straddles).
+N counts from 1 within one process run.
+"""
+import collections
+import hashlib
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+
+import fsspec
+import numpy as np
+
+from data import corpus
+from data import tokenizer as tok
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+DTYPE = "<u4"
+DEFAULT_SHARD_SIZE = 100_000_000
+DEFAULT_HF_NAME = "HuggingFaceFW/fineweb-edu"
+DEFAULT_HF_CONFIG = "sample-350BT"
+BUNDLED = "bundled"
+KILL_ENV = "JAXFORMER_TOKENIZE_KILL_AT"
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sources
+# ----------------------------------------------------------------------------------------------------
+
+def _builder_for(path):
+    p = path[:-3] if path.endswith((".gz", ".zst")) else path
+    p = p[:-4] if p.endswith(".bz2") else p
+    ext = os.path.splitext(p)[1].lower()
+    if ext not in _FILE_BUILDERS:
+        raise ValueError(f"source file {path}: unknown type {ext!r}; expected one of {sorted(_FILE_BUILDERS)}"
+                         f" (optionally .gz)")
+    return _FILE_BUILDERS[ext]
+
+
+def _file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_spec(source, hf_config=None, hf_split="train", text_field="text", max_docs=None):
+    """A JSON-able description of one document source (recorded in the manifest).
+
+    `source` is a Hugging Face dataset name (streamed), one or more local files / a directory / a glob
+    (comma-separated), or "bundled:train" / "bundled:val" for the bundled corpus' splits.
+    """
+    if source.startswith(BUNDLED + ":"):
+        split = source.split(":", 1)[1]
+        if split not in corpus.SPLITS:
+            raise ValueError(f"bundled source split must be one of {corpus.SPLITS}, got {source!r}")
+        # recorded by content, not path, so a manifest does not depend on where the repo is checked out
+        spec = {"kind": BUNDLED, "split": split, "sha256": _file_sha256(corpus.PATH), "text_field": "text"}
+    else:
+        parts = [s for s in source.split(",") if s]
+        local = [p for p in parts if os.path.exists(p) or any(c in p for c in "*?[") or "://" in p]
+        if local and len(local) == len(parts):
+            files = []
+            for p in parts:
+                if os.path.isdir(p):
+                    files += sorted(os.path.join(p, f) for f in os.listdir(p)
+                                    if not f.startswith(".") and os.path.isfile(os.path.join(p, f)))
+                else:
+                    files.append(p)
+            builders = {_builder_for(f) for f in files}
+            if len(builders) != 1:
+                raise ValueError(f"source {source!r} mixes file types {sorted(builders)}; use one type per source")
+            spec = {"kind": "files", "builder": builders.pop(),
+                    "files": [f if "://" in f else os.path.abspath(f) for f in files], "text_field": text_field}
+        else:
+            spec = {"kind": "hf", "name": source, "config": hf_config, "split": hf_split, "text_field": text_field}
+    spec["max_docs"] = max_docs
+    return spec
+
+
+def iter_documents(spec, start=0):
+    """Texts of a source from document index `start` on, in a fixed order."""
+    import datasets  # heavy import, only where documents are read
+
+    if spec["kind"] == "hf":
+        ds = datasets.load_dataset(spec["name"], spec["config"], split=spec["split"], streaming=True)
+    else:
+        builder = "json" if spec["kind"] == BUNDLED else spec["builder"]
+        files = [corpus.PATH] if spec["kind"] == BUNDLED else list(spec["files"])
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+    if spec["kind"] == BUNDLED:
+        want_val = spec["split"] == "val"
+        ds = ds.filter(lambda r: (r["book"] in corpus.VAL_BOOKS) == want_val)
+    field_ = spec["text_field"]
+    limit = spec.get("max_docs")
+    i = 0
+    for row in ds:
+        if limit is not None and i >= limit:
+            return
+        if i >= start:
+            if field_ not in row:
+                raise KeyError(f"source {spec.get('name') or spec.get('files')}: no field {field_!r} "
+                               f"(fields: {sorted(row)}); pass --text_field")
+            yield row[field_]
+        i += 1
+
+
+def make_plan(source=None, train_source=None, val_source=None, val_shards=1, **spec_kw):
+    """Segments for the CLI's source flags: `--source X` or `--train_source X --val_source Y`."""
+    if source == BUNDLED:
+        if train_source or val_source:
+            raise ValueError("--source bundled already provides both splits; drop --train_source/--val_source")
+        return [{"split": "val", "source": source_spec("bundled:val")},
+                {"split": "train", "source": source_spec("bundled:train")}]
+    if source:
+        if train_source or val_source:
+            raise ValueError("give either --source or --train_source/--val_source, not both")
+        return [{"split": "auto", "val_shards": int(val_shards), "source": source_spec(source, **spec_kw)}]
+    if not train_source:
+        raise ValueError("no source: pass --source (HF dataset name, local files, or 'bundled') "
+                         "or --train_source [--val_source]")
+    plan = []
+    if val_source:
+        plan.append({"split": "val", "source": source_spec(val_source, **spec_kw)})
+    plan.append({"split": "train", "source": source_spec(train_source, **spec_kw)})
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------
+# Encoding (runs in the workers)
+# ----------------------------------------------------------------------------------------------------
+
+def encode_batch(texts):
+    """[EOT] + encode_ordinary(text) for each text -> (flat uint32 tokens, int64 per-document lengths)."""
+    enc = tok.get_tokenizer()
+    arrays = [np.asarray(enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
+    lengths = np.fromiter((len(a) + 1 for a in arrays), dtype=np.int64, count=len(arrays))
+    flat = np.empty(int(lengths.sum()), dtype=np.uint32)
+    pos = 0
+    for a in arrays:
+        flat[pos] = tok.EOT_ID
+        flat[pos + 1: pos + 1 + len(a)] = a
+        pos += 1 + len(a)
+    return flat, lengths
+
+
+def batched(iterable, max_docs, max_chars):
+    """Group texts into lists of at most max_docs documents / about max_chars characters."""
+    batch, chars = [], 0
+    for t in iterable:
+        batch.append(t)
+        chars += len(t)
+        if len(batch) >= max_docs or chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def ordered_map(submit, fetch, items, window):
+    """Map in order with at most `window` items in flight: submit(item) -> handle, fetch(handle) -> result."""
+    pending = collections.deque()
+    for item in items:
+        pending.append(submit(item))
+        if len(pending) >= window:
+            yield fetch(pending.popleft())
+    while pending:
+        yield fetch(pending.popleft())
+
+
+def serial_map(batches):
+    return map(encode_batch, batches)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output (local dir or any fsspec URL)
+# ----------------------------------------------------------------------------------------------------
+
+class Output:
+    """A directory on any fsspec filesystem, with atomic whole-file writes (temp + rename)."""
+
+    def __init__(self, url):
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.root = self.root.rstrip("/")
+
+    def path(self, name):
+        return f"{self.root}/{name}"
+
+    def exists(self, name):
+        return self.fs.exists(self.path(name))
+
+    def read_text(self, name):
+        with self.fs.open(self.path(name), "rb") as f:
+            return f.read().decode("utf-8")
+
+    def write_atomic(self, name, data, kill_event=None, kill_n=None):
+        tmp = self.path(name + ".tmp")
+        self.fs.makedirs(self.root, exist_ok=True)
+        with self.fs.open(tmp, "wb") as f:
+            if kill_event is not None:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                _maybe_kill(kill_event, kill_n)
+                f.write(data[len(data) // 2:])
+            else:
+                f.write(data)
+        self.fs.mv(tmp, self.path(name))
+
+    def remove_temps(self):
+        if not self.fs.exists(self.root):
+            return
+        for p in self.fs.ls(self.root, detail=False):
+            if str(p).endswith(".tmp"):
+                self.fs.rm(p)
+
+    def list(self):
+        if not self.fs.exists(self.root):
+            return []
+        return sorted(os.path.basename(str(p).rstrip("/")) for p in self.fs.ls(self.root, detail=False))
+
+
+def _kill_point():
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return None
+    event, n = spec.split(":")
+    return event, int(n)
+
+
+def _maybe_kill(event, n):
+    kp = _kill_point()
+    if kp is not None and kp == (event, n):
+        if os.getpgrp() == os.getpid():       # our own group (the test starts us with a new session):
+            os.killpg(os.getpgrp(), signal.SIGKILL)   # take the pool workers down too, like kill -9 -PGID
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packing + manifest
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Writer:
+    out: Output
+    plan: list
+    shard_size: int
+    shards: list = field(default_factory=list)
+    cursor: dict = field(default_factory=lambda: {"segment": 0, "docs": 0, "carry": 0})
+    complete: bool = False
+
+    def __post_init__(self):
+        self._n_written = 0           # shards written by this process (kill-hook counter)
+        self._n_docs = 0              # documents packed by this process (kill-hook counter)
+        self._buf = np.empty(self.shard_size, dtype=np.uint32)
+        self._fill = 0
+
+    # -- manifest ------------------------------------------------------------------------------------
+    def manifest(self):
+        return {"format": FORMAT_VERSION, "tokenizer": tok.NAME, "vocab_size": tok.VOCAB_SIZE,
+                "eot_id": tok.EOT_ID, "dtype": "uint32", "byteorder": "little",
+                "shard_size": self.shard_size, "plan": self.plan, "shards": self.shards,
+                "cursor": self.cursor, "complete": self.complete}
+
+    def _write_manifest(self):
+        self.out.write_atomic(MANIFEST, (json.dumps(self.manifest(), indent=1) + "\n").encode())
+
+    @classmethod
+    def open(cls, out_url, plan, shard_size, resume):
+        out = Output(out_url)
+        if out.exists(MANIFEST):
+            if not resume:
+                raise FileExistsError(f"{out.path(MANIFEST)} already exists: pass --resume to continue it, "
+                                      f"or choose an empty --out")
+            m = json.loads(out.read_text(MANIFEST))
+            if m.get("tokenizer") != tok.NAME or m.get("format") != FORMAT_VERSION:
+                raise ValueError(f"{out.path(MANIFEST)}: written with tokenizer {m.get('tokenizer')!r} "
+                                 f"format {m.get('format')}, this is {tok.NAME!r} format {FORMAT_VERSION}")
+            if m["plan"] != json.loads(json.dumps(plan)) or m["shard_size"] != shard_size:
+                raise ValueError(f"{out.path(MANIFEST)}: --resume with different sources or --shard_size than "
+                                 f"the run that wrote it (manifest plan {m['plan']}, shard_size {m['shard_size']})")
+            w = cls(out, plan, shard_size, shards=m["shards"], cursor=m["cursor"], complete=m["complete"])
+        else:
+            w = cls(out, plan, shard_size)
+        out.remove_temps()
+        return w
+
+    # -- shards --------------------------------------------------------------------------------------
+    def _split_of_next(self, seg):
+        if seg["split"] != "auto":
+            return seg["split"]
+        return "val" if len(self.shards) < seg["val_shards"] else "train"
+
+    def _close_shard(self, seg, tokens):
+        split = self._split_of_next(seg)
+        idx = sum(1 for s in self.shards if s["split"] == split)
+        name = f"{split}_{idx:06d}.bin"
+        data = np.ascontiguousarray(tokens, dtype=DTYPE).tobytes()
+        n = self._n_written + 1
+        kill_tmp = _kill_point() == ("tmp", n)
+        self.out.write_atomic(name, data, kill_event="tmp" if kill_tmp else None, kill_n=n)
+        self._n_written = n
+        _maybe_kill("shard", n)
+        self.shards.append({"file": name, "split": split, "tokens": len(tokens),
+                            "sha256": hashlib.sha256(data).hexdigest()})
+
+    def run(self, encode_map, progress=None, batch_docs=256, batch_chars=1 << 20):
+        """Tokenize every remaining segment. encode_map(iterable of text batches) -> iterable of
+        encode_batch results, in order."""
+        if self.complete:
+            return self
+        for si in range(self.cursor["segment"], len(self.plan)):
+            seg = self.plan[si]
+            if si == self.cursor["segment"]:
+                docs, carry = self.cursor["docs"], self.cursor["carry"]
+            else:
+                docs, carry = 0, 0
+            self._fill = 0
+            start = docs - 1 if carry else docs
+            texts = iter_documents(seg["source"], start=start)
+            doc_index = start
+            first = bool(carry)
+            for flat, lengths in encode_map(batched(texts, batch_docs, batch_chars)):
+                if first:                               # the straddling document: keep only its tail
+                    first = False
+                    n0 = int(lengths[0])
+                    self._pack(seg, si, flat[n0 - carry: n0], doc_index + 1, progress, count=False)
+                    flat, lengths = flat[int(lengths[0]):], lengths[1:]
+                    doc_index += 1
+                offs = np.concatenate([[0], np.cumsum(lengths)])
+                for j in range(len(lengths)):
+                    doc_index += 1
+                    self._pack(seg, si, flat[offs[j]:offs[j + 1]], doc_index, progress)
+            if self._fill:
+                self._close_shard(seg, self._buf[: self._fill])
+                self._fill = 0
+            self.cursor = {"segment": si + 1, "docs": 0, "carry": 0}
+            self.complete = si + 1 == len(self.plan)
+            self._write_manifest()
+            _maybe_kill("manifest", self._n_written)
+        return self
+
+    def _pack(self, seg, si, toks, docs_after, progress, count=True):
+        """Append one document's tokens; close every shard it fills. docs_after = documents consumed."""
+        pos, n = 0, len(toks)
+        closed = False
+        while pos < n:
+            take = min(self.shard_size - self._fill, n - pos)
+            self._buf[self._fill: self._fill + take] = toks[pos: pos + take]
+            self._fill += take
+            pos += take
+            if self._fill == self.shard_size:
+                self._close_shard(seg, self._buf)
+                self._fill = 0
+                closed = True
+                # tokens of this document not in a closed shard yet (they start the open shard)
+                self.cursor = {"segment": si, "docs": docs_after, "carry": n - pos}
+                self._write_manifest()
+                _maybe_kill("manifest", self._n_written)
+        if progress is not None:
+            progress(n)
+        if count:
+            self._n_docs += 1
+            _maybe_kill("doc", self._n_docs)
+        return closed
+
+
+def tokenize(out, plan, shard_size=DEFAULT_SHARD_SIZE, resume=False, encode_map=serial_map, progress=None,
+             batch_docs=256):
+    """Run (or resume) a plan into `out` and return the final manifest dict."""
+    w = Writer.open(out, plan, shard_size, resume)
+    w.run(encode_map, progress=progress, batch_docs=batch_docs)
+    return w.manifest()
+
+
+def add_common_args(p):
+    p.add_argument("--source", default=None,
+                   help=f"HF dataset name streamed with `datasets` (e.g. {DEFAULT_HF_NAME}), local "
+                        "text/json/jsonl(.gz)/parquet files or a directory (comma-separated), or 'bundled' "
+                        "for the bundled KJV corpus with its own val split")
+    p.add_argument("--train_source", default=None, help="separate train source (instead of --source)")
+    p.add_argument("--val_source", default=None, help="separate val source, tokenized into val shards")
+    p.add_argument("--hf_config", default=None, help=f"HF dataset config (e.g. {DEFAULT_HF_CONFIG})")
+    p.add_argument("--hf_split", default="train")
+    p.add_argument("--text_field", default="text")
+    p.add_argument("--max_docs", type=int, default=None, help="stop each source after this many documents")
+    p.add_argument("--out", required=True, help="output directory or fsspec URL (gs://bucket/prefix)")
+    p.add_argument("--shard_size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per shard")
+    p.add_argument("--val_shards", type=int, default=1,
+                   help="with --source: the first this many shards are val, the rest train")
+    p.add_argument("--resume", action="store_true", help="continue the run recorded in OUT/manifest.json")
+    p.add_argument("--batch_docs", type=int, default=256, help="documents per worker task")
+    p.add_argument("--no_progress", action="store_true")
+    return p
+
+
+def plan_from_args(a):
+    if a.source is None and a.train_source is None:
+        a.source = DEFAULT_HF_NAME
+        a.hf_config = a.hf_config or DEFAULT_HF_CONFIG
+    return make_plan(a.source, a.train_source, a.val_source, a.val_shards, hf_config=a.hf_config,
+                     hf_split=a.hf_split, text_field=a.text_field, max_docs=a.max_docs)
+
+
+def progress_bar(disable=False):
+    from tqdm import tqdm
+    bar = tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=disable, smoothing=0.05)
+    return bar, bar.update
+
+
+def summary(m):
+    by = collections.Counter()
+    for s in m["shards"]:
+        by[s["split"]] += s["tokens"]
+    return ", ".join(f"{k}: {sum(1 for s in m['shards'] if s['split'] == k)} shards {v:,} tokens"
+                     for k, v in sorted(by.items()))

@@ -1,0 +1,222 @@
+"""dataset.py: deterministic batches, exact restart, per-host rows, validation set, clear errors."""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import dataset
+from data import corpus, shards
+from data import tokenizer as tok
+
+T, B = 32, 16
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small shard directory: ~21k val tokens in 3000-token shards (val) and a few train docs."""
+    d = str(tmp_path_factory.mktemp("shards") / "out")
+    src = tmp_path_factory.mktemp("src")
+    (src / "val").mkdir()
+    (src / "train").mkdir()
+    for i, t in enumerate(corpus.documents("val")[:6]):
+        (src / "val" / f"{i:02d}.txt").write_text(t, encoding="utf-8")
+    for i, t in enumerate(corpus.documents("train")[:8]):
+        (src / "train" / f"{i:02d}.txt").write_text(t, encoding="utf-8")
+    plan = shards.make_plan(train_source=str(src / "train"), val_source=str(src / "val"))
+    shards.tokenize(d, plan, 3_000)
+    return d
+
+
+def _mesh(shape=(2, 2, 2)):
+    return Mesh(np.array(jax.devices()).reshape(shape), ("dp", "pp", "tp"))
+
+
+def _sharding(shape=(2, 2, 2)):
+    return NamedSharding(_mesh(shape), P("dp", None))
+
+
+def _np(batch):
+    return tuple(np.asarray(a) for a in batch)
+
+
+def test_batch_layout_and_shift(data_dir):
+    ds = dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE)
+    assert len(ds.files) > 1 and ds.n_tokens == sum(ds.sizes)
+    sh = _sharding()
+    loader = dataset.BatchLoader(ds, T, B, sh, seed=0)
+    x, y = loader.batch(7)
+    assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int32
+    assert x.sharding == sh and y.sharding == sh
+    xn, yn = _np((x, y))
+    ids = loader.window_ids(7)
+    for r in range(B):                          # row r is window ids[r]: tokens [w*T, w*T + T + 1)
+        w = ds.read(int(ids[r]) * T, T + 1)
+        assert np.array_equal(xn[r], w[:-1]) and np.array_equal(yn[r], w[1:])
+    # every device holds its dp block of rows, whole columns, identical across pp/tp
+    for shard in x.addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), xn[shard.index])
+
+
+def test_batch_is_pure_function_of_step_restart(data_dir):
+    sh = _sharding()
+    a = dataset.BatchLoader(dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE), T, B, sh, seed=3)
+    steps = [0, 1, 5, 40, 41]                   # 40+ crosses into later epochs
+    before = {s: _np(a.batch(s)) for s in steps}
+    # "restart": fresh objects, batches requested in a different order, and via the prefetch iterator
+    b = dataset.BatchLoader(dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE), T, B, sh, seed=3)
+    for s in reversed(steps):
+        assert all(np.array_equal(u, v) for u, v in zip(_np(b.batch(s)), before[s])), s
+    it = b.iterate(40)
+    for s in (40, 41):
+        assert all(np.array_equal(u, v) for u, v in zip(_np(next(it)), before[s]))
+    b.close()
+    # another seed gives another order; the mesh shape does not change the data of a step
+    c = dataset.BatchLoader(dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE), T, B, sh, seed=4)
+    assert not np.array_equal(_np(c.batch(0))[0], before[0][0])
+    d = dataset.BatchLoader(dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE), T, B, _sharding((8, 1, 1)),
+                            seed=3)
+    assert all(np.array_equal(u, v) for u, v in zip(_np(d.batch(5)), before[5]))
+
+
+def test_epochs_are_permutations_and_no_window_past_end(data_dir):
+    ds = dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE)
+    loader = dataset.BatchLoader(ds, T, B, _sharding(), seed=1)
+    n = loader.n_windows
+    assert n == (ds.n_tokens - 1) // T
+    ids = np.concatenate([loader.window_ids(s) for s in range(3 * n // B + 2)])
+    for e in range(3):
+        epoch = ids[e * n:(e + 1) * n]
+        assert sorted(epoch.tolist()) == list(range(n))      # each window exactly once per epoch
+    assert not np.array_equal(ids[:n], ids[n:2 * n])           # reshuffled per epoch
+    assert int(ids.max()) * T + T + 1 <= ds.n_tokens            # never past the end
+    # the last window ends at most at the last token; one more would not fit
+    assert ds.read((n - 1) * T, T + 1).shape == (T + 1,)
+    with pytest.raises(IndexError):
+        ds.read(n * T, T + 1)
+
+
+def test_two_hosts_read_exactly_the_global_batch(data_dir):
+    """Simulate two processes holding devices 0-3 and 4-7: each reads only its rows, together all."""
+    sh = _sharding((2, 2, 2))
+    step = 9
+    full = dataset.BatchLoader(dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE), T, B, sh, seed=0)
+    xg, yg = _np(full.batch(step))
+    devs = jax.devices()
+    parts = []
+    for half in (devs[:4], devs[4:]):
+        ds = dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE)
+        host = dataset.BatchLoader(ds, T, B, sh, seed=0)
+        rows = host.local_rows(half)
+        block = host.read_rows(step, rows)
+        assert ds.tokens_read == len(rows) * (T + 1)            # nothing but its own rows
+        parts.append((rows, block))
+    (ra, ba), (rb, bb) = parts
+    assert ra == list(range(B // 2)) and rb == list(range(B // 2, B))
+    assert np.array_equal(np.concatenate([ba, bb])[:, :-1], xg)
+    assert np.array_equal(np.concatenate([ba, bb])[:, 1:], yg)
+    # a layout whose per-device blocks are not whole rows (columns split over tp) takes the
+    # per-device path and gives the same global arrays
+    sh2 = NamedSharding(_mesh(), P("dp", "tp"))
+    x2, y2 = _np(dataset.BatchLoader(dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE), T, B, sh2,
+                                     seed=0).batch(step))
+    assert np.array_equal(x2, xg) and np.array_equal(y2, yg)
+
+
+def test_validation_batches_are_fixed(data_dir):
+    sh = _sharding()
+    ds = dataset.TokenDataset(data_dir, "val", tok.VOCAB_SIZE)
+    v1 = [_np(b) for b in dataset.validation_batches(ds, T, B, sh, 3)]
+    v2 = [_np(b) for b in dataset.validation_batches(dataset.TokenDataset(data_dir, "val", tok.VOCAB_SIZE),
+                                                      T, B, sh, 3)]
+    assert len(v1) == 3
+    for (a, b), (c, d) in zip(v1, v2):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+    assert not np.array_equal(v1[0][0], v1[1][0])
+    # spread over the whole split, in order, never past the end; capped at what the split holds
+    ids = dataset.validation_window_ids(ds, T, B, 3)
+    assert np.all(np.diff(ids.ravel()) > 0) and ids.max() * T + T + 1 <= ds.n_tokens
+    assert len(dataset.validation_batches(ds, T, B, sh, 10_000)) == ds.n_windows(T) // B
+
+
+def test_bundled_shards_load(tmp_path):
+    d = dataset.ensure_bundled_shards(str(tmp_path))
+    val = dataset.TokenDataset(d, "val", tok.VOCAB_SIZE)
+    enc = tok.get_tokenizer()
+    assert val.n_tokens == sum(1 + len(enc.encode_ordinary(t)) for t in corpus.documents("val"))
+    assert dataset.TokenDataset(d, "train", tok.VOCAB_SIZE).n_tokens > 900_000
+
+
+# --- errors, each naming the file ----------------------------------------------------------------------
+
+@pytest.fixture
+def copy_dir(data_dir, tmp_path):
+    d = str(tmp_path / "copy")
+    shutil.copytree(data_dir, d)
+    return d
+
+
+def _edit_manifest(d, fn):
+    p = os.path.join(d, "manifest.json")
+    with open(p) as f:
+        m = json.load(f)
+    fn(m)
+    with open(p, "w") as f:
+        json.dump(m, f)
+
+
+def test_error_truncated_shard(copy_dir):
+    p = os.path.join(copy_dir, "train_000001.bin")
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) - 4)
+    with pytest.raises(dataset.DataError, match="train_000001.bin is truncated"):
+        dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
+
+
+def test_error_corrupt_shard(copy_dir):
+    p = os.path.join(copy_dir, "train_000000.bin")
+    with open(p, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x01\x00\x00\x00")
+    with pytest.raises(dataset.DataError, match="train_000000.bin is corrupt: sha256"):
+        dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
+
+
+def test_error_missing_shard(copy_dir):
+    os.remove(os.path.join(copy_dir, "val_000000.bin"))
+    with pytest.raises(dataset.DataError, match="val_000000.bin .*missing"):
+        dataset.TokenDataset(copy_dir, "val", tok.VOCAB_SIZE)
+
+
+def test_error_tokenizer_mismatch(copy_dir):
+    _edit_manifest(copy_dir, lambda m: m.update(tokenizer="gpt2"))
+    with pytest.raises(dataset.DataError, match=r"manifest.json: .*'gpt2'.*cl100k_base"):
+        dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
+
+
+def test_error_token_id_out_of_vocab(copy_dir):
+    with pytest.raises(dataset.DataError, match=r"manifest.json: tokenizer vocab 100277 exceeds .* 1000"):
+        dataset.TokenDataset(copy_dir, "val", 1000)
+    _edit_manifest(copy_dir, lambda m: m.update(vocab_size=1000))      # a manifest that understates it
+    with pytest.raises(dataset.DataError, match=r"val_000000.bin holds token id 100257 >= vocab_size 1000"):
+        dataset.TokenDataset(copy_dir, "val", 1000)
+
+
+def test_error_incomplete_or_missing_manifest(copy_dir, tmp_path):
+    _edit_manifest(copy_dir, lambda m: m.update(complete=False))
+    with pytest.raises(dataset.DataError, match="manifest.json: tokenization did not finish"):
+        dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
+    with pytest.raises(dataset.DataError, match="nowhere/manifest.json: no manifest"):
+        dataset.TokenDataset(str(tmp_path / "nowhere"), "train", tok.VOCAB_SIZE)
+
+
+def test_error_too_little_data(data_dir):
+    ds = dataset.TokenDataset(data_dir, "val", tok.VOCAB_SIZE)
+    n = ds.n_windows(T)
+    with pytest.raises(dataset.DataError, match=rf"manifest.json: split 'val' has .* {n} windows .* global batch"):
+        dataset.BatchLoader(ds, T, n + 1, _sharding((1, 1, 8)), seed=0)
+    with pytest.raises(dataset.DataError, match="manifest.json"):
+        dataset.validation_batches(ds, 4096, B, _sharding(), 2)
