@@ -1,0 +1,562 @@
+"""The MoE + MLA transformer, its sharding over the ("dp", "pp", "tp") mesh, the pipeline, generation.
+
+Why plain JAX functions over a parameter pytree rather than flax modules: every weight here is
+all-gathered by hand (FSDP), split by hand (tensor parallel) and scanned over a stacked block axis
+that is itself sharded (pipeline). Linen checks each parameter against the shape its module declares
+and NNX keeps mutable module graphs; both would put a layer of framework between the reader and the
+collectives this file exists to show. So parameters are a nested dict of arrays, one table
+(`LEAF_SPECS`) maps each kind to mesh axes, and the layer functions below are shared by the
+single-device reference path (`Axes()` = no mesh, every collective a no-op) and the sharded path
+inside one `jax.shard_map` with `check_vma=True`, which makes JAX derive the gradient reductions.
+
+Shape suffixes: B batch (sequences), T query positions, S key positions, D model width, H heads
+(local to the tp shard inside shard_map), K content head width, R rotary width, L latent width,
+E experts, C expert capacity, F FFN width (local to the tp shard), V vocab (local to the tp shard).
+"""
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("dp", "pp", "tp")
+
+# The one sharding table: parameter kind -> mesh axis of each dim ("dp" = FSDP shard, all-gathered
+# just in time; "tp" = Megatron split: heads, FFN hidden units, vocab rows). Stacking prefixes are
+# added by `param_specs`: ("pp",) for the block axis, then None for the dense-layer axis in a block.
+LEAF_SPECS = {
+    "embed": ("tp", "dp"),                 # [V, D] vocab-parallel, tied with the output projection
+    "scale": (None,), "shift": (None,),    # RMSNorm, replicated
+    "w_dq": ("dp", None),                  # [D, Lq]   down to the query latent
+    "w_dkv": ("dp", None),                 # [D, Lkv]  down to the KV latent (the cache)
+    "w_kr": ("dp", None),                  # [D, R]    the rotary key shared by all heads
+    "w_uq": ("dp", "tp"),                  # [Lq, H*K]
+    "w_qr": ("dp", "tp"),                  # [Lq, H*R] per-head rotary query
+    "w_uk": ("dp", "tp"),                  # [Lkv, H*K]
+    "w_uv": ("dp", "tp"),                  # [Lkv, H*K]
+    "w_o": ("tp", "dp"),                   # [H*K, D]
+    "w_up": ("dp", "tp"), "w_down": ("tp", "dp"),                      # dense FFN [D, F], [F, D]
+    "router": ("dp", None),                                            # [D, E]
+    "expert_up": (None, "dp", "tp"), "expert_down": (None, "tp", "dp"),  # [E, D, F], [E, F, D]
+    "shared_up": (None, "dp", "tp"), "shared_down": (None, "tp", "dp"),  # [n_shared, D, F], ...
+}
+STACK_PREFIX = {"blocks": ("pp",), "dense": (None,)}
+MATRICES = {name for name, spec in LEAF_SPECS.items() if len(spec) >= 2}
+# Kept in fp32 inside the layer too: norms (cheap) and the router (top-k decisions are brittle).
+KEEP_FP32 = {"scale", "shift", "router"}
+NORM_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """Mesh axis names the layer code runs under; all None on the single-device reference path."""
+    dp: str | None = None
+    pp: str | None = None
+    tp: str | None = None
+
+
+SHARDED = Axes(*MESH_AXES)
+
+
+def _psum(x, axis):
+    return x if axis is None else lax.psum(x, axis)
+
+
+def _index(axis):
+    return 0 if axis is None else lax.axis_index(axis)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters: shapes, init, specs, counts
+
+
+def param_shapes(cfg):
+    """Global shape of every parameter, as a nested dict mirroring the params."""
+    D, H, K, R, F = cfg.model_dimension, cfg.n_head, cfg.head_dim, cfg.dhR, cfg.ffn_dim
+    Lq, Lkv, E, Bk, n_dense = cfg.q_latent_dim, cfg.latent_dim, cfg.n_experts, cfg.blocks, cfg.layers_per_block - 1
+    norm = {"scale": (D,), "shift": (D,)}
+
+    def attention(rope):
+        shapes = {"w_dq": (D, Lq), "w_dkv": (D, Lkv), "w_uq": (Lq, H * K), "w_uk": (Lkv, H * K),
+                  "w_uv": (Lkv, H * K), "w_o": (H * K, D)}
+        return shapes | ({"w_qr": (Lq, H * R), "w_kr": (D, R)} if rope else {})
+
+    dense = {"attn_norm": norm, "attn": attention(True), "ffn_norm": norm, "ffn": {"w_up": (D, F), "w_down": (F, D)}}
+    moe = {"attn_norm": norm, "attn": attention(False), "ffn_norm": norm,
+           "moe": {"router": (D, E), "expert_up": (E, D, F), "expert_down": (E, F, D),
+                   "shared_up": (cfg.n_shared, D, F), "shared_down": (cfg.n_shared, F, D)}}
+    stack = lambda tree, *lead: jax.tree.map(lambda s: (*lead, *s), tree, is_leaf=lambda s: isinstance(s, tuple))
+    return {"embed": (cfg.padded_vocab, D), "final_norm": norm,
+            "blocks": {"dense": stack(dense, Bk, n_dense), "moe": stack(moe, Bk)}}
+
+
+def _leaf_name(path):
+    return path[-1].key
+
+
+def init_params(cfg, key):
+    """fp32 parameters with global shapes. The values depend only on (cfg, key), not on any mesh."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(key, len(leaves))
+    # Output projections of each residual branch start smaller so the residual stream's variance
+    # does not grow with depth (GPT-2's scheme).
+    out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+
+    def init(path, shape, k):
+        name = _leaf_name(path)
+        if name == "scale":
+            return jnp.ones(shape, jnp.float32)
+        if name == "shift":
+            return jnp.zeros(shape, jnp.float32)
+        std = out_std if name in ("w_o", "w_down", "expert_down", "shared_down") else 0.02
+        w = std * jax.random.normal(k, shape, jnp.float32)
+        if name == "embed":  # padding rows are never looked up and their logits are masked: keep them 0
+            w = jnp.where(jnp.arange(shape[0])[:, None] < cfg.vocab_size, w, 0.0)
+        return w
+
+    return jax.tree_util.tree_unflatten(treedef, [init(p, s, k) for (p, s), k in zip(leaves, keys)])
+
+
+def param_specs(params):
+    """PartitionSpec of every parameter: the stacking prefix of its position plus LEAF_SPECS."""
+    def spec(path, _):
+        prefix = tuple(a for entry in path for a in STACK_PREFIX.get(getattr(entry, "key", None), ()))
+        return P(*prefix, *LEAF_SPECS[_leaf_name(path)])
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def param_shardings(params, mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
+
+
+def init_sharded_params(cfg, key, mesh):
+    """init_params computed directly into the mesh layout (no host ever holds the full model)."""
+    abstract = jax.eval_shape(partial(init_params, cfg), key)
+    return jax.jit(partial(init_params, cfg), out_shardings=param_shardings(abstract, mesh))(key)
+
+
+def decay_mask(params):
+    """True for the leaves AdamW decays: matrices, not norm scales and shifts."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in MATRICES, params)
+
+
+def count_params(cfg):
+    """total: every real parameter (padding rows excluded); active: those one token uses, without the
+    embedding (the guide's convention); embedding: the tied table."""
+    shapes = param_shapes(cfg)
+    size = lambda tree: sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, tuple)))
+    embedding = cfg.vocab_size * cfg.model_dimension
+    body = size(shapes["blocks"]) + size(shapes["final_norm"])
+    routed = size({k: shapes["blocks"]["moe"]["moe"][k] for k in ("expert_up", "expert_down")})
+    active = body - routed + routed * cfg.k // cfg.n_experts
+    return {"total": body + embedding, "active": active, "embedding": embedding}
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token: 6 x (active params + the output projection V x D), plus causal
+    attention 3 x T x H x (2K + R) per layer (QK^T over K+R channels and AV over K, forward 2 FLOPs a
+    multiply-add, backward twice the forward, half the positions masked). Bubbles and remat excluded."""
+    matmul = 6 * (count_params(cfg)["active"] + cfg.vocab_size * cfg.model_dimension)
+    n_rope = cfg.blocks * (cfg.layers_per_block - 1)
+    attn = 3 * cfg.T * cfg.n_head * (2 * cfg.head_dim * cfg.n_layers + cfg.dhR * n_rope)
+    return float(matmul + attn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers. Activations are fp32 in the residual stream; matmuls run in cfg.model_dtype.
+
+
+def fetch(weights, axes, dtype):
+    """This layer's weights, cast to the matmul dtype and, under FSDP, all-gathered over dp just in
+    time: a [.., D/dp, ..] shard becomes [.., D, ..]. Casting first halves the bytes moved; the
+    all-gather's transpose reduce-scatters the gradient back to the shard."""
+    def one(path, w):
+        spec = LEAF_SPECS[_leaf_name(path)]
+        w = w if _leaf_name(path) in KEEP_FP32 else w.astype(dtype)
+        if axes.dp is None or "dp" not in spec:
+            return w
+        return lax.all_gather(w, axes.dp, axis=spec.index("dp"), tiled=True)
+    return jax.tree_util.tree_map_with_path(one, weights)
+
+
+def matmul(x, w, spec):
+    """einsum of operands rounded to the weights' dtype, accumulated and returned in fp32. XLA:CPU has
+    no bf16 x bf16 -> fp32 dot, so there the rounded operands are widened first (same numbers)."""
+    x = x.astype(w.dtype)
+    if w.dtype != jnp.float32 and jax.default_backend() == "cpu":
+        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def rms_norm(p, x):
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * p["scale"] + p["shift"]
+
+
+def rope(x, positions, base):
+    """Rotate channel pairs (i, i + R/2) of x[..., T, (heads,) R] by position x frequency. Queries and
+    keys call this with the same R, hence the same frequency table."""
+    half = x.shape[-1] // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, None] * freq                       # [T, R/2]
+    if x.ndim == 4:                                                             # [B, T, H, R]
+        angle = angle[:, None, :]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def attention(w, x_BTD, positions_T, cfg, axes, cache=None):
+    """Multi-head latent attention (DeepSeek-V2) with decoupled RoPE when w has w_qr/w_kr.
+
+    Keys and values are up-projected from the KV latent c_kv; with a cache, c_kv and the rotated
+    shared key are written at `positions_T` and attention runs over every cached position."""
+    K, R = cfg.head_dim, cfg.dhR
+    use_rope = "w_qr" in w
+    B, T, _ = x_BTD.shape
+    c_q_BTL = matmul(x_BTD, w["w_dq"], "btd,dl->btl")
+    c_kv_BTL = matmul(x_BTD, w["w_dkv"], "btd,dl->btl")
+    q_BTHK = matmul(c_q_BTL, w["w_uq"], "btl,lf->btf").reshape(B, T, -1, K)
+    new_cache = {"c_kv": c_kv_BTL}
+    if use_rope:
+        q_rope_BTHR = rope(matmul(c_q_BTL, w["w_qr"], "btl,lf->btf").reshape(B, T, -1, R), positions_T, cfg.rope_base)
+        new_cache["k_rope"] = rope(matmul(x_BTD, w["w_kr"], "btd,dr->btr"), positions_T, cfg.rope_base)
+    if cache is None:
+        kv, key_positions_S = new_cache, positions_T
+    else:
+        kv = {name: lax.dynamic_update_slice_in_dim(cache[name], new_cache[name].astype(cache[name].dtype),
+                                                    positions_T[0], axis=1) for name in cache}
+        new_cache, key_positions_S = kv, jnp.arange(kv["c_kv"].shape[1])
+    k_BSHK = matmul(kv["c_kv"], w["w_uk"], "bsl,lf->bsf").reshape(B, -1, q_BTHK.shape[2], K)
+    v_BSHK = matmul(kv["c_kv"], w["w_uv"], "bsl,lf->bsf").reshape(B, -1, q_BTHK.shape[2], K)
+    scores_BHTS = matmul(q_BTHK, k_BSHK.astype(w["w_uk"].dtype), "bthk,bshk->bhts")
+    if use_rope:
+        scores_BHTS += matmul(q_rope_BTHR, kv["k_rope"].astype(w["w_qr"].dtype), "bthr,bsr->bhts")
+    scores_BHTS /= math.sqrt(K + (R if use_rope else 0))
+    causal_TS = key_positions_S[None, :] <= positions_T[:, None]
+    probs_BHTS = jax.nn.softmax(jnp.where(causal_TS, scores_BHTS, -jnp.inf), axis=-1)
+    out_BTHK = matmul(probs_BHTS, v_BSHK.astype(w["w_uv"].dtype), "bhts,bshk->bthk")
+    # Each tp rank holds H/tp heads: its W_o rows give a partial sum of the output.
+    out_BTD = matmul(out_BTHK.reshape(B, T, -1), w["w_o"], "btf,fd->btd")
+    return _psum(out_BTD, axes.tp), (new_cache if cache is not None else None)
+
+
+def ffn(w_up, w_down, x_BTD):
+    """d -> 4d -> d with GELU; under tp each rank holds F/tp hidden units and returns a partial sum."""
+    return matmul(jax.nn.gelu(matmul(x_BTD, w_up, "btd,df->btf")), w_down, "btf,fd->btd")
+
+
+def expert_capacity(cfg, T):
+    """Slots per expert per sequence: ceil(capacity_factor * k * T / E), counting all k choices;
+    capacity_factor 0 means dropless (an expert can receive each token at most once: T slots)."""
+    if cfg.capacity_factor == 0:
+        return T
+    return min(T, math.ceil(cfg.capacity_factor * cfg.k * T / cfg.n_experts))
+
+
+def route(router_DE, x_BTD, cfg):
+    """Sigmoid top-k routing of each sequence (the routing group, so drops do not depend on the mesh).
+
+    Returns expert ids and gates [B, T, k], each choice's slot in its expert's queue (tokens in
+    order, a token's k choices in rank order), and the sequence-wise balance loss terms."""
+    E, k = cfg.n_experts, cfg.k
+    scores_BTE = jax.nn.sigmoid(jnp.einsum("btd,de->bte", x_BTD, router_DE))
+    top_scores_BTk, experts_BTk = lax.top_k(scores_BTE, k)
+    gates_BTk = top_scores_BTk / jnp.sum(top_scores_BTk, axis=-1, keepdims=True)
+    B, T, _ = x_BTD.shape
+    chosen_BNE = jax.nn.one_hot(experts_BTk, E, dtype=jnp.int32).reshape(B, T * k, E)
+    slot_BTk = jnp.sum((jnp.cumsum(chosen_BNE, axis=1) - 1) * chosen_BNE, axis=-1).reshape(B, T, k)
+    tokens_per_expert_BE = jnp.sum(chosen_BNE, axis=1)
+    # DeepSeek-V3 sequence-wise balance: f_i = E/(kT) * tokens routed to i, P_i = mean_t s_i / sum_j s_j.
+    f_BE = E / (k * T) * tokens_per_expert_BE
+    p_BE = jnp.mean(scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True), axis=1)
+    balance_B = jnp.sum(f_BE * p_BE, axis=-1)
+    return experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B
+
+
+def moe(w, x_BTD, cfg, axes):
+    """Routed experts (per-expert buffers of C slots per sequence) plus shared experts, added."""
+    B, T, D = x_BTD.shape
+    C = expert_capacity(cfg, T)
+    experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg)
+    kept_BTk = slot_BTk < C
+    b_BTk = jnp.broadcast_to(jnp.arange(B)[:, None, None], experts_BTk.shape)
+    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, cfg.k, D))
+    # Scatter each kept choice into its expert's slot; out-of-capacity slots fall off (mode="drop").
+    buffer_BECD = jnp.zeros((B, cfg.n_experts, C, D), x_BTD.dtype).at[b_BTk, experts_BTk, slot_BTk].set(
+        x_BTkD, mode="drop")
+    h_BECF = jax.nn.gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf"))
+    y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd")
+    y_BTkD = y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
+    routed_BTD = jnp.einsum("btkd,btk->btd", y_BTkD, gates_BTk * kept_BTk)
+    shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
+    out_BTD = _psum(routed_BTD + shared_BTD, axes.tp)
+    stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
+             "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
+    return out_BTD, stats
+
+
+def dropout(x_BTD, rate, key, seq_ids_B):
+    """Inverted dropout whose mask depends only on (key, global sequence id), so any mesh (and any
+    micro-batching) draws the same mask for the same sequence."""
+    def one(x_TD, seq):
+        keep = jax.random.bernoulli(jax.random.fold_in(key, seq), 1.0 - rate, x_TD.shape)
+        return jnp.where(keep, x_TD / (1.0 - rate), 0.0)
+    return jax.vmap(one)(x_BTD, seq_ids_B)
+
+
+def layer(w, x_BTD, positions_T, cfg, axes, ctx, cache=None):
+    """One pre-norm residual layer: attention, then FFN or MoE. Returns (x, MoE stats, new cache)."""
+    w = fetch(w, axes, jnp.dtype(cfg.model_dtype))
+    residual = lambda x, branch, i: x + (dropout(branch, cfg.dropout_rate, jax.random.fold_in(ctx["key"], i),
+                                                 ctx["seq_ids"]) if ctx["train"] and cfg.dropout_rate else branch)
+    attn_BTD, cache = attention(w["attn"], rms_norm(w["attn_norm"], x_BTD), positions_T, cfg, axes, cache)
+    x_BTD = residual(x_BTD, attn_BTD, 0)
+    h_BTD = rms_norm(w["ffn_norm"], x_BTD)
+    if "moe" in w:
+        ffn_BTD, stats = moe(w["moe"], h_BTD, cfg, axes)
+    else:
+        ffn_BTD, stats = _psum(ffn(w["ffn"]["w_up"], w["ffn"]["w_down"], h_BTD), axes.tp), None
+    return residual(x_BTD, ffn_BTD, 1), stats, cache
+
+
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def run_blocks(blocks, x_BTD, positions_T, cfg, axes, ctx, first_block=0, caches=None):
+    """Scan over stacked blocks (compile time independent of depth), each rematerialised; inside a
+    block, scan over its dense RoPE layers, then its MoE NoPE layer. Returns x, per-block MoE stats
+    (stacked over blocks) and the updated caches (None without a cache)."""
+    def block(x_BTD, inputs):
+        w, index, cache = inputs
+        ctx_b = ctx | {"key": jax.random.fold_in(ctx["key"], index)}
+
+        def dense(x_BTD, layer_inputs):
+            w_l, i, cache_l = layer_inputs
+            ctx_l = ctx_b | {"key": jax.random.fold_in(ctx_b["key"], i)}
+            x_BTD, _, cache_l = layer(w_l, x_BTD, positions_T, cfg, axes, ctx_l, cache_l)
+            return x_BTD, cache_l
+
+        n_dense = cfg.layers_per_block - 1
+        x_BTD, dense_cache = lax.scan(dense, x_BTD, (w["dense"], jnp.arange(n_dense),
+                                                     None if cache is None else cache["dense"]))
+        ctx_m = ctx_b | {"key": jax.random.fold_in(ctx_b["key"], n_dense)}
+        x_BTD, stats, moe_cache = layer(w["moe"], x_BTD, positions_T, cfg, axes, ctx_m,
+                                        None if cache is None else cache["moe"])
+        return x_BTD, (stats, None if cache is None else {"dense": dense_cache, "moe": moe_cache})
+
+    if cfg.remat != "none":
+        block = jax.checkpoint(block, policy=REMAT_POLICIES[cfg.remat])
+    n_blocks = jax.tree.leaves(blocks)[0].shape[0]
+    x_BTD, (stats, caches) = lax.scan(block, x_BTD, (blocks, first_block + jnp.arange(n_blocks), caches))
+    return x_BTD, stats, caches
+
+
+def _table(params, cfg, axes):
+    """The tied embedding / output table in the matmul dtype, gathered over dp: [V/tp, D]."""
+    return fetch({"embed": params["embed"]}, axes, jnp.dtype(cfg.model_dtype))["embed"]
+
+
+def embed(table_VD, ids_BT, axes):
+    """Vocab-parallel lookup: each tp rank holds rows [start, start + V) and contributes zeros for
+    ids outside them; the psum over tp assembles the embedding."""
+    V = table_VD.shape[0]
+    local_BT = ids_BT - _index(axes.tp) * V
+    inside_BT = (local_BT >= 0) & (local_BT < V)
+    x_BTD = jnp.where(inside_BT[..., None], table_VD[jnp.clip(local_BT, 0, V - 1)].astype(jnp.float32), 0.0)
+    return _psum(x_BTD, axes.tp)
+
+
+def logits_local(table_VD, h_BTD, cfg, axes):
+    """fp32 logits of this tp rank's vocab rows, padding rows masked to -inf."""
+    V = table_VD.shape[0]
+    logits_BTV = matmul(h_BTD, table_VD, "btd,vd->btv")
+    vocab_ids_V = _index(axes.tp) * V + jnp.arange(V)
+    return jnp.where(vocab_ids_V < cfg.vocab_size, logits_BTV, -jnp.inf)
+
+
+def cross_entropy(table_VD, h_BTD, targets_BT, cfg, axes):
+    """Per-token cross-entropy [B, T] with the vocab split over tp (Megatron's parallel softmax):
+    max and sum-exp are combined across ranks, and the target logit comes from the rank holding it."""
+    V = table_VD.shape[0]
+    logits_BTV = logits_local(table_VD, h_BTD, cfg, axes)
+    local_max_BT = lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
+    max_BT = local_max_BT if axes.tp is None else lax.pmax(local_max_BT, axes.tp)
+    sum_exp_BT = _psum(jnp.sum(jnp.exp(logits_BTV - max_BT[..., None]), axis=-1), axes.tp)
+    local_BT = targets_BT - _index(axes.tp) * V
+    inside_BT = (local_BT >= 0) & (local_BT < V)
+    picked_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, V - 1)[..., None], axis=-1)[..., 0]
+    target_BT = _psum(jnp.where(inside_BT, picked_BT, 0.0), axes.tp)
+    return max_BT + jnp.log(sum_exp_BT) - target_BT
+
+
+def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
+    """Loss and metrics from sums over the global batch: mean CE, plus alpha x the balance loss
+    averaged over sequences and MoE layers; per-layer expert load as fractions of the k T slots."""
+    ce = ce_sum / n_tokens
+    balance = cfg.alpha * jnp.sum(stats["balance"]) / (n_sequences * cfg.blocks)
+    slots = n_tokens * cfg.k
+    metrics = {"ce": ce, "balance": balance, "expert_load": stats["tokens_per_expert"] / slots,
+               "drop_rate": jnp.sum(stats["dropped"]) / (slots * cfg.blocks)}
+    return ce + balance, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The single-device reference: the ground truth for every mesh, and the path generation uses.
+
+
+def forward(params, ids_BT, cfg, positions_T=None, caches=None, ctx=None):
+    """Final hidden states [B, T, D] (after the last norm), MoE stats and caches; no mesh."""
+    axes = Axes()
+    positions_T = jnp.arange(ids_BT.shape[1]) if positions_T is None else positions_T
+    ctx = ctx or {"train": False, "key": jax.random.key(0), "seq_ids": jnp.arange(ids_BT.shape[0])}
+    x_BTD = embed(_table(params, cfg, axes), ids_BT, axes)
+    x_BTD, stats, caches = run_blocks(params["blocks"], x_BTD, positions_T, cfg, axes, ctx, caches=caches)
+    return rms_norm(params["final_norm"], x_BTD), stats, caches
+
+
+def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
+    ctx = {"train": train, "key": key, "seq_ids": jnp.arange(x_BT.shape[0])}
+    h_BTD, stats, _ = forward(params, x_BT, cfg, ctx=ctx)
+    ce_sum = jnp.sum(cross_entropy(_table(params, cfg, Axes()), h_BTD, y_BT, cfg, Axes()))
+    return _summarise(ce_sum, stats, x_BT.size, x_BT.shape[0], cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sharded path: one shard_map over ("dp", "pp", "tp") with a GPipe schedule over pp.
+
+
+def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
+    """Runs on one device with its shards: x_BT is this dp replica's [b, T] tokens (all pp/tp ranks of
+    the replica hold the same rows); params["blocks"] holds this stage's B/pp blocks."""
+    axes = SHARDED
+    n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
+    b, T = x_BT.shape
+    M, mb = n_micro, b // n_micro
+    positions_T = jnp.arange(T)
+    table_VD = _table(params, cfg, axes)                                      # [V/tp, D/dp] -> [V/tp, D]
+    x_MbT, y_MbT = x_BT.reshape(M, mb, T), y_BT.reshape(M, mb, T)
+    emb_MbTD = embed(table_VD, x_MbT, axes)                                   # [M, mb, T, D]
+    blocks_per_stage = jax.tree.leaves(params["blocks"])[0].shape[0]
+    seq_base = lax.axis_index("dp") * b
+
+    def tick(carry, t):
+        """Every stage works on one micro-batch: stage s on micro-batch t - s (a bubble when outside
+        [0, M): computed on stale data and masked out of every sum)."""
+        received_bTD, outputs_MbTD, stats_sum = carry
+        m = t - stage
+        valid = (m >= 0) & (m < M)
+        m_clipped = jnp.clip(m, 0, M - 1)
+        x_bTD = jnp.where(stage == 0, emb_MbTD[jnp.minimum(t, M - 1)], received_bTD)
+        ctx = {"train": train, "key": key, "seq_ids": seq_base + m_clipped * mb + jnp.arange(mb)}
+        y_bTD, stats, _ = run_blocks(params["blocks"], x_bTD, positions_T, cfg, axes, ctx,
+                                     first_block=stage * blocks_per_stage)
+        stats_sum = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats_sum, stats)
+        # The last stage files finished micro-batches; other stages keep their buffer at zero.
+        keep = (stage == n_stages - 1) & valid
+        outputs_MbTD = outputs_MbTD.at[m_clipped].set(jnp.where(keep, y_bTD, outputs_MbTD[m_clipped]))
+        # Stage s -> s + 1. Non-cyclic: stage 0 receives zeros (it reads the embeddings instead).
+        received_bTD = lax.ppermute(y_bTD, "pp", [(s, s + 1) for s in range(n_stages - 1)])
+        return (received_bTD, outputs_MbTD, stats_sum), None
+
+    # Carries differ per dp replica and per stage: declare them varying over both for check_vma.
+    zeros = lambda shape, dtype=jnp.float32: lax.pcast(jnp.zeros(shape, dtype), ("dp", "pp"), to="varying")
+    stats_sum = {"balance": zeros((blocks_per_stage,)), "dropped": zeros((blocks_per_stage,)),
+                 "tokens_per_expert": zeros((blocks_per_stage, cfg.n_experts), jnp.int32)}
+    init = (zeros(emb_MbTD.shape[1:]), zeros(emb_MbTD.shape), stats_sum)
+    (_, outputs_MbTD, stats), _ = lax.scan(tick, init, jnp.arange(M + n_stages - 1))
+    # Only the last stage holds real outputs; a reduce-scatter over pp hands each stage M/pp of them,
+    # so the (large-vocab) output layer's work is split over the stages: [M, mb, T, D] -> [M/pp, ...].
+    mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
+    targets_MbT = lax.dynamic_slice_in_dim(y_MbT, stage * (M // n_stages), M // n_stages)
+    h_MbTD = rms_norm(params["final_norm"], mine_MbTD)
+    ce_sum = jnp.sum(cross_entropy(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]),
+                                   targets_MbT.reshape(-1, T), cfg, axes))
+    ce_sum = lax.psum(ce_sum, ("dp", "pp"))
+    # Per-block stats: stage s has blocks [s B/pp, (s+1) B/pp); gather them in order, sum over dp.
+    stats = {name: lax.psum(lax.all_gather(s, "pp", axis=0, tiled=True, to="invarying"), "dp")
+             for name, s in stats.items()}
+    n_dp = lax.axis_size("dp")
+    return _summarise(ce_sum, stats, x_BT.size * n_dp, b * n_dp, cfg)
+
+
+def make_mesh(shape, devices=None):
+    """The ("dp", "pp", "tp") mesh over the first dp*pp*tp devices. Auto axes: outside shard_map XLA
+    propagates shardings (optimizer, generation); inside it every collective is written out."""
+    devices = jax.devices()[:math.prod(shape)] if devices is None else devices
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+
+
+def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
+    """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params."""
+    x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
+    metric_specs = {"ce": P(), "balance": P(), "expert_load": P(), "drop_rate": P()}
+    sharded = jax.shard_map(partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train), mesh=mesh,
+                            in_specs=(param_specs(params), P("dp"), P("dp"), P()),
+                            out_specs=(P(), metric_specs), check_vma=True)
+    return sharded(params, x_BT, y_BT, key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation with the latent KV cache (only c_kv and the rotated shared key are stored).
+
+
+def init_caches(cfg, batch, length, dtype=jnp.float32):
+    n_dense = cfg.layers_per_block - 1
+    latent = lambda *lead: jnp.zeros((*lead, batch, length, cfg.latent_dim), dtype)
+    return {"dense": {"c_kv": latent(cfg.blocks, n_dense),
+                      "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)},
+            "moe": {"c_kv": latent(cfg.blocks)}}
+
+
+def _sample(logits_V, key, top_k, temperature):
+    values, ids = lax.top_k(logits_V / temperature, top_k)
+    return ids[jax.random.categorical(key, values)]
+
+
+@partial(jax.jit, static_argnames=("cfg", "n_total", "top_k", "use_cache"))
+def _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, use_cache):
+    """Fill tokens_T[n_prompt:n_total] one position at a time. Returns tokens and the fp32 logits
+    (real vocab) that chose each position. The cached path feeds one token per step; the uncached
+    path recomputes the whole prefix each step. Both draw position p with fold_in(key, p)."""
+    table = _table(params, cfg, Axes())
+    T = tokens_T.shape[0]
+
+    def logits_at(h_D):
+        return logits_local(table, h_D[None, None], cfg, Axes())[0, 0, :cfg.vocab_size]
+
+    def step(carry, p):
+        tokens_T, caches = carry
+        if use_cache:
+            h_1TD, _, caches = forward(params, tokens_T[p][None, None], cfg, positions_T=p[None], caches=caches)
+            logits_V = logits_at(h_1TD[0, 0])
+        else:
+            h_1TD, _, _ = forward(params, tokens_T[None], cfg)
+            logits_V = logits_at(h_1TD[0, p])
+        chosen = _sample(logits_V, jax.random.fold_in(key, p + 1), top_k, temperature)
+        write = p + 1 >= n_prompt
+        tokens_T = tokens_T.at[p + 1].set(jnp.where(write, chosen, tokens_T[p + 1]))
+        return (tokens_T, caches), logits_V
+
+    caches = init_caches(cfg, 1, T) if use_cache else None
+    (tokens_T, _), logits_PV = lax.scan(step, (tokens_T, caches), jnp.arange(n_total - 1))
+    return tokens_T, logits_PV
+
+
+def generate(params, cfg, prompt_ids, key, max_tokens, top_k, temperature, use_cache=True, return_logits=False):
+    """Sample max_tokens new ids after prompt_ids (top-k, temperature); the prompt plus the new tokens
+    must fit in the context T. Returns the new ids (and the logits that chose them)."""
+    n_prompt = len(prompt_ids)
+    if n_prompt < 1 or n_prompt + max_tokens > cfg.T:
+        raise ValueError(f"prompt ({n_prompt} tokens) + --max_tokens ({max_tokens}) must be between 1 and --T "
+                         f"({cfg.T}); shorten --prompt or lower --max_tokens")
+    tokens_T = jnp.zeros((cfg.T,), jnp.int32).at[:n_prompt].set(jnp.asarray(prompt_ids, jnp.int32))
+    tokens_T, logits_PV = _decode(params, cfg, tokens_T, n_prompt, key, n_prompt + max_tokens, min(top_k, cfg.vocab_size),
+                                  temperature, use_cache)
+    new = [int(t) for t in tokens_T[n_prompt:n_prompt + max_tokens]]
+    return (new, logits_PV[n_prompt - 1:]) if return_logits else new

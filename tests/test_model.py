@@ -1,0 +1,255 @@
+"""The sharded model equals the single-device reference on every mesh; the parts match hand math."""
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import model
+import utils
+
+# MoE + RoPE + NoPE layers, 8 blocks so that pp can be 8; fp32 so the comparison is tight.
+CFG = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=8, blocks=8, layers_per_block=2, T=16,
+                        latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1, capacity_factor=1.0,
+                        model_dtype="float32", remat="none")
+BATCH = 16
+# mesh -> micro-batches per step (several wherever pp > 1)
+MESHES = {(1, 1, 1): 2, (8, 1, 1): 2, (1, 8, 1): 8, (1, 1, 8): 2, (2, 2, 2): 4, (4, 2, 1): 4, (1, 2, 4): 4}
+KEY = jax.random.key(0)
+
+
+def batch(seed=1, n=BATCH, cfg=CFG):
+    tokens = jax.random.randint(jax.random.key(seed), (n, cfg.T + 1), 0, cfg.vocab_size)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rel_err(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params = model.init_params(CFG, KEY)
+    x, y = batch()
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(
+        lambda p: model.reference_loss_and_metrics(p, x, y, KEY, CFG), has_aux=True))(params)
+    assert 0 < float(metrics["drop_rate"]) < 1, "the test config should drop some tokens"
+    return params, loss, metrics, grads
+
+
+def sharded_value_and_grad(cfg, mesh, n_micro):
+    return jax.jit(jax.value_and_grad(
+        lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro), has_aux=True))
+
+
+@pytest.mark.parametrize("shape", list(MESHES))
+def test_loss_and_grads_equal_reference(reference, shape):
+    params, ref_loss, ref_metrics, ref_grads = reference
+    mesh = model.make_mesh(shape)
+    sharded = jax.device_put(params, model.param_shardings(params, mesh))
+    (loss, metrics), grads = sharded_value_and_grad(CFG, mesh, MESHES[shape])(sharded, *batch())
+    assert rel_err(loss, ref_loss) < 1e-5
+    for name in ("ce", "balance", "expert_load", "drop_rate"):
+        assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    for (path, g_ref), g in zip(flat_ref, jax.tree.leaves(grads)):
+        assert rel_err(g, g_ref) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_init_is_mesh_independent():
+    inits = [model.init_sharded_params(CFG, KEY, model.make_mesh(shape)) for shape in [(1, 1, 1), (2, 2, 2), (1, 2, 4)]]
+    for leaves in zip(*map(jax.tree.leaves, inits)):
+        for other in leaves[1:]:
+            np.testing.assert_array_equal(np.asarray(other), np.asarray(leaves[0]))
+
+
+def _optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1,
+                                                                   mask=model.decay_mask))
+
+
+def _train(params, loss_fn, steps=3):
+    opt = _optimizer()
+
+    @jax.jit
+    def step(params, state, i):
+        x, y = batch(seed=10 + i)
+        grads = jax.grad(lambda p: loss_fn(p, x, y)[0])(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = opt.init(params)
+    for i in range(steps):
+        params, state = step(params, state, i)
+    return params
+
+
+def test_three_steps_keep_replicas_identical_and_match_reference():
+    params = model.init_params(CFG, KEY)
+    mesh = model.make_mesh((2, 2, 2))
+    sharded = _train(jax.device_put(params, model.param_shardings(params, mesh)),
+                     lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, CFG, mesh, 4))
+    reference = _train(params, lambda p, x, y: model.reference_loss_and_metrics(p, x, y, KEY, CFG))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sharded), jax.tree.leaves(reference)):
+        copies = {}
+        for shard in a.addressable_shards:   # every device holding the same slice holds the same bits
+            copies.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+        for same_slice in copies.values():
+            for other in same_slice[1:]:
+                assert other.tobytes() == same_slice[0].tobytes(), jax.tree_util.keystr(path)
+        assert rel_err(a, b) < 1e-4, jax.tree_util.keystr(path)
+    # Checkpointless reshard: the trained (2,2,2) params on other meshes give the same loss.
+    x, y = batch(seed=99)
+    losses = [float(model.loss_and_metrics(jax.device_put(sharded, model.param_shardings(sharded, m)), x, y, KEY,
+                                           CFG, m, n)[0])
+              for m, n in [(mesh, 4), (model.make_mesh((1, 8, 1)), 8), (model.make_mesh((8, 1, 1)), 2)]]
+    np.testing.assert_allclose(losses, losses[0], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE by hand: 6 tokens, 3 experts, top-2, router = identity so the logits are the inputs.
+
+LOGITS = np.array([[2, 1, 0], [2, 0, 1], [0, 2, 1], [1, 2, 0], [2, 1, 0], [0, 1, 2]], np.float32)
+# Queue order is token-major, a token's choices in rank order:
+# e0 <- t0 t1 t3 t4, e1 <- t0 t2 t3 t4 t5, e2 <- t1 t2 t5.
+EXPERTS = [[0, 1], [0, 2], [1, 2], [1, 0], [0, 1], [2, 1]]
+SLOTS = [[0, 0], [1, 0], [1, 1], [2, 2], [3, 3], [2, 4]]
+MOE_CFG = utils.ModelConfig(model_dimension=3, n_experts=3, k=2, n_shared=1, capacity_factor=0.5, model_dtype="float32")
+
+
+def _moe_weights(seed=0):
+    rng = np.random.default_rng(seed)
+    F = MOE_CFG.ffn_dim
+    return {"router": jnp.eye(3), "expert_up": jnp.asarray(rng.normal(size=(3, 3, F)), jnp.float32),
+            "expert_down": jnp.asarray(rng.normal(size=(3, F, 3)), jnp.float32),
+            "shared_up": jnp.asarray(rng.normal(size=(1, 3, F)), jnp.float32),
+            "shared_down": jnp.asarray(rng.normal(size=(1, F, 3)), jnp.float32)}
+
+
+def test_routing_by_hand():
+    x = jnp.asarray(LOGITS)[None]
+    experts, gates, slots, tokens_per_expert, balance = model.route(jnp.eye(3), x, MOE_CFG)
+    np.testing.assert_array_equal(experts[0], EXPERTS)
+    np.testing.assert_array_equal(slots[0], SLOTS)
+    np.testing.assert_array_equal(tokens_per_expert[0], [4, 5, 3])
+    s = 1 / (1 + np.exp(-LOGITS))
+    chosen = np.take_along_axis(s, np.array(EXPERTS), axis=1)
+    np.testing.assert_allclose(gates[0], chosen / chosen.sum(1, keepdims=True), rtol=1e-6)
+    f = 3 / (2 * 6) * np.array([4, 5, 3])                  # E/(kT) x tokens routed to i
+    p = (s / s.sum(1, keepdims=True)).mean(0)
+    np.testing.assert_allclose(balance[0], (f * p).sum(), rtol=1e-6)
+    assert model.expert_capacity(MOE_CFG, 6) == 2           # ceil(0.5 * 2 * 6 / 3)
+
+
+def _gelu(v):
+    return np.asarray(jax.nn.gelu(jnp.asarray(v)))
+
+
+def _moe_by_hand(w, capacity):
+    s = 1 / (1 + np.exp(-LOGITS))
+    out = np.zeros_like(LOGITS)
+    for t in range(6):
+        chosen = [s[t, e] for e in EXPERTS[t]]
+        for j, e in enumerate(EXPERTS[t]):
+            if SLOTS[t][j] < capacity:
+                expert = _gelu(LOGITS[t] @ np.asarray(w["expert_up"][e])) @ np.asarray(w["expert_down"][e])
+                out[t] += chosen[j] / sum(chosen) * expert
+        out[t] += _gelu(LOGITS[t] @ np.asarray(w["shared_up"][0])) @ np.asarray(w["shared_down"][0])
+    return out
+
+
+def test_moe_output_drops_and_shared_expert_by_hand():
+    w = _moe_weights()
+    out, stats = model.moe(w, jnp.asarray(LOGITS)[None], MOE_CFG, model.Axes())
+    np.testing.assert_allclose(out[0], _moe_by_hand(w, capacity=2), rtol=1e-5, atol=1e-5)
+    assert float(stats["dropped"]) == 6                      # e0: t3 t4, e1: t3 t4 t5, e2: t5
+    no_shared = dict(w, shared_up=w["shared_up"][:0], shared_down=w["shared_down"][:0])
+    out_routed, _ = model.moe(no_shared, jnp.asarray(LOGITS)[None], utils.override(
+        utils.Config(model=MOE_CFG), n_shared=0).model, model.Axes())
+    assert not np.allclose(out, out_routed), "the shared expert's output must be added"
+
+
+def test_dropless_equals_capacity_mode_when_nothing_is_dropped():
+    w = _moe_weights(1)
+    x = jnp.asarray(LOGITS)[None]
+    roomy = utils.override(utils.Config(model=MOE_CFG), capacity_factor=1.25).model   # C = 5 >= busiest expert
+    dropless = utils.override(utils.Config(model=MOE_CFG), capacity_factor=0.0).model  # C = T = 6
+    assert (model.expert_capacity(roomy, 6), model.expert_capacity(dropless, 6)) == (5, 6)
+    out_roomy, stats_roomy = model.moe(w, x, roomy, model.Axes())
+    out_dropless, stats_dropless = model.moe(w, x, dropless, model.Axes())
+    assert float(stats_roomy["dropped"]) == float(stats_dropless["dropped"]) == 0
+    np.testing.assert_allclose(out_roomy, out_dropless, rtol=1e-6)
+    np.testing.assert_allclose(out_dropless[0], _moe_by_hand(w, capacity=6), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    q = jax.random.normal(jax.random.key(1), (1, 5, 3, 8))  # [B, T, H, R]
+    k = jax.random.normal(jax.random.key(2), (1, 5, 8))     # [B, T, R], shared by the heads
+    pos = jnp.arange(5)
+
+    def scores(shift):
+        return jnp.einsum("bthr,bsr->bhts", model.rope(q, pos + shift, 10_000.0), model.rope(k, pos + shift, 10_000.0))
+    np.testing.assert_allclose(scores(0), scores(37), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(scores(0), jnp.einsum("bthr,bsr->bhts", q, k), atol=1e-3)
+
+
+def test_cached_and_uncached_generation_agree():
+    cfg = utils.override(utils.Config(model=CFG), blocks=2, T=24, remat="full").model
+    params = model.init_params(cfg, jax.random.key(3))
+    args = (params, cfg, [5, 17, 42, 7], jax.random.key(4), 12, 20, 0.9)
+    cached, cached_logits = model.generate(*args, use_cache=True, return_logits=True)
+    plain, plain_logits = model.generate(*args, use_cache=False, return_logits=True)
+    assert cached == plain and len(cached) == 12
+    np.testing.assert_allclose(cached_logits, plain_logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="--max_tokens"):
+        model.generate(params, cfg, [1] * 20, jax.random.key(0), 10, 5, 1.0)
+
+
+def test_cache_holds_only_latent_and_rotary_key():
+    caches = model.init_caches(CFG, batch=1, length=CFG.T)
+    widths = {name: leaf.shape[-1] for name, leaf in jax.tree_util.tree_leaves_with_path(caches)
+              for name in [jax.tree_util.keystr(name)]}
+    assert widths == {"['dense']['c_kv']": CFG.latent_dim, "['dense']['k_rope']": CFG.dhR,
+                      "['moe']['c_kv']": CFG.latent_dim}
+
+
+def test_shape_errors_come_from_validation():
+    cfg = utils.override(utils.Config(model=CFG), n_head=6, model_dimension=36, n_device_axis=(1, 1, 4))
+    with pytest.raises(utils.ConfigError, match=r"--n_head \(6\) must be divisible by TP"):
+        utils.validate(cfg, n_devices=8)
+
+
+def test_param_counts_and_flops():
+    counts = model.count_params(CFG)
+    sizes = {jax.tree_util.keystr(p): math.prod(s) for p, s in jax.tree_util.tree_leaves_with_path(
+        model.param_shapes(CFG), is_leaf=lambda s: isinstance(s, tuple))}
+    routed = sum(v for k, v in sizes.items() if "expert_" in k and "shared" not in k)
+    body = sum(sizes.values()) - sizes["['embed']"]
+    assert counts["embedding"] == CFG.vocab_size * CFG.model_dimension
+    assert counts["total"] == body + counts["embedding"]
+    assert counts["active"] == body - routed + routed * CFG.k // CFG.n_experts
+    moe1B = model.count_params(utils.PRESETS["moe1B"].model)
+    assert 0.9e9 < moe1B["total"] < 1.1e9 and 0.3e9 < moe1B["active"] < 0.45e9
+    assert model.flops_per_token(CFG) > 6 * counts["active"]
+
+
+def test_compile_time_does_not_grow_with_depth():
+    mesh = model.make_mesh((1, 2, 1))
+    times = {}
+    for blocks in (2, 8):
+        cfg = utils.override(utils.Config(model=CFG), blocks=blocks, remat="full").model
+        params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
+        shardings = model.param_shardings(params, mesh)
+        params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
+        x, y = batch(cfg=cfg)
+        start = time.perf_counter()
+        sharded_value_and_grad(cfg, mesh, 2).lower(params, x, y).compile()
+        times[blocks] = time.perf_counter() - start
+    print(f"\ncompile time of the training step on (1,2,1): 2 blocks {times[2]:.1f}s, 8 blocks {times[8]:.1f}s")
+    assert times[8] < 1.5 * times[2]
