@@ -1,0 +1,110 @@
+"""Figures for the README from a run's metrics.jsonl (written by main.py).
+
+    python plot.py [RUN_DIR] [--out public]
+
+RUN_DIR defaults to runs/tiny (the embedded default's run). Writes three PNGs:
+  loss.png         training loss per step and validation cross-entropy per evaluation
+  balance.png      the sequence-wise balance loss (training, per step, and validation)
+  expert_load.png  per MoE layer, the fraction of routed token-slots each expert received over steps
+                   (1/E is perfect balance)
+When a run was resumed, the last record of each step wins.
+"""
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(path):
+    """(per-step training records, per-evaluation records), each sorted by step, last record wins."""
+    train, evals = {}, {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:                 # a line cut short by a kill
+                continue
+            if "loss" in rec:
+                train[rec["step"]] = rec
+            elif "val_loss" in rec:
+                evals[rec["step"]] = rec
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+
+
+def plot(run_dir, out_dir):
+    train, evals = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if not train:
+        raise SystemExit(f"{run_dir}/metrics.jsonl has no training records")
+    os.makedirs(out_dir, exist_ok=True)
+    name = os.path.basename(os.path.normpath(run_dir))
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.8, alpha=0.6, label="train loss (CE + balance)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", ms=3, label="val cross-entropy")
+    ax.set(xlabel="step", ylabel="nats", title=f"{name}: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, out_dir, "loss.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["balance"] for r in train], lw=0.8, label="train")
+    if evals and "val_balance" in evals[0]:
+        ax.plot([r["step"] for r in evals], [r["val_balance"] for r in evals], "o-", ms=3, label="val")
+    ax.set(xlabel="step", ylabel="alpha x sum_i f_i P_i", title=f"{name}: sequence-wise balance loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, out_dir, "balance.png"))
+
+    loads = [r for r in evals if r.get("expert_load")]
+    if loads:
+        n_layers, n_experts = len(loads[0]["expert_load"]), len(loads[0]["expert_load"][0])
+        cols = min(n_layers, 4)
+        rows = -(-n_layers // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.5 * cols, 2.8 * rows), squeeze=False, sharey=True)
+        steps = [r["step"] for r in loads]
+        for layer in range(n_layers):
+            ax = axes[layer // cols][layer % cols]
+            for e in range(n_experts):
+                ax.plot(steps, [r["expert_load"][layer][e] for r in loads], lw=1, label=f"expert {e}")
+            ax.axhline(1 / n_experts, color="k", ls="--", lw=0.8)
+            ax.set(title=f"MoE layer {layer}", xlabel="step")
+            ax.grid(alpha=0.3)
+        for i in range(n_layers, rows * cols):
+            axes[i // cols][i % cols].axis("off")
+        axes[0][0].set_ylabel("fraction of routed slots")
+        if n_experts <= 16:
+            axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"{name}: per-expert load (dashed: 1/E)")
+        written.append(_save(fig, out_dir, "expert_load.png"))
+    return written
+
+
+def _save(fig, out_dir, name):
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", nargs="?", default=os.path.join("runs", "tiny"),
+                        help="run directory holding metrics.jsonl (OUTPUT_DIR/NAME)")
+    parser.add_argument("--out", default="public", help="where to write the PNGs")
+    args = parser.parse_args(argv)
+    for path in plot(args.run_dir, args.out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""plot.py turns a run's metrics.jsonl (with a resume and a line cut short by a kill) into the PNGs."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import plot  # noqa: E402
+
+
+def test_plot_writes_the_three_figures(tmp_path):
+    run = tmp_path / "tiny"
+    run.mkdir()
+    lines = []
+    for step in list(range(1, 7)) + [5, 6, 7, 8]:          # killed after 6, resumed from 4
+        lines.append({"step": step, "loss": 10.0 / step, "ce": 10.0 / step, "balance": 1e-4, "grad_norm": 1.0,
+                      "lr": 1e-3, "drop_rate": 0.0})
+        if step % 2 == 0:
+            lines.append({"step": step, "val_loss": 11.0 / step, "val_balance": 1e-4,
+                          "expert_load": [[0.1, 0.2, 0.3, 0.4], [0.25] * 4, [0.4, 0.3, 0.2, 0.1]]})
+    text = "\n".join(json.dumps(l) for l in lines) + '\n{"step": 9, "lo'
+    (run / "metrics.jsonl").write_text(text)
+    train, evals = plot.read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in train] == list(range(1, 9)) and [r["step"] for r in evals] == [2, 4, 6, 8]
+    written = plot.plot(str(run), str(tmp_path / "public"))
+    assert sorted(os.path.basename(p) for p in written) == ["balance.png", "expert_load.png", "loss.png"]
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
