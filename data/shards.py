@@ -83,6 +83,14 @@ def _file_sha256(path):
     return h.hexdigest()
 
 
+def _looks_like_file(p):
+    try:
+        _builder_for(p)
+        return True
+    except ValueError:
+        return False
+
+
 def source_spec(source, hf_config=None, hf_split="train", text_field="text", max_docs=None):
     """A JSON-able description of one document source (recorded in the manifest).
 
@@ -112,6 +120,9 @@ def source_spec(source, hf_config=None, hf_split="train", text_field="text", max
             spec = {"kind": "files", "builder": builders.pop(),
                     "files": [f if "://" in f else os.path.abspath(f) for f in files], "text_field": text_field}
         else:
+            missing = [p for p in parts if p not in local]
+            if any(p.startswith((".", "/")) or _looks_like_file(p) for p in missing):
+                raise FileNotFoundError(f"source {source!r}: no such file or directory: {missing}")
             spec = {"kind": "hf", "name": source, "config": hf_config, "split": hf_split, "text_field": text_field}
     spec["max_docs"] = max_docs
     return spec

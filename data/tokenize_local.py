@@ -13,7 +13,6 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
-import threading
 
 if __package__ in (None, ""):                      # `python data/tokenize_local.py ...` works too
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,9 +26,9 @@ def pool_map(workers, window_per_worker=4):
     if workers <= 0:
         return shards.serial_map, lambda: None
     tok.get_tokenizer()                            # load once, inherited by forked workers
-    # fork is fast and shares the loaded tokenizer, but is only safe while this process has no other
-    # threads (e.g. when called from a process that already runs JAX); then spawn.
-    ctx = mp.get_context("fork" if threading.active_count() == 1 and sys.platform != "win32" else "spawn")
+    # fork is fast and shares the loaded tokenizer; a process that already runs JAX (whose runtime
+    # threads make fork unsafe) gets spawn. Spawn needs the `if __name__ == "__main__"` idiom in scripts.
+    ctx = mp.get_context("spawn" if "jax" in sys.modules or sys.platform == "win32" else "fork")
     pool = ctx.Pool(workers)
 
     def encode_map(batches):

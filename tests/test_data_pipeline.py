@@ -266,3 +266,16 @@ def test_multiprocessing_and_ray_drivers_are_byte_identical(local_ray, tmp_path)
     assert got == _files(mp_out) and len(got) == 12          # 11 shards + manifest
     _, toks = _concat(ray_out)
     assert np.array_equal(toks, _reference(corpus.documents("val") + corpus.documents("train")))
+
+
+def test_source_spec_kinds(tmp_path):
+    assert shards.source_spec("HuggingFaceFW/fineweb-edu", hf_config="sample-350BT")["kind"] == "hf"
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        shards.source_spec(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="unknown type"):
+        (tmp_path / "a.csv").write_text("x")
+        shards.source_spec(str(tmp_path / "a.csv"))
+    with pytest.raises(ValueError, match="already provides both splits"):
+        shards.make_plan("bundled", train_source="x")
+    with pytest.raises(ValueError, match="either --source or"):
+        shards.make_plan("HuggingFaceFW/fineweb-edu", train_source="x")
