@@ -183,13 +183,16 @@ def fetch(weights, axes, dtype):
     return jax.tree_util.tree_map_with_path(one, weights)
 
 
+def _operands(dtype, *arrays):
+    """Operands rounded to the matmul dtype. XLA:CPU has no bf16 x bf16 -> fp32 dot, so there the
+    rounded values are widened back to fp32: the same numbers, accumulated in fp32 as on GPU/TPU."""
+    rounded = [a.astype(dtype) for a in arrays]
+    return [a.astype(jnp.float32) for a in rounded] if jax.default_backend() == "cpu" else rounded
+
+
 def matmul(x, w, spec):
-    """einsum of operands rounded to the weights' dtype, accumulated and returned in fp32. XLA:CPU has
-    no bf16 x bf16 -> fp32 dot, so there the rounded operands are widened first (same numbers)."""
-    x = x.astype(w.dtype)
-    if w.dtype != jnp.float32 and jax.default_backend() == "cpu":
-        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    """einsum of operands rounded to the weights' dtype, accumulated and returned in fp32."""
+    return jnp.einsum(spec, *_operands(w.dtype, x, w), preferred_element_type=jnp.float32)
 
 
 def rms_norm(p, x):
@@ -231,18 +234,43 @@ def attention(w, x_BTD, positions_T, cfg, axes, cache=None):
         kv = {name: lax.dynamic_update_slice_in_dim(cache[name], new_cache[name].astype(cache[name].dtype),
                                                     positions_T[0], axis=1) for name in cache}
         new_cache, key_positions_S = kv, jnp.arange(kv["c_kv"].shape[1])
-    k_BSHK = matmul(kv["c_kv"], w["w_uk"], "bsl,lf->bsf").reshape(B, -1, q_BTHK.shape[2], K)
-    v_BSHK = matmul(kv["c_kv"], w["w_uv"], "bsl,lf->bsf").reshape(B, -1, q_BTHK.shape[2], K)
-    scores_BHTS = matmul(q_BTHK, k_BSHK.astype(w["w_uk"].dtype), "bthk,bshk->bhts")
+    H = q_BTHK.shape[2]
+    k_BSHK = matmul(kv["c_kv"], w["w_uk"], "bsl,lf->bsf").reshape(B, -1, H, K)
+    v_BSHK = matmul(kv["c_kv"], w["w_uv"], "bsl,lf->bsf").reshape(B, -1, H, K)
     if use_rope:
-        scores_BHTS += matmul(q_rope_BTHR, kv["k_rope"].astype(w["w_qr"].dtype), "bthr,bsr->bhts")
-    scores_BHTS /= math.sqrt(K + (R if use_rope else 0))
-    causal_TS = key_positions_S[None, :] <= positions_T[:, None]
-    probs_BHTS = jax.nn.softmax(jnp.where(causal_TS, scores_BHTS, -jnp.inf), axis=-1)
-    out_BTHK = matmul(probs_BHTS, v_BSHK.astype(w["w_uv"].dtype), "bhts,bshk->bthk")
+        # Decoupled RoPE: append the rotary parts to the content parts so that one dot product
+        # gives q_C.k_C + q_R.k_R, the shared rotary key repeated for every head.
+        k_rope_BSHR = jnp.broadcast_to(kv["k_rope"][:, :, None, :], (*k_BSHK.shape[:3], R))
+        q_BTHK = jnp.concatenate([q_BTHK, q_rope_BTHR], axis=-1)
+        k_BSHK = jnp.concatenate([k_BSHK, k_rope_BSHR], axis=-1)
+    mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
+    out_BTHK = attend(q_BTHK, k_BSHK, v_BSHK, mask_TS, w["w_uk"].dtype)
     # Each tp rank holds H/tp heads: its W_o rows give a partial sum of the output.
     out_BTD = matmul(out_BTHK.reshape(B, T, -1), w["w_o"], "btf,fd->btd")
     return _psum(out_BTD, axes.tp), (new_cache if cache is not None else None)
+
+
+CUDNN_MAX_HEAD_DIM = 256
+
+
+def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype):
+    """softmax(q.k / sqrt(Q)) v with an fp32 softmax; causal (mask_TS=None: query t sees keys <= t) or
+    under mask_TS. On GPU in bf16 with a head width cuDNN accepts, its fused kernel through
+    jax.nn.dot_product_attention; it needs one width for q, k and v, so v is zero-padded from K to
+    Q = K + R and the padding sliced off. Elsewhere the plain einsums, which XLA fuses well enough."""
+    Q, K = q_BTHQ.shape[-1], v_BSHK.shape[-1]
+    if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
+        v_BSHQ = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, Q - K)))
+        out_BTHQ = jax.nn.dot_product_attention(
+            *(a.astype(dtype) for a in (q_BTHQ, k_BSHQ, v_BSHQ)), is_causal=mask_TS is None,
+            mask=None if mask_TS is None else mask_TS[None, None], implementation="cudnn")
+        return out_BTHQ[..., :K].astype(jnp.float32)
+    scores_BHTS = jnp.einsum("bthq,bshq->bhts", *_operands(dtype, q_BTHQ, k_BSHQ),
+                             preferred_element_type=jnp.float32) / math.sqrt(Q)
+    if mask_TS is None:
+        mask_TS = jnp.tril(jnp.ones((q_BTHQ.shape[1], k_BSHQ.shape[1]), bool))
+    probs_BHTS = jax.nn.softmax(jnp.where(mask_TS, scores_BHTS, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshk->bthk", *_operands(dtype, probs_BHTS, v_BSHK), preferred_element_type=jnp.float32)
 
 
 def ffn(w_up, w_down, x_BTD):
@@ -278,21 +306,47 @@ def route(router_DE, x_BTD, cfg):
     return experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B
 
 
-def moe(w, x_BTD, cfg, axes):
-    """Routed experts (per-expert buffers of C slots per sequence) plus shared experts, added."""
-    B, T, D = x_BTD.shape
-    C = expert_capacity(cfg, T)
-    experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg)
-    kept_BTk = slot_BTk < C
+def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
+    """Each expert's output for each choice [B, T, k, D], computed on per-expert buffers of C slots
+    per sequence: kept choices are scattered into their slot, the rest fall off (mode="drop")."""
+    B, T, k = experts_BTk.shape
     b_BTk = jnp.broadcast_to(jnp.arange(B)[:, None, None], experts_BTk.shape)
-    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, cfg.k, D))
-    # Scatter each kept choice into its expert's slot; out-of-capacity slots fall off (mode="drop").
-    buffer_BECD = jnp.zeros((B, cfg.n_experts, C, D), x_BTD.dtype).at[b_BTk, experts_BTk, slot_BTk].set(
-        x_BTkD, mode="drop")
+    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, x_BTD.shape[-1]))
+    buffer_BECD = jnp.zeros((B, w["expert_up"].shape[0], C, x_BTD.shape[-1]), x_BTD.dtype)
+    buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, slot_BTk].set(x_BTkD, mode="drop")
     h_BECF = jax.nn.gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf"))
     y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd")
-    y_BTkD = y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
-    routed_BTD = jnp.einsum("btkd,btk->btd", y_BTkD, gates_BTk * kept_BTk)
+    return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
+
+
+def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
+    """The same outputs from a grouped matmul: choices sorted by expert (dropped ones last, in no
+    group) and multiplied by their expert's weights with lax.ragged_dot; no capacity padding."""
+    B, T, k = experts_BTk.shape
+    E = w["expert_up"].shape[0]
+    expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                  # N = B T k choices
+    order_N = jnp.argsort(expert_N, stable=True)
+    group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
+    x_ND = x_BTD.reshape(B * T, -1)[order_N // k]
+
+    def grouped(lhs, rhs):
+        lhs, rhs = _operands(w["expert_up"].dtype, lhs, rhs)
+        return lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
+    y_ND = grouped(jax.nn.gelu(grouped(x_ND, w["expert_up"])), w["expert_down"])
+    return jnp.zeros_like(y_ND).at[order_N].set(y_ND).reshape(B, T, k, -1)
+
+
+MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}
+
+
+def moe(w, x_BTD, cfg, axes):
+    """Routed experts plus shared experts, added. Under tp every rank routes the same tokens and holds
+    F/tp hidden units of every expert, so one psum completes routed and shared outputs together."""
+    C = expert_capacity(cfg, x_BTD.shape[1])
+    experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg)
+    kept_BTk = slot_BTk < C
+    y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C)
+    routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
     shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
     out_BTD = _psum(routed_BTD + shared_BTD, axes.tp)
     stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
@@ -395,6 +449,14 @@ def cross_entropy(table_VD, h_BTD, targets_BT, cfg, axes):
     return max_BT + jnp.log(sum_exp_BT) - target_BT
 
 
+def cross_entropy_sum(table_VD, h_CbTD, targets_CbT, cfg, axes):
+    """Summed cross-entropy over chunks [C, b, T, D]: a scan keeps one chunk's fp32 logits alive at a
+    time, and the backward pass recomputes them chunk by chunk instead of storing [tokens, V]."""
+    chunk = jax.checkpoint(lambda h_bTD, y_bT: jnp.sum(cross_entropy(table_VD, h_bTD, y_bT, cfg, axes)))
+    _, sums_C = lax.scan(lambda _, inputs: (None, chunk(*inputs)), None, (h_CbTD, targets_CbT))
+    return jnp.sum(sums_C)
+
+
 def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
     """Loss and metrics from sums over the global batch: mean CE, plus alpha x the balance loss
     averaged over sequences and MoE layers; per-layer expert load as fractions of the k T slots."""
@@ -423,7 +485,7 @@ def forward(params, ids_BT, cfg, positions_T=None, caches=None, ctx=None):
 def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
     ctx = {"train": train, "key": key, "seq_ids": jnp.arange(x_BT.shape[0])}
     h_BTD, stats, _ = forward(params, x_BT, cfg, ctx=ctx)
-    ce_sum = jnp.sum(cross_entropy(_table(params, cfg, Axes()), h_BTD, y_BT, cfg, Axes()))
+    ce_sum = cross_entropy_sum(_table(params, cfg, Axes()), h_BTD[:, None], y_BT[:, None], cfg, Axes())
     return _summarise(ce_sum, stats, x_BT.size, x_BT.shape[0], cfg)
 
 
@@ -475,9 +537,7 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
     targets_MbT = lax.dynamic_slice_in_dim(y_MbT, stage * (M // n_stages), M // n_stages)
     h_MbTD = rms_norm(params["final_norm"], mine_MbTD)
-    ce_sum = jnp.sum(cross_entropy(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]),
-                                   targets_MbT.reshape(-1, T), cfg, axes))
-    ce_sum = lax.psum(ce_sum, ("dp", "pp"))
+    ce_sum = lax.psum(cross_entropy_sum(table_VD, h_MbTD, targets_MbT, cfg, axes), ("dp", "pp"))
     # Per-block stats: stage s has blocks [s B/pp, (s+1) B/pp); gather them in order, sum over dp.
     stats = {name: lax.psum(lax.all_gather(s, "pp", axis=0, tiled=True, to="invarying"), "dp")
              for name, s in stats.items()}

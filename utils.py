@@ -35,6 +35,7 @@ class ModelConfig:
     alpha: float = 1e-4                # sequence-wise balance loss coefficient
     rope_base: float = 10_000.0
     remat: str = "full"                # what the backward pass recomputes: full | dots | none
+    moe_impl: str = "buffers"          # routed-expert compute: buffers (per-expert slots) | ragged (sorted, grouped matmul)
 
     @property
     def head_dim(self):
@@ -123,6 +124,7 @@ HELP = {
     "n_shared": "shared experts", "capacity_factor": "expert capacity factor; 0 = dropless",
     "model_dtype": "matmul dtype: bfloat16 or float32", "alpha": "balance loss coefficient",
     "remat": "rematerialisation: full (recompute all), dots (save matmul outputs), none",
+    "moe_impl": "routed experts: buffers (per-expert capacity slots) or ragged (sort + lax.ragged_dot)",
     "train_batch_size": "sequences per data-parallel replica (global batch = DP x this)",
     "val_batch_size": "validation sequences per data-parallel replica",
     "micro_batch_size": "NUMBER of pipeline micro-batches per step (not their size)",
@@ -234,6 +236,8 @@ def validate(cfg, n_devices=None):
         errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
     if m.remat not in ("full", "dots", "none"):
         errors.append(f"--remat must be full, dots or none, got {m.remat!r}")
+    if m.moe_impl not in ("buffers", "ragged"):
+        errors.append(f"--moe_impl must be buffers or ragged, got {m.moe_impl!r}")
     if m.n_experts >= 1 and m.k > m.n_experts:
         errors.append(f"--k ({m.k}) must be <= --n_experts ({m.n_experts}); valid values are 1..{m.n_experts}")
     if m.dhR % 2:
