@@ -1,7 +1,7 @@
 """The training driver: mesh, init or restore, train/eval steps, logging, checkpoints, sampling.
 
 `python main.py` with no flags trains the `tiny` preset on the bundled corpus (tokenized once into
-`cache/`) on whatever devices exist; every field of the config is a flag (`python main.py --help`).
+$JAXFORMER_CACHE, default ~/.cache/jaxformer) on whatever devices exist; every field of the config is a flag (`python main.py --help`).
 A run lives in OUTPUT_DIR/NAME (`--output_dir`, `--name`): checkpoints/, metrics.jsonl, samples.txt
 and, with `--wandb`, the wandb files. Starting the same command again resumes from the newest
 readable checkpoint, exactly: the data loader is a pure function of the step, and the RNG key, the
@@ -15,7 +15,6 @@ Test hooks (environment, used by tests/test_main.py only):
   JAXFORMER_TEST_SIGNAL=STEP:SIG   send signal SIG (KILL or TERM) to this process after step STEP
                                    (after that step's checkpoint, if one is due, has been written).
   JAXFORMER_NO_SAMPLES=1           skip text generation (saves compile time in tests).
-  JAXFORMER_CACHE_DIR              where the bundled corpus is tokenized (default: <repo>/cache).
 """
 import dataclasses
 import json
@@ -129,7 +128,8 @@ def _init_wandb(cfg, run_dir, run_id):
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxformer"), name=cfg.run.name, id=run_id,
                          resume="allow", dir=run_dir, mode=mode, config=dataclasses.asdict(cfg),
-                         settings=wandb.Settings(init_timeout=30, silent=True))
+                         settings=wandb.Settings(init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 30)),
+                                                 silent=True))
         log(f"wandb: {mode} run {run_id}" + (f" in {run_dir}/wandb" if mode == "offline" else ""))
         return run
     except Exception as e:
@@ -191,8 +191,7 @@ def data_dir_for(cfg):
     if cfg.run.data_dir:
         return cfg.run.data_dir
     import dataset
-    cache = os.environ.get("JAXFORMER_CACHE_DIR") or os.path.join(REPO, "cache")
-    return dataset.ensure_bundled_shards(cache)
+    return dataset.ensure_bundled_shards(dataset.default_cache_dir())
 
 
 def unigram_entropy(data_dir, train_ds, vocab_size):
@@ -250,9 +249,11 @@ def main(argv=None):
 def train(cfg, jax):
     dp, pp, tp = cfg.run.n_device_axis
     n_mesh = dp * pp * tp
-    mesh = jax.make_mesh((dp, pp, tp), utils.MESH_AXES, devices=jax.devices()[:n_mesh])
-    with jax.set_mesh(mesh):
-        return _train(cfg, jax, mesh)
+    # Auto axes: shard_map inside the model writes every collective out; outside it (optimizer update,
+    # generation) XLA propagates the shardings of the parameters.
+    mesh = jax.make_mesh((dp, pp, tp), utils.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=jax.devices()[:n_mesh])
+    return _train(cfg, jax, mesh)
 
 
 def _train(cfg, jax, mesh):
@@ -277,7 +278,7 @@ def _train(cfg, jax, mesh):
     log(utils.describe(cfg))
     counts = model.count_params(mc)
     log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
-        f"(active excludes the embedding's untouched rows only if model.count_params says so)")
+        f"(active: used per token, without the embedding)")
     log(f"mesh: dp={dp} pp={pp} tp={tp} over {n_mesh} of {jax.device_count()} {jax.devices()[0].device_kind} "
         f"device(s), {jax.process_count()} process(es)")
     log(utils.MFU_FORMULA)
@@ -308,7 +309,9 @@ def _train(cfg, jax, mesh):
         init_key, train_key = jax.random.split(jax.random.key(rc.seed))
         params = jax.jit(lambda k: model.init_params(mc, k), out_shardings=p_shard)(init_key)
         opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
-        return {"params": params, "opt_state": opt_state, "key": jax.random.key_data(train_key)}
+        # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
+        return {"params": params, "opt_state": opt_state,
+                "key": jax.device_put(jax.random.key_data(train_key), replicated)}
 
     abstract_state = {"params": abstract_params, "opt_state": abstract_opt,
                       "key": jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32)}
@@ -381,12 +384,17 @@ def _train(cfg, jax, mesh):
     enc = get_tokenizer()
     prompt_ids = enc.encode_ordinary(ic.prompt)
     samples_on = os.environ.get("JAXFORMER_NO_SAMPLES") != "1"
+    max_new = min(ic.max_tokens, mc.T - len(prompt_ids))
+    if samples_on and max_new < ic.max_tokens:
+        log(f"note: prompt ({len(prompt_ids)} tokens) + --max_tokens {ic.max_tokens} exceed --T {mc.T}; "
+            f"sampling {max_new} tokens")
+    samples_on = samples_on and max_new > 0
 
     def sample(params, step):
         if not samples_on:
             return
         key = jax.random.fold_in(jax.random.key(rc.seed + 1), step)   # never touches the training key
-        new = model.generate(params, mc, prompt_ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
+        new = model.generate(params, mc, prompt_ids, key, max_new, ic.top_k, ic.temperature, ic.use_cache)
         text = enc.decode([t for t in new if t < enc.n_vocab])
         logger.sample(step, ic.prompt, text)
         log(f"sample @ {step}: {ic.prompt}{text!r}")
@@ -450,7 +458,7 @@ def _train(cfg, jax, mesh):
         state = {"params": params, "opt_state": opt_state, "key": key}
         step += 1
         pending.append((step, metrics))
-        fetch(upto_all=False)
+        fetch(upto_all=timer["t"] is None)      # block on the first step, so the timer starts after compilation
         stopping = stop_agreed()
         if step % rc.checkpoint_steps == 0 or step == oc.training_steps or stopping:
             fetch(upto_all=True)
