@@ -26,8 +26,8 @@ EOF
 }
 
 die() { echo "debug_tpu.sh: error: $*" >&2; exit 2; }
-q() { printf '%q' "$1"; }
-sq() { local s=${1//\'/\'\\\'\'}; printf "'%s'" "$s"; }   # POSIX single quotes
+# shellcheck source-path=SCRIPTDIR source=launch_lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/launch_lib.sh"   # resolve_hosts, q, sq
 
 hosts_file="" tpu="" zone="" project="" session="jaxformer-debug" dir="${JAXFORMER_DIR:-}"
 force=0 attach=1 kill=0 dry_run=0 command=()
@@ -56,25 +56,7 @@ if ((kill)); then
   echo "debug_tpu.sh: killed tmux session '$session'"; exit 0
 fi
 
-hosts=()
-if [[ -n $hosts_file ]]; then
-  [[ -z $tpu ]] || die "give --hosts or --tpu, not both"
-  [[ -f $hosts_file ]] || die "hosts file '$hosts_file' not found"
-  while IFS= read -r line || [[ -n $line ]]; do
-    line=${line%%#*}; read -r line _ <<< "$line" || true
-    [[ -n $line ]] && hosts+=("$line")
-  done < "$hosts_file"
-  ((${#hosts[@]})) || die "hosts file '$hosts_file' lists no hosts"
-elif [[ -n $tpu ]]; then
-  [[ -n $zone ]] || die "--tpu needs --zone"
-  command -v gcloud >/dev/null || die "--tpu needs the gcloud CLI (https://cloud.google.com/sdk)"
-  ips=$(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone" ${project:+--project "$project"} \
-        --format='value(networkEndpoints[].ipAddress)') || die "gcloud could not describe TPU '$tpu' in zone '$zone'"
-  read -ra hosts <<< "${ips//[;,]/ }"
-  ((${#hosts[@]})) || die "TPU '$tpu' in zone '$zone' reports no workers"
-else
-  usage >&2; die "missing --hosts FILE or --tpu NAME --zone ZONE"
-fi
+resolve_hosts "$hosts_file" "$tpu" "$zone" "$project"
 [[ -n $dir ]] || dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # the local command that runs $2 (a shell command) on host index $1

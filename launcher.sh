@@ -36,6 +36,8 @@ EOF
 
 die() { echo "launcher.sh: error: $*" >&2; exit 2; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=launch_lib.sh
+. "$here/launch_lib.sh"   # resolve_hosts, run_name_from_args
 
 hosts_file="" tpu="" zone="" project="" name="" local_logs="" dry_run=0
 pass=() main_args=()
@@ -57,35 +59,10 @@ while (($#)); do
   esac
 done
 
-hosts=()
-if [[ -n $hosts_file ]]; then
-  [[ -z $tpu ]] || die "give --hosts or --tpu, not both"
-  [[ -f $hosts_file ]] || die "hosts file '$hosts_file' not found"
-  while IFS= read -r line || [[ -n $line ]]; do
-    line=${line%%#*}; read -r line _ <<< "$line" || true
-    [[ -n $line ]] && hosts+=("$line")
-  done < "$hosts_file"
-  ((${#hosts[@]})) || die "hosts file '$hosts_file' lists no hosts"
-elif [[ -n $tpu ]]; then
-  [[ -n $zone ]] || die "--tpu needs --zone"
-  command -v gcloud >/dev/null || die "--tpu needs the gcloud CLI (https://cloud.google.com/sdk)"
-  ips=$(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone" ${project:+--project "$project"} \
-        --format='value(networkEndpoints[].ipAddress)') || die "gcloud could not describe TPU '$tpu' in zone '$zone'"
-  read -ra hosts <<< "${ips//[;,]/ }"
-  ((${#hosts[@]})) || die "TPU '$tpu' in zone '$zone' reports no workers"
-  pass+=(--tpu "$tpu" --zone "$zone" ${project:+--project "$project"})
-else
-  usage >&2; die "missing --hosts FILE or --tpu NAME --zone ZONE"
-fi
+resolve_hosts "$hosts_file" "$tpu" "$zone" "$project"
+if [[ -n $tpu ]]; then pass+=(--tpu "$tpu" --zone "$zone" ${project:+--project "$project"}); fi
 
-if [[ -z $name ]]; then
-  for ((i = 0; i < ${#main_args[@]}; i++)); do
-    [[ ${main_args[i]} == --name && $((i + 1)) -lt ${#main_args[@]} ]] && name=${main_args[i + 1]}
-    [[ ${main_args[i]} == --name=* ]] && name=${main_args[i]#--name=}
-  done
-  name=${name:-jaxformer}
-fi
-[[ $name =~ ^[A-Za-z0-9_.-]+$ ]] || die "run name may hold only letters, digits, '_', '.', '-': '$name'"
+run_name_from_args ${main_args[@]+"${main_args[@]}"}   # --name, else main.py's --name, else jaxformer
 n=${#hosts[@]}
 
 run_args() {  # the run.sh command line for host $1 at index $2

@@ -44,6 +44,8 @@ EOF
 }
 
 die() { echo "run.sh: error: $*" >&2; exit 2; }
+# shellcheck source-path=SCRIPTDIR source=launch_lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/launch_lib.sh"   # run_name_from_args, q, sq
 
 host="" name="" index="" nproc="" coordinator="" dir="${JAXFORMER_DIR:-}" commit="asis"
 python="" main="main.py" log_dir="" tpu="" zone="" project="" force=0 wait=0 dry_run=0
@@ -89,21 +91,12 @@ for kv in ${extra_env[@]+"${extra_env[@]}"}; do
   [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "--env needs NAME=VALUE, got '$kv'"
 done
 
-if [[ -z $name ]]; then  # take the run name from main.py's own --name, if given
-  for ((i = 0; i < ${#main_args[@]}; i++)); do
-    [[ ${main_args[i]} == --name && $((i + 1)) -lt ${#main_args[@]} ]] && name=${main_args[i + 1]}
-    [[ ${main_args[i]} == --name=* ]] && name=${main_args[i]#--name=}
-  done
-  name=${name:-jaxformer}
-fi
-[[ $name =~ ^[A-Za-z0-9_.-]+$ ]] || die "run name may hold only letters, digits, '_', '.', '-': '$name'"
+run_name_from_args ${main_args[@]+"${main_args[@]}"}   # --name, else main.py's own --name, else jaxformer
 session=${name//./_}${index:+-$index}          # tmux forbids '.' and ':' in session names
 [[ -n $dir ]] || dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 log_dir=${log_dir:-$dir/logs}
 log=$log_dir/$session.log
 status_file=$log_dir/$session.exit
-q() { printf '%q' "$1"; }
-sq() { local s=${1//\'/\'\\\'\'}; printf "'%s'" "$s"; }   # POSIX single quotes, for any login shell
 
 # ---- the program, run inside tmux on the host: env, banner, program | tee log, exit status file ----
 inner="set -o pipefail; cd $(q "$dir") || exit 3"

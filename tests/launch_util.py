@@ -6,9 +6,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL_SSH = os.path.join(ROOT, "tests", "launch_local_ssh.sh")
 SCRIPTS = ["setup_tpu.sh", "launcher.sh", "run.sh", "debug_tpu.sh"]
+LIB = "launch_lib.sh"   # sourced by launcher.sh, run.sh and debug_tpu.sh, not run on its own
 SECRET = "wandb-secret-0123456789abcdef"
 
 
@@ -25,9 +28,22 @@ def launch_env(tmp_path, **extra):
     return env
 
 
-def sh(script, *args, env, timeout=60, check=None):
-    """Run ./script args; return CompletedProcess with .out = stdout + stderr."""
-    p = subprocess.run([os.path.join(ROOT, script), *map(str, args)], cwd=ROOT, env=env, timeout=timeout,
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (CI installs it)")
+
+
+@pytest.fixture
+def env(tmp_path):
+    """launch_env for one test; its tmux server is killed afterwards, and no session may outlive it.
+    (A fixture: test modules import it by name.)"""
+    e = launch_env(tmp_path)
+    yield e
+    kill_tmux(e)
+    assert sessions(e) == [], "a tmux session outlived the test"
+
+
+def sh(script, *args, env, timeout=60, check=None, cwd=ROOT):
+    """Run ROOT/script args in cwd; return CompletedProcess with .out = stdout + stderr."""
+    p = subprocess.run([os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env, timeout=timeout,
                        capture_output=True, text=True, stdin=subprocess.DEVNULL)
     p.out = p.stdout + p.stderr
     if check is not None:

@@ -11,18 +11,10 @@ import time
 
 import pytest
 
-from launch_util import (LOCAL_SSH, ROOT, SCRIPTS, SECRET, all_text, kill_tmux, launch_env,
-                         path_without, sessions, sh, tmux)
+from launch_util import (LIB, LOCAL_SSH, ROOT, SCRIPTS, SECRET, all_text, env, needs_tmux,  # noqa: F401
+                         path_without, sessions, sh, tmux)                               # (env: fixture)
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (CI installs it)")
-
-
-@pytest.fixture
-def env(tmp_path):
-    e = launch_env(tmp_path)
-    yield e
-    kill_tmux(e)
-    assert sessions(e) == [], "a tmux session outlived the test"
+pytestmark = needs_tmux
 
 
 @pytest.fixture
@@ -36,7 +28,7 @@ def hosts(tmp_path):
 
 def test_shellcheck_clean():
     assert shutil.which("shellcheck"), "shellcheck is required (CI installs it with apt-get)"
-    p = subprocess.run(["shellcheck", *SCRIPTS, "tests/launch_local_ssh.sh"], cwd=ROOT,
+    p = subprocess.run(["shellcheck", *SCRIPTS, LIB, "tests/launch_local_ssh.sh"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
 
@@ -49,6 +41,62 @@ def test_strict_mode_and_nothing_hard_coded(script):
     assert not re.findall(r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b", text), "hard-coded IP"
     assert "gs://" not in text and "API_KEY=" not in text.replace("$WANDB_API_KEY", "")
     assert "reset --hard" not in text and "rm -rf" not in text
+
+
+def test_lib_is_sourced_not_run():
+    text = open(os.path.join(ROOT, LIB)).read()
+    assert not os.access(os.path.join(ROOT, LIB), os.X_OK) and "set -" not in text   # caller's options
+    assert not re.findall(r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}\b", text), "hard-coded IP"
+    for script in ["launcher.sh", "run.sh", "debug_tpu.sh"]:
+        assert f"/{LIB}\"" in open(os.path.join(ROOT, script)).read(), script
+
+
+def lib(snippet, tmp_path):
+    """Run a bash snippet with launch_lib.sh sourced and the scripts' die/usage; .out = stdout + stderr."""
+    prog = (f"set -euo pipefail; die() {{ echo \"t: error: $*\" >&2; exit 2; }}; usage() {{ echo USAGE; }}\n"
+            f". {LIB}\n{snippet}")
+    p = subprocess.run(["bash", "-c", prog], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}"))
+    p.out = p.stdout + p.stderr
+    return p
+
+
+def test_lib_resolve_hosts(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# c\n  user@h0  # first\n\n\th1 trailing words\nh2")           # no final newline
+    p = lib(f'resolve_hosts {f} "" "" ""; printf "<%s>" "${{hosts[@]}}"', tmp_path)
+    assert p.returncode == 0 and p.out == "<user@h0><h1><h2>", p.out
+    for args, code, msg in [(f"{f} pod z ''", 2, "t: error: give --hosts or --tpu, not both\n"),
+                            ("'' pod '' ''", 2, "t: error: --tpu needs --zone\n"),
+                            ("'' '' '' ''", 2, "USAGE\nt: error: missing --hosts FILE or --tpu NAME --zone ZONE\n")]:
+        p = lib(f"resolve_hosts {args}; echo unreached", tmp_path)
+        assert (p.returncode, p.out) == (code, msg), p.out
+    (tmp_path / "gcloud").write_text('#!/bin/sh\necho "$*" >&2\necho "10.1.0.2;10.1.0.3,10.1.0.4"\n')
+    (tmp_path / "gcloud").chmod(0o755)
+    p = lib('resolve_hosts "" pod us-z1 my-proj; printf "<%s>" "${hosts[@]}"', tmp_path)
+    assert p.returncode == 0, p.out
+    assert p.stdout == "<10.1.0.2><10.1.0.3><10.1.0.4>"
+    assert "describe pod --zone us-z1 --project my-proj --format=" in p.stderr
+
+
+def test_lib_run_name_from_args(tmp_path):
+    for name, args, want in [("", "", "jaxformer"), ("", "--preset tiny --name a --name=b.c", "b.c"),
+                             ("", "--name=x --name y", "y"), ("", "--name", "jaxformer"),
+                             ("given", "--name other", "given")]:
+        p = lib(f"name={name}; run_name_from_args {args}; echo \"<$name>\"", tmp_path)
+        assert (p.returncode, p.out) == (0, f"<{want}>\n"), (name, args, p.out)
+    p = lib("name=''; run_name_from_args --name 'a b'; echo unreached", tmp_path)
+    assert p.returncode == 2
+    assert p.out == "t: error: run name may hold only letters, digits, '_', '.', '-': 'a b'\n"
+
+
+def test_scripts_run_from_any_cwd(env, hosts, tmp_path):
+    p = sh("launcher.sh", "--hosts", hosts("h0"), "--dry-run", "--", "--name", "r", env=env, check=0, cwd=tmp_path)
+    assert "## host 0: h0" in p.out and "session 'r-0'" in p.out
+    p = sh("run.sh", "hostA", "--dry-run", env=env, check=0, cwd=tmp_path)
+    assert "session 'jaxformer'" in p.out and f"{ROOT}/logs/jaxformer.log" in p.out
+    p = sh("debug_tpu.sh", "--hosts", hosts("h0"), "--dry-run", env=env, check=0, cwd=tmp_path)
+    assert "window run pane 0 (h0)" in p.out and f"cd {ROOT}" in p.out
 
 
 @pytest.mark.parametrize("script,words", [

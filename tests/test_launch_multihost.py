@@ -3,24 +3,15 @@ stand-in tests/launch_local_ssh.sh runs each host's command locally in a clean e
 jax process with 4 CPU devices, joined by jax.distributed over gloo into one (2, 2, 2) mesh."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from launch_util import ROOT, SECRET, all_text, free_port, kill_tmux, launch_env, sessions, sh
+from launch_util import ROOT, SECRET, all_text, env, free_port, needs_tmux, sh  # noqa: F401 (env: fixture)
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (CI installs it)")
-
-
-@pytest.fixture
-def env(tmp_path):
-    e = launch_env(tmp_path)
-    yield e
-    kill_tmux(e)
-    assert sessions(e) == [], "a tmux session outlived the test"
+pytestmark = needs_tmux
 
 
 @pytest.fixture
