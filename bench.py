@@ -1,0 +1,412 @@
+"""Training-step benchmark: `python bench.py [--preset P] [guide flags...] [--steps N] [--warmup W]`.
+
+Builds the config exactly as main.py does (preset, then every guide flag on top), validates it,
+compiles the training step main.py runs (value_and_grad of model.loss_and_metrics, global-norm
+clipping, AdamW with weight decay on matrices only, params and optimizer state sharded over the mesh
+and donated), feeds it random tokens, runs W warm-up steps and N timed steps, and prints ONE JSON
+line (the fields are described in BENCHMARKS.md). In the same run it times a large matmul (bf16
+8192^3 on an accelerator, fp32 1024^3 on a CPU) so MFU is reported against the spec-sheet peak and
+against what this device actually sustains.
+
+`--pipeline_flops` counts instead of timing: it compiles the step for the given mesh (pp = P,
+M micro-batches) and for the same config with pp = 1 (same dp and tp, same global batch and M) and
+prints the per-device FLOPs of both from XLA's cost analysis, their ratio, and the GPipe
+expectation (M + pp - 1) / (M pp). XLA:CPU's cost analysis does not count through loops (a `while`
+body, i.e. every lax.scan, is costed once), so the FLOPs are also counted here from the optimized
+HLO with every loop body multiplied by its trip count (`hlo_flops`); that count is the one compared.
+
+Examples:
+  python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
+  python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1
+  python bench.py --preset tiny --n_device_axis 1 2 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
+"""
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+import utils
+
+
+def parse_args(argv=None):
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--steps", type=int, default=10, help="timed training steps")
+    own.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+    own.add_argument("--pipeline_flops", action="store_true",
+                     help="count per-device FLOPs of the step with this pp and with pp=1 instead of timing")
+    own.add_argument("--matmul_size", type=int, default=0,
+                     help="side of the square matmul timed for the measured peak (0: 8192 bf16 on an "
+                          "accelerator, 1024 fp32 on CPU)")
+    own.add_argument("--preset", choices=sorted(utils.PRESETS), default="tiny")
+    own.add_argument("-h", "--help", action="store_true")
+    args, rest = own.parse_known_args(argv)
+    if args.help:
+        own.print_help()
+        print("\nEvery training flag of main.py is accepted too:\n")
+        utils.build_parser().print_help()
+        sys.exit(0)
+    if args.steps < 1 or args.warmup < 0:
+        own.error("--steps must be >= 1 and --warmup >= 0")
+    cfg = utils.config_from_args(["--preset", args.preset] + rest)
+    return args, cfg
+
+
+def set_up_devices(cfg):
+    """Environment that must be set before `import jax` (the same rule as main.py)."""
+    if cfg.run.cpu_devices > 0:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={cfg.run.cpu_devices}"])
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    return jax
+
+
+# ----------------------------------------------------------------------------------------------
+# The training step (the same computation as main.py's train_step)
+
+
+def build_step(cfg, mesh):
+    """(jitted step, make_state, make_batch). step(params, opt_state, key, xs, ys) -> (params, opt_state,
+    key, stats); xs, ys are [grad_step, dp x train_batch_size, T] int32, batch sharded over dp."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import model
+
+    mc, oc, rc = cfg.model, cfg.optim, cfg.run
+    G, M = oc.grad_step, rc.micro_batch_size
+    abstract_params = jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0))
+    p_shard = model.param_shardings(abstract_params, mesh)
+    replicated = NamedSharding(mesh, P())
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(oc.grad_clip_norm),
+        optax.adamw(utils.lr_schedule(oc), b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay,
+                    mask=model.decay_mask(abstract_params)))
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    o_shard = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shard,
+                                    transform_non_params=lambda _: replicated)
+    data_shard = NamedSharding(mesh, P(None, "dp", None))
+
+    def train_step(params, opt_state, key, xs, ys):
+        key, step_key = jax.random.split(jax.random.wrap_key_data(key))
+        grad_fn = jax.value_and_grad(
+            lambda p, x, y, k: model.loss_and_metrics(p, x, y, k, mc, mesh, M, True), has_aux=True)
+
+        def micro(grads_loss, inputs):
+            grads, loss_sum = grads_loss
+            x, y, i = inputs
+            (loss, _), g = grad_fn(params, x, y, jax.random.fold_in(step_key, i))
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        if G == 1:
+            (grads, loss), _ = micro((zeros, 0.0), (xs[0], ys[0], 0))
+        else:
+            (grads, loss), _ = jax.lax.scan(micro, (zeros, 0.0), (xs, ys, jnp.arange(G)))
+            grads, loss = jax.tree.map(lambda g: g / G, grads), loss / G
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, jax.random.key_data(key), {"loss": loss, "grad_norm": grad_norm}
+
+    step = jax.jit(train_step, in_shardings=(p_shard, o_shard, replicated, data_shard, data_shard),
+                   out_shardings=(p_shard, o_shard, replicated, replicated), donate_argnums=(0, 1, 2))
+
+    def make_state(seed):
+        init_key, train_key = jax.random.split(jax.random.key(seed))
+        params = jax.jit(lambda k: model.init_params(mc, k), out_shardings=p_shard)(init_key)
+        opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
+        key = jax.device_put(jax.random.key_data(train_key), replicated)
+        return params, opt_state, key
+
+    def make_batch(seed):
+        shape = (G, rc.n_device_axis[0] * rc.train_batch_size, mc.T + 1)
+        tokens = jax.random.randint(jax.random.key(seed), shape, 0, mc.vocab_size, jnp.int32)
+        return jax.device_put(tokens[..., :-1], data_shard), jax.device_put(tokens[..., 1:], data_shard)
+
+    def abstract_args():
+        sds = lambda tree, shard: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                              tree, shard)
+        key = jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32, sharding=replicated)
+        batch = jax.ShapeDtypeStruct((G, rc.n_device_axis[0] * rc.train_batch_size, mc.T), jnp.int32,
+                                     sharding=data_shard)
+        return sds(abstract_params, p_shard), sds(abstract_opt, o_shard), key, batch, batch
+
+    return step, make_state, make_batch, abstract_args
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOP counting
+
+
+def xla_flops(compiled):
+    """'flops' of XLA's cost analysis of a compiled executable (a dict, or a list of one dict per
+    program in older jax), or None. Per device: the module is the SPMD-partitioned one."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])
+
+
+_COMP_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_SHAPE = re.compile(r"^\(?\s*(\w+)\[([\d,]*)\]")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _dims(text):
+    return [int(d) for d in text.split(",") if d]
+
+
+def _dot_category(rhs):
+    """Which part of the model a dot belongs to, from the einsum spec JAX writes into its op_name
+    (the transposed dots of the backward pass keep the forward op's name)."""
+    name = re.search(r'op_name="([^"]*)"', rhs)
+    name = name.group(1) if name else ""
+    part = "output_layer" if "btd,vd->btv" in name else ("blocks" if name else "unattributed")
+    phase = ("remat" if "rematted_computation" in name else "backward" if "transpose(" in name else "forward")
+    return part, phase
+
+
+def hlo_flops(hlo_text):
+    """Matmul FLOPs (2 x output elements x contracted size per dot) of an optimized, SPMD-partitioned
+    HLO module (so: per device), counting every while body times its known trip count, every fusion
+    or call where it is called, and a conditional's costliest branch. Returns {"total": F,
+    "output_layer": F, "blocks": F, "unattributed": F, "forward": F, "backward": F, "remat": F}:
+    the first three split the total by part ("unattributed": dots XLA created without an op_name,
+    seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
+    inside the backward). The output layer is recognised by model.logits_local's einsum spec."""
+    comps, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        stripped = line.strip()
+        m = _COMP_HEADER.match(stripped)
+        if m and ("->" in stripped or stripped.startswith("ENTRY")):
+            current = m.group(1)
+            comps[current] = []
+            if stripped.startswith("ENTRY"):
+                entry = current
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        if current is not None and " = " in stripped:
+            comps[current].append(stripped)
+    if entry is None:
+        return None
+
+    shapes = {}
+    for lines in comps.values():
+        for ins in lines:
+            lhs, _, rhs = ins.partition(" = ")
+            m = _SHAPE.match(rhs.strip())
+            if m:
+                shapes[lhs.replace("ROOT", "").strip().lstrip("%")] = _dims(m.group(2))
+
+    def dot_flops(rhs):
+        out = _SHAPE.match(rhs.strip())
+        operands = re.search(r"\bdot\(([^)]*)\)", rhs)
+        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rhs)
+        if not (out and operands and contract):
+            return 0.0
+        first = operands.group(1).split(",")[0].strip()
+        lhs_shape = shapes.get(first.split(" ")[-1].lstrip("%"))
+        if lhs_shape is None:         # operand shapes printed inline: "f32[4,8]{1,0} %x"
+            inline = _SHAPE.match(first)
+            lhs_shape = _dims(inline.group(2)) if inline else None
+        if lhs_shape is None:
+            return 0.0
+        return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_shape[d] for d in _dims(contract.group(1)))
+
+    memo = {}
+    add = lambda acc, other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
+
+    def cost(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = {}               # recursion guard
+        total = {}
+        for ins in comps.get(name, []):
+            rhs = ins.partition(" = ")[2]
+            if re.search(r"\bdot\(", rhs):
+                part, phase = _dot_category(rhs)
+                f = dot_flops(rhs)
+                add(total, {"total": f, part: f, phase: f})
+            if re.search(r"\bwhile\(", rhs):
+                body, trip = re.search(r"body=%?([\w.\-]+)", rhs), _TRIP.search(rhs)
+                if body:
+                    add(total, cost(body.group(1)), int(trip.group(1)) if trip else 1)
+            elif re.search(r"\bconditional\(", rhs):
+                branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+                costs = [cost(b) for b in names]
+                if costs:
+                    add(total, max(costs, key=lambda c: c.get("total", 0.0)))
+            else:
+                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rhs):
+                    add(total, cost(callee))
+        memo[name] = total
+        return total
+
+    result = {k: 0.0 for k in ("total", "output_layer", "blocks", "unattributed", "forward", "backward", "remat")}
+    add(result, cost(entry))
+    return result
+
+
+def count_step_flops(cfg, jax, model):
+    """Per-device FLOPs of the compiled step for cfg: XLA's cost analysis and the loop-aware count."""
+    mesh = model.make_mesh(cfg.run.n_device_axis)
+    step, _, _, abstract_args = build_step(cfg, mesh)
+    compiled = step.lower(*abstract_args()).compile()
+    return {"xla_cost_analysis": xla_flops(compiled), **hlo_flops(compiled.as_text())}
+
+
+def pipeline_flops(cfg, jax, model):
+    """Per-device FLOPs of the step on (dp, pp, tp) and on (dp, 1, tp), same global batch and M.
+
+    GPipe: each stage runs M + pp - 1 ticks of B/pp blocks on one micro-batch, so the blocks' work
+    per device is (M + pp - 1) / (M pp) of the pp = 1 step. The output layer (tied embedding, large
+    vocab) runs after the pipeline, split over the stages (1/pp each), so the total ratio sits below
+    the GPipe figure by how much of the step the output layer is; "ratio_by_part" shows both."""
+    dp, pp, tp = cfg.run.n_device_axis
+    M = cfg.run.micro_batch_size
+    flat = utils.override(cfg, n_device_axis=(dp, 1, tp))
+    utils.validate(flat, jax.device_count())
+    with_pp, without = count_step_flops(cfg, jax, model), count_step_flops(flat, jax, model)
+    ratio = lambda key: (with_pp[key] / without[key]) if with_pp.get(key) and without.get(key) else None
+    expected = (M + pp - 1) / (M * pp)
+    parts = ("total", "blocks", "output_layer", "unattributed", "forward", "backward", "remat")
+    return {
+        "mode": "pipeline_flops", "mesh": [dp, pp, tp], "flat_mesh": [dp, 1, tp], "micro_batches": M,
+        "global_batch": dp * cfg.run.train_batch_size, "T": cfg.model.T, "remat": cfg.model.remat,
+        "per_device_flops_pp": with_pp["total"], "per_device_flops_pp1": without["total"],
+        "ratio": ratio("total"), "gpipe_expected_ratio": expected,
+        "ratio_over_expected": ratio("total") / expected if ratio("total") else None,
+        "ratio_by_part": {k: ratio(k) for k in parts[1:]},
+        "breakdown_pp": {k: with_pp.get(k, 0.0) for k in parts}, "breakdown_pp1": {k: without.get(k, 0.0) for k in parts},
+        "xla_cost_analysis_flops_pp": with_pp["xla_cost_analysis"],
+        "xla_cost_analysis_flops_pp1": without["xla_cost_analysis"],
+        "xla_cost_analysis_ratio": ratio("xla_cost_analysis"),
+        "note": "per_device_flops_*: matmul FLOPs of the optimized per-device HLO, loop bodies x trip count; "
+                "xla_cost_analysis_*: XLA's own figure, which counts each loop body once",
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+def matmul_peak(jax, device, size):
+    """Sustained FLOP/s of one square matmul on `device` (bf16 on accelerators, fp32 on CPU)."""
+    import jax.numpy as jnp
+    cpu = device.platform == "cpu"
+    n = size or (1024 if cpu else 8192)
+    dtype = jnp.float32 if cpu else jnp.bfloat16
+    a = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), dtype), device)
+    b = jax.device_put(jax.random.normal(jax.random.key(2), (n, n), dtype), device)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    reps = 3 if cpu else 20
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = f(a, b)
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return 2.0 * n ** 3 / best, f"{n}x{n}x{n} {jnp.dtype(dtype).name}"
+
+
+def peak_memory(devices):
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:           # not implemented on some backends
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def compiled_memory(compiled):
+    """Bytes per device XLA plans for the step: arguments + outputs + temporaries - donated aliases."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - m.alias_size_in_bytes)
+    except Exception:
+        return None
+
+
+def run_benchmark(args, cfg, jax, model):
+    dp, pp, tp = cfg.run.n_device_axis
+    n_mesh = dp * pp * tp
+    mesh = model.make_mesh(cfg.run.n_device_axis)
+    device_kind = jax.devices()[0].device_kind
+    step, make_state, make_batch, abstract_args = build_step(cfg, mesh)
+
+    t = time.perf_counter()
+    compiled = step.lower(*abstract_args()).compile()
+    compile_s = time.perf_counter() - t
+
+    params, opt_state, key = make_state(cfg.run.seed)
+    xs, ys = make_batch(cfg.run.seed + 1)
+    for _ in range(args.warmup):
+        params, opt_state, key, stats = compiled(params, opt_state, key, xs, ys)
+    jax.block_until_ready((params, stats) if args.warmup else params)
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        params, opt_state, key, stats = compiled(params, opt_state, key, xs, ys)
+        jax.block_until_ready((params, opt_state, stats))
+        times.append(time.perf_counter() - t)
+
+    tokens_per_step = cfg.optim.grad_step * dp * cfg.run.train_batch_size * cfg.model.T
+    median = statistics.median(times)
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    tok_s = tokens_per_step / median
+    fpt = model.flops_per_token(cfg.model)
+    spec_peak = utils.peak_flops(device_kind)
+    measured_peak, matmul_shape = matmul_peak(jax, jax.devices()[0], args.matmul_size)
+    counts = model.count_params(cfg.model)
+    return {
+        "preset": args.preset, "mesh": [dp, pp, tp], "devices": n_mesh, "device_kind": device_kind,
+        "backend": jax.default_backend(), "jax_version": jax.__version__,
+        "model_dtype": cfg.model.model_dtype, "remat": cfg.model.remat,
+        "global_batch": dp * cfg.run.train_batch_size, "T": cfg.model.T,
+        "micro_batches": cfg.run.micro_batch_size, "grad_step": cfg.optim.grad_step,
+        "tokens_per_step": tokens_per_step, "steps": args.steps, "warmup": args.warmup,
+        "tokens_per_s": tok_s, "step_time_median_s": median,
+        "step_time_spread": {"min": min(times), "max": max(times), "p25": q[0], "p75": q[2]},
+        "compile_s": compile_s, "flops_per_token": fpt,
+        "spec_peak_flops": spec_peak, "mfu_vs_spec_peak": utils.mfu(tok_s, fpt, n_mesh, spec_peak),
+        "matmul_peak_flops": measured_peak, "matmul_shape": matmul_shape,
+        "mfu_vs_measured_peak": utils.mfu(tok_s, fpt, n_mesh, measured_peak),
+        "peak_memory_bytes": peak_memory(mesh.devices.flat),
+        "compiled_memory_bytes": compiled_memory(compiled),
+        "hlo_matmul_flops_per_device_step": (hlo_flops(compiled.as_text()) or {}).get("total"),
+        "params_total": counts["total"], "params_active": counts["active"],
+        "final_loss": float(stats["loss"]),
+    }
+
+
+def main(argv=None):
+    args, cfg = parse_args(argv)
+    jax = set_up_devices(cfg)
+    import model
+    utils.validate(cfg, jax.device_count())
+    result = ({"preset": args.preset, **pipeline_flops(cfg, jax, model)} if args.pipeline_flops
+              else run_benchmark(args, cfg, jax, model))
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

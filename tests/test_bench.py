@@ -1,0 +1,85 @@
+"""bench.py in CI-sized form: the tiny preset, cut down, on simulated CPU devices, as subprocesses.
+
+Checks that the JSON line has every field and that the numbers are positive (never the speed), and
+that the pipeline FLOP count (a count, not a timing, so deterministic) shows only the GPipe bubble
+as extra work in the pipelined blocks.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tiny preset, shrunk so compile + a few steps take seconds on a laptop CPU (compilation dominates;
+# no remat and fp32 matmuls make the smallest program).
+SMALL = ("--preset tiny --model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 "
+         "--q_latent_dim 16 --dhR 8 --n_experts 4 --k 2 --vocab_size 1000 --max_tokens 4 --remat none "
+         "--model_dtype float32").split()
+RUN = ["--n_device_axis", "2", "2", "2", "--train_batch_size", "4", "--micro_batch_size", "2", "--steps", "3",
+       "--warmup", "1"]
+M, PP = 2, 2
+PIPELINE = ["--n_device_axis", "1", str(PP), "1", "--train_batch_size", "4", "--micro_batch_size", str(M),
+            "--pipeline_flops"]
+
+POSITIVE = ["devices", "tokens_per_s", "step_time_median_s", "compile_s", "flops_per_token", "matmul_peak_flops",
+            "mfu_vs_measured_peak", "params_total", "params_active", "tokens_per_step", "global_batch",
+            "compiled_memory_bytes", "hlo_matmul_flops_per_device_step"]
+# Present, but null where the device cannot say (a CPU has no spec-sheet peak and no memory stats).
+NULLABLE = ["spec_peak_flops", "mfu_vs_spec_peak", "peak_memory_bytes"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both bench.py runs, started together (each is mostly a single-threaded compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONUNBUFFERED="1")
+    start = lambda args: subprocess.Popen([sys.executable, os.path.join(REPO, "bench.py"), *SMALL, *args], cwd=REPO,
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {"run": start(RUN), "pipeline": start(PIPELINE)}
+    results = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            lines = [line for line in stdout.splitlines() if line.startswith("{")]
+            results[name] = (proc.returncode, stderr[-3000:], lines)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
+def result(runs, name):
+    returncode, stderr, lines = runs[name]
+    assert returncode == 0, stderr
+    assert len(lines) == 1, lines
+    return json.loads(lines[0])
+
+
+def test_bench_json_fields_on_a_3d_mesh(runs):
+    out = result(runs, "run")
+    assert out["preset"] == "tiny" and out["mesh"] == [2, 2, 2] and out["devices"] == 8
+    assert out["device_kind"] and out["backend"] == "cpu"
+    for name in POSITIVE:
+        assert out[name] is not None and out[name] > 0, (name, out[name])
+    for name in NULLABLE:
+        assert name in out and (out[name] is None or out[name] > 0), (name, out[name])
+    spread = out["step_time_spread"]
+    assert 0 < spread["min"] <= out["step_time_median_s"] <= spread["max"]
+    assert out["tokens_per_step"] == 2 * 4 * 32
+    assert out["params_active"] < out["params_total"]
+    assert out["final_loss"] == pytest.approx(out["final_loss"]) and 0 < out["final_loss"] < 20   # finite
+
+
+def test_pipeline_flops_only_the_bubble_is_extra(runs):
+    out = result(runs, "pipeline")
+    pp = PP
+    assert out["preset"] == "tiny" and out["mesh"] == [1, pp, 1] and out["flat_mesh"] == [1, 1, 1]
+    assert out["per_device_flops_pp"] > 0 and out["per_device_flops_pp1"] > 0
+    assert out["gpipe_expected_ratio"] == pytest.approx((M + pp - 1) / (M * pp))
+    # The pipelined blocks do exactly the GPipe share; the output layer is split evenly over stages.
+    assert out["ratio_by_part"]["blocks"] == pytest.approx(out["gpipe_expected_ratio"], rel=0.10)
+    assert out["ratio_by_part"]["output_layer"] == pytest.approx(1 / pp, rel=0.10)
+    assert 0 < out["ratio"] <= out["gpipe_expected_ratio"] * 1.10
