@@ -56,10 +56,23 @@ def set_up_devices(cfg):
         jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
                                    num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                                    process_id=int(os.environ["JAX_PROCESS_ID"]))
-    elif os.environ.get("SLURM_NTASKS", "1") != "1" or _tpu_multihost():
-        jax.distributed.initialize()      # SLURM and TPU pods: everything is auto-detected
+    elif os.environ.get("SLURM_NTASKS", "1") != "1":
+        jax.distributed.initialize()      # SLURM: everything is auto-detected
+    elif _on_tpu_vm():
+        try:                              # TPU pod slices: auto-detected from the TPU metadata
+            jax.distributed.initialize()
+        except Exception as e:            # a single-host TPU VM needs no coordination
+            if _tpu_multihost():
+                raise
+            warnings.warn(f"jax.distributed.initialize() skipped on a single TPU host: {e}")
     _PROCESS_INDEX = jax.process_index()
     return jax
+
+
+def _on_tpu_vm():
+    import glob
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+                or os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("TPU_WORKER_HOSTNAMES"))
 
 
 def _tpu_multihost():

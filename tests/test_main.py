@@ -1,0 +1,174 @@
+"""main.py end to end, as subprocesses on CPU: exact resume after SIGKILL and SIGTERM, the same loss
+curve on meshes (1,1,1) and (2,2,2) (and a checkpoint restored across them), fallback from a corrupted
+newest checkpoint, and --wandb without network or key.
+
+Kills are placed with main.py's test hook JAXFORMER_TEST_SIGNAL=STEP:SIG (the process signals itself
+after step STEP, once that step's checkpoint, if one is due, is on disk). Resume is checked
+bit-for-bit on CPU: per-step losses after the restart and the final parameters are identical.
+A persistent XLA compilation cache shared by the runs keeps the suite to a couple of minutes.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 --q_latent_dim 16 "
+        "--dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 --model_dtype float32 "
+        "--val_batch_size 2 --eval_steps 1 --max_tokens 4 --checkpoint_steps 1").split()
+N = 20              # steps; checkpoints every 10 x --checkpoint_steps = 10 steps, so at 10 and 20
+# (1,1,1) with 8 sequences per replica and (2,2,2) with 4 see the same global batch of 8.
+MESH1 = "--n_device_axis 1 1 1 --train_batch_size 8".split()
+MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --cpu_devices 8".split()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "JAXFORMER_"))}
+    e.update(JAX_PLATFORMS="cpu", JAXFORMER_NO_SAMPLES="1", PYTHONUNBUFFERED="1",
+             XLA_FLAGS=" ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f),
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             WANDB_MODE="disabled")
+    return e
+
+
+def run(env, out, *args, steps=N, hook=None, extra_env=None, expect=0, timeout=600):
+    e = dict(env, **(extra_env or {}))
+    if hook:
+        e["JAXFORMER_TEST_SIGNAL"] = hook
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(out), "--name", "run",
+           "--training_steps", str(steps), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != expect:
+        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}, expected {expect}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses(out):
+    """Per-step training loss; after a restart the last record of a step wins."""
+    result = {}
+    with open(os.path.join(out, "run", "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "loss" in rec:
+                result[rec["step"]] = rec["loss"]
+    return result
+
+
+def params(out, step):
+    import jax
+    import orbax.checkpoint as ocp
+    path = os.path.join(out, "run", "checkpoints", str(step), "state")
+    with ocp.StandardCheckpointer() as ckptr:
+        state = ckptr.restore(path)
+    return jax.tree.map(np.asarray, state["params"])
+
+
+def assert_same_params(a, b):
+    import jax
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def baseline(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run(env, out, *MESH1)
+    return out, losses(out)
+
+
+def test_straight_run_logs_every_step_and_checkpoints(baseline):
+    out, curve = baseline
+    assert sorted(curve) == list(range(1, N + 1))
+    assert all(np.isfinite(v) for v in curve.values())
+    assert curve[N] < curve[1]
+    assert sorted(os.listdir(os.path.join(out, "run", "checkpoints"))) == ["10", "20"]
+    records = [json.loads(l) for l in open(os.path.join(out, "run", "metrics.jsonl"))]
+    evals = [r for r in records if "val_loss" in r]
+    assert len(evals) == N and all(len(r["expert_load"]) == 2 and len(r["expert_load"][0]) == 4 for r in evals)
+    assert any("unigram_entropy" in r for r in records)
+
+
+def test_resume_after_sigkill_is_exact(env, baseline, tmp_path):
+    out, curve = baseline
+    run(env, tmp_path, *MESH1, hook=f"{N // 2}:KILL", expect=-9)
+    assert os.path.isdir(os.path.join(tmp_path, "run", "checkpoints", str(N // 2)))
+    proc = run(env, tmp_path, *MESH1)
+    assert f"resumed from" in proc.stdout
+    resumed = losses(tmp_path)
+    for s in range(N // 2 + 1, N + 1):
+        assert resumed[s] == curve[s], (s, resumed[s], curve[s])
+    assert_same_params(params(tmp_path, N), params(out, N))
+
+
+def test_resume_after_sigterm_is_exact(env, baseline, tmp_path):
+    out, curve = baseline
+    # SIGTERM during step 7: step 8 finishes, is checkpointed (not a regular save step), exit 0.
+    proc = run(env, tmp_path, *MESH1, hook="7:TERM", expect=0)
+    assert "SIGTERM" in proc.stdout
+    assert sorted(os.listdir(os.path.join(tmp_path, "run", "checkpoints"))) == ["8"]
+    run(env, tmp_path, *MESH1)
+    resumed = losses(tmp_path)
+    for s in range(9, N + 1):
+        assert resumed[s] == curve[s], (s, resumed[s], curve[s])
+    assert_same_params(params(tmp_path, N), params(out, N))
+
+
+def test_same_curve_on_mesh_222_and_restore_across_meshes(env, baseline, tmp_path):
+    out, curve = baseline
+    # From scratch on (2,2,2): the first half of the curve.
+    run(env, tmp_path / "scratch", *MESH8, steps=N // 2)
+    mesh_curve = losses(tmp_path / "scratch")
+    for s in range(1, N // 2 + 1):
+        np.testing.assert_allclose(mesh_curve[s], curve[s], rtol=2e-4, err_msg=f"step {s}")
+    # The (1,1,1) checkpoint at step 10 restored onto (2,2,2): the second half.
+    ckpt = tmp_path / "cross" / "run" / "checkpoints"
+    shutil.copytree(os.path.join(out, "run", "checkpoints", str(N // 2)), ckpt / str(N // 2))
+    proc = run(env, tmp_path / "cross", *MESH8)
+    assert "resumed from" in proc.stdout
+    cross = losses(tmp_path / "cross")
+    for s in range(N // 2 + 1, N + 1):
+        np.testing.assert_allclose(cross[s], curve[s], rtol=5e-4, err_msg=f"step {s}")
+
+
+def test_corrupted_newest_checkpoint_falls_back_with_warning(env, baseline, tmp_path):
+    out, curve = baseline
+    shutil.copytree(os.path.join(out, "run", "checkpoints"), tmp_path / "run" / "checkpoints")
+    state = tmp_path / "run" / "checkpoints" / str(N) / "state"
+    for root, _, files in os.walk(state):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"\x00garbage" * 7)
+    proc = run(env, tmp_path, *MESH1, steps=N // 2 + 2)
+    assert "unreadable" in proc.stdout + proc.stderr
+    assert f"resumed from" in proc.stdout and f"step {N // 2}," in proc.stdout
+    resumed = losses(tmp_path)
+    assert resumed == {s: curve[s] for s in (N // 2 + 1, N // 2 + 2)}
+    assert os.listdir(tmp_path / "run" / "unreadable_checkpoints")
+
+
+@pytest.mark.parametrize("wandb_env", [{}, {"WANDB_API_KEY": "x" * 40, "WANDB_INIT_TIMEOUT": "10"}],
+                         ids=["no-key", "key-no-network"])
+def test_wandb_without_network_or_key_does_not_hang(env, tmp_path, wandb_env):
+    e = {k: v for k, v in env.items() if k not in ("WANDB_MODE", "JAXFORMER_NO_SAMPLES")}
+    e.update(wandb_env, WANDB_BASE_URL="http://127.0.0.1:9")      # nothing listens there
+    proc = run(e, tmp_path, *MESH1, "--wandb", steps=2, timeout=240)
+    assert "final: val cross-entropy" in proc.stdout
+    samples = open(tmp_path / "run" / "samples.txt").read()
+    assert "=== step 2" in samples
+    if not wandb_env:
+        assert os.path.isdir(tmp_path / "run" / "wandb")
+
+
+def test_config_error_names_the_flag(env, tmp_path):
+    proc = run(env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2, timeout=120)
+    assert "TP of --n_device_axis" in proc.stderr
