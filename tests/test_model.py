@@ -76,6 +76,18 @@ def test_bfloat16_matmuls_track_the_fp32_reference(reference):
     assert rel_err(loss, ref_loss) < 1e-2 and rel_err(loss, bf16_ref) < 1e-3
 
 
+def test_dropout_masks_do_not_depend_on_the_mesh():
+    cfg = with_model(CFG, dropout_rate=0.2)
+    params = model.init_params(cfg, KEY)
+    x, y = batch()
+    train, _ = model.reference_loss_and_metrics(params, x, y, KEY, cfg, train=True)
+    evaluation, _ = model.reference_loss_and_metrics(params, x, y, KEY, cfg, train=False)
+    mesh = model.make_mesh((2, 2, 2))
+    sharded = jax.device_put(params, model.param_shardings(params, mesh))
+    loss, _ = jax.jit(lambda p: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 4, train=True))(sharded)
+    assert rel_err(loss, train) < 1e-6 and rel_err(train, evaluation) > 1e-5   # dropout is active
+
+
 def test_init_is_mesh_independent():
     inits = [model.init_sharded_params(CFG, KEY, model.make_mesh(shape)) for shape in [(1, 1, 1), (2, 2, 2)]]
     for leaves in zip(*map(jax.tree.leaves, inits)):
