@@ -442,7 +442,8 @@ def _train(cfg, jax, mesh):
     interval = []                      # fetched metrics of the current log interval
     timer = {"t": None, "steps": 0, "first_step_s": None}
     bar = tqdm(total=oc.training_steps, initial=start_step, disable=not proc0, dynamic_ncols=True,
-               desc="train", unit="step", file=sys.stdout)
+               desc="train", unit="step", file=sys.stdout,
+               mininterval=0.5 if sys.stdout.isatty() else 60)    # a log file gets a line a minute
     last_saved = start_step if restored is not None else None
     val_ce = None
 
