@@ -23,7 +23,6 @@ Examples:
 import argparse
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -55,90 +54,38 @@ def parse_args(argv=None):
     return args, cfg
 
 
-def set_up_devices(cfg):
-    """Environment that must be set before `import jax` (the same rule as main.py)."""
-    if cfg.run.cpu_devices > 0:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={cfg.run.cpu_devices}"])
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-    return jax
-
-
 # ----------------------------------------------------------------------------------------------
 # The training step (the same computation as main.py's train_step)
 
 
 def build_step(cfg, mesh):
-    """(jitted step, make_state, make_batch). step(params, opt_state, key, xs, ys) -> (params, opt_state,
-    key, stats); xs, ys are [grad_step, dp x train_batch_size, T] int32, batch sharded over dp."""
+    """main.py's jitted training step (main.build_trainer) with a fresh state, random batches and
+    abstract arguments for compiling without data. Returns (step, make_state, make_batch, abstract_args)."""
     import jax
     import jax.numpy as jnp
-    import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import model
+    import main as driver
 
-    mc, oc, rc = cfg.model, cfg.optim, cfg.run
-    G, M = oc.grad_step, rc.micro_batch_size
-    abstract_params = jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0))
-    p_shard = model.param_shardings(abstract_params, mesh)
-    replicated = NamedSharding(mesh, P())
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(oc.grad_clip_norm),
-        optax.adamw(utils.lr_schedule(oc), b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay,
-                    mask=model.decay_mask(abstract_params)))
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    o_shard = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shard,
-                                    transform_non_params=lambda _: replicated)
-    data_shard = NamedSharding(mesh, P(None, "dp", None))
-
-    def train_step(params, opt_state, key, xs, ys):
-        key, step_key = jax.random.split(jax.random.wrap_key_data(key))
-        grad_fn = jax.value_and_grad(
-            lambda p, x, y, k: model.loss_and_metrics(p, x, y, k, mc, mesh, M, True), has_aux=True)
-
-        def micro(grads_loss, inputs):
-            grads, loss_sum = grads_loss
-            x, y, i = inputs
-            (loss, _), g = grad_fn(params, x, y, jax.random.fold_in(step_key, i))
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        if G == 1:
-            (grads, loss), _ = micro((zeros, 0.0), (xs[0], ys[0], 0))
-        else:
-            (grads, loss), _ = jax.lax.scan(micro, (zeros, 0.0), (xs, ys, jnp.arange(G)))
-            grads, loss = jax.tree.map(lambda g: g / G, grads), loss / G
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, jax.random.key_data(key), {"loss": loss, "grad_norm": grad_norm}
-
-    step = jax.jit(train_step, in_shardings=(p_shard, o_shard, replicated, data_shard, data_shard),
-                   out_shardings=(p_shard, o_shard, replicated, replicated), donate_argnums=(0, 1, 2))
+    trainer = driver.build_trainer(cfg, mesh)
+    data_shard = NamedSharding(mesh, P("dp", None))
+    G, rows, T = cfg.optim.grad_step, cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T
 
     def make_state(seed):
-        init_key, train_key = jax.random.split(jax.random.key(seed))
-        params = jax.jit(lambda k: model.init_params(mc, k), out_shardings=p_shard)(init_key)
-        opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
-        key = jax.device_put(jax.random.key_data(train_key), replicated)
-        return params, opt_state, key
+        state = trainer.fresh_state(seed)
+        return state["params"], state["opt_state"], state["key"]
 
     def make_batch(seed):
-        shape = (G, rc.n_device_axis[0] * rc.train_batch_size, mc.T + 1)
-        tokens = jax.random.randint(jax.random.key(seed), shape, 0, mc.vocab_size, jnp.int32)
-        return jax.device_put(tokens[..., :-1], data_shard), jax.device_put(tokens[..., 1:], data_shard)
+        tokens = jax.random.randint(jax.random.key(seed), (G, rows, T + 1), 0, cfg.model.vocab_size, jnp.int32)
+        return tuple(tuple(jax.device_put(tokens[i, :, part], data_shard) for i in range(G))
+                     for part in (slice(None, -1), slice(1, None)))
 
     def abstract_args():
-        sds = lambda tree, shard: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                              tree, shard)
-        key = jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32, sharding=replicated)
-        batch = jax.ShapeDtypeStruct((G, rc.n_device_axis[0] * rc.train_batch_size, mc.T), jnp.int32,
-                                     sharding=data_shard)
-        return sds(abstract_params, p_shard), sds(abstract_opt, o_shard), key, batch, batch
+        state = trainer.abstract_state
+        batch = tuple(jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=data_shard) for _ in range(G))
+        return state["params"], state["opt_state"], state["key"], batch, batch
 
-    return step, make_state, make_batch, abstract_args
+    return trainer.step, make_state, make_batch, abstract_args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,7 +346,8 @@ def run_benchmark(args, cfg, jax, model):
 
 def main(argv=None):
     args, cfg = parse_args(argv)
-    jax = set_up_devices(cfg)
+    import main as driver
+    jax = driver.set_up_devices(cfg)
     import model
     utils.validate(cfg, jax.device_count())
     result = ({"preset": args.preset, **pipeline_flops(cfg, jax, model)} if args.pipeline_flops

@@ -18,7 +18,6 @@ Test hooks (environment, used by tests/test_main.py only):
 """
 import dataclasses
 import json
-import math
 import os
 import signal
 import sys
@@ -259,52 +258,20 @@ def main(argv=None):
     return train(cfg, jax)
 
 
-def train(cfg, jax):
-    dp, pp, tp = cfg.run.n_device_axis
-    n_mesh = dp * pp * tp
-    # Auto axes: shard_map inside the model writes every collective out; outside it (optimizer update,
-    # generation) XLA propagates the shardings of the parameters.
-    mesh = jax.make_mesh((dp, pp, tp), utils.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                         devices=jax.devices()[:n_mesh])
-    return _train(cfg, jax, mesh)
+def build_trainer(cfg, mesh):
+    """The training state's shardings, a fresh state, and the jitted training step (bench.py times
+    this same step). step(params, opt_state, key, xs, ys) -> (params, opt_state, key, stats); xs and ys
+    are tuples of --grad_step global batches [dp x train_batch_size, T], sharded over dp."""
+    import types
 
-
-def _train(cfg, jax, mesh):
-    import numpy as np
+    import jax
     import jax.numpy as jnp
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from tqdm import tqdm
 
-    import dataset
     import model
-    from data.tokenizer import get_tokenizer
 
-    mc, oc, rc, ic = cfg.model, cfg.optim, cfg.run, cfg.inference
-    proc0 = jax.process_index() == 0
-    dp, pp, tp = rc.n_device_axis
-    n_mesh = dp * pp * tp
-    run_dir = os.path.join(rc.output_dir, rc.name)
-    if proc0:
-        os.makedirs(run_dir, exist_ok=True)
-
-    log(utils.describe(cfg))
-    counts = model.count_params(mc)
-    log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
-        f"(active: used per token, without the embedding)")
-    log(f"mesh: dp={dp} pp={pp} tp={tp} over {n_mesh} of {jax.device_count()} {jax.devices()[0].device_kind} "
-        f"device(s), {jax.process_count()} process(es)")
-    log(utils.MFU_FORMULA)
-
-    # --- data
-    data_dir = data_dir_for(cfg)
-    train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
-    val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
-    data_sharding = NamedSharding(mesh, P("dp", None))
-    global_batch = dp * rc.train_batch_size
-    val_batches = dataset.validation_batches(val_ds, mc.T, dp * rc.val_batch_size, data_sharding, rc.eval_steps)
-
-    # --- state: shardings first, then init or restore straight into them
+    mc, oc, rc = cfg.model, cfg.optim, cfg.run
     abstract_params = jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0))
     p_shard = model.param_shardings(abstract_params, mesh)
     replicated = NamedSharding(mesh, P())
@@ -318,8 +285,8 @@ def _train(cfg, jax, mesh):
                                     transform_non_params=lambda _: replicated)
     state_shard = {"params": p_shard, "opt_state": o_shard, "key": replicated}
 
-    def fresh_state():
-        init_key, train_key = jax.random.split(jax.random.key(rc.seed))
+    def fresh_state(seed):
+        init_key, train_key = jax.random.split(jax.random.key(seed))
         params = jax.jit(lambda k: model.init_params(mc, k), out_shardings=p_shard)(init_key)
         opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
         # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
@@ -330,24 +297,6 @@ def _train(cfg, jax, mesh):
                       "key": jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32)}
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   abstract_state, state_shard)
-
-    mngr = checkpoint_manager(run_dir)
-    restored = restore_latest(mngr, abstract_state, run_dir) if mngr.all_steps() else None
-    if restored is None:
-        state, start_step, run_id = fresh_state(), 0, uuid.uuid4().hex[:8]
-    else:
-        state, meta = restored
-        start_step, run_id = int(meta["step"]), meta.get("run_id") or uuid.uuid4().hex[:8]
-        log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position "
-            f"{meta['data_step']}, run id {run_id}")
-        if meta.get("model") and meta["model"] != dataclasses.asdict(mc):
-            log("WARNING: the checkpoint was written with a different model config")
-
-    logger = Logger(cfg, run_dir, run_id, proc0)
-    if restored is not None:
-        logger.metrics({"event": "resume", "step": start_step})
-
-    # --- the jitted steps
     G, M = oc.grad_step, rc.micro_batch_size
 
     def train_step(params, opt_state, key, xs, ys):
@@ -380,9 +329,71 @@ def _train(cfg, jax, mesh):
         params = optax.apply_updates(params, updates)
         return params, opt_state, jax.random.key_data(key), stats
 
-    data_shards = tuple([data_sharding] * G)
+    data_shards = tuple([NamedSharding(mesh, P("dp", None))] * G)
     train_step = jax.jit(train_step, in_shardings=(p_shard, o_shard, replicated, data_shards, data_shards),
                          out_shardings=(p_shard, o_shard, replicated, replicated), donate_argnums=(0, 1, 2))
+
+    return types.SimpleNamespace(step=train_step, fresh_state=fresh_state, abstract_state=abstract_state,
+                                 schedule=schedule)
+
+
+def train(cfg, jax):
+    import model
+    return _train(cfg, jax, model.make_mesh(cfg.run.n_device_axis))
+
+
+def _train(cfg, jax, mesh):
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tqdm import tqdm
+
+    import dataset
+    import model
+    from data.tokenizer import get_tokenizer
+
+    mc, oc, rc, ic = cfg.model, cfg.optim, cfg.run, cfg.inference
+    proc0 = jax.process_index() == 0
+    dp, pp, tp = rc.n_device_axis
+    n_mesh = dp * pp * tp
+    run_dir = os.path.join(rc.output_dir, rc.name)
+    if proc0:
+        os.makedirs(run_dir, exist_ok=True)
+
+    log(utils.describe(cfg))
+    counts = model.count_params(mc)
+    log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
+        f"(active: used per token, without the embedding)")
+    log(f"mesh: dp={dp} pp={pp} tp={tp} over {n_mesh} of {jax.device_count()} {jax.devices()[0].device_kind} "
+        f"device(s), {jax.process_count()} process(es)")
+    log(utils.MFU_FORMULA)
+
+    # --- data
+    data_dir = data_dir_for(cfg)
+    train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
+    val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
+    data_sharding = NamedSharding(mesh, P("dp", None))
+    global_batch = dp * rc.train_batch_size
+    val_batches = dataset.validation_batches(val_ds, mc.T, dp * rc.val_batch_size, data_sharding, rc.eval_steps)
+
+    trainer = build_trainer(cfg, mesh)
+    abstract_state, schedule = trainer.abstract_state, trainer.schedule
+    G, M = oc.grad_step, rc.micro_batch_size
+
+    mngr = checkpoint_manager(run_dir)
+    restored = restore_latest(mngr, abstract_state, run_dir) if mngr.all_steps() else None
+    if restored is None:
+        state, start_step, run_id = trainer.fresh_state(rc.seed), 0, uuid.uuid4().hex[:8]
+    else:
+        state, meta = restored
+        start_step, run_id = int(meta["step"]), meta.get("run_id") or uuid.uuid4().hex[:8]
+        log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position "
+            f"{meta['data_step']}, run id {run_id}")
+        if meta.get("model") and meta["model"] != dataclasses.asdict(mc):
+            log("WARNING: the checkpoint was written with a different model config")
+
+    logger = Logger(cfg, run_dir, run_id, proc0)
+    if restored is not None:
+        logger.metrics({"event": "resume", "step": start_step})
 
     @jax.jit
     def eval_step(params, x, y):
@@ -463,12 +474,12 @@ def _train(cfg, jax, mesh):
             else:
                 timer["steps"] += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}")
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
 
     t_start = time.perf_counter()
     while step < oc.training_steps:
         xs, ys = zip(*[next(batches) for _ in range(G)])
-        params, opt_state, key, metrics = train_step(state["params"], state["opt_state"], state["key"], xs, ys)
+        params, opt_state, key, metrics = trainer.step(state["params"], state["opt_state"], state["key"], xs, ys)
         state = {"params": params, "opt_state": opt_state, "key": key}
         step += 1
         pending.append((step, metrics))

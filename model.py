@@ -449,12 +449,14 @@ def cross_entropy(table_VD, h_BTD, targets_BT, cfg, axes):
     return max_BT + jnp.log(sum_exp_BT) - target_BT
 
 
-def cross_entropy_sum(table_VD, h_CbTD, targets_CbT, cfg, axes):
-    """Summed cross-entropy over chunks [C, b, T, D]: a scan keeps one chunk's fp32 logits alive at a
-    time, and the backward pass recomputes them chunk by chunk instead of storing [tokens, V]."""
-    chunk = jax.checkpoint(lambda h_bTD, y_bT: jnp.sum(cross_entropy(table_VD, h_bTD, y_bT, cfg, axes)))
-    _, sums_C = lax.scan(lambda _, inputs: (None, chunk(*inputs)), None, (h_CbTD, targets_CbT))
-    return jnp.sum(sums_C)
+def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
+    """Summed cross-entropy, one sequence at a time: a scan keeps one sequence's fp32 logits [T, V]
+    alive instead of [tokens, V] (and on CPU the smaller working set is faster). Under remat the
+    backward pass recomputes them per sequence; with --remat none the softmax is kept."""
+    one = lambda h_TD, y_T: jnp.sum(cross_entropy(table_VD, h_TD[None], y_T[None], cfg, axes))
+    one = one if cfg.remat == "none" else jax.checkpoint(one)
+    _, sums_B = lax.scan(lambda _, inputs: (None, one(*inputs)), None, (h_BTD, targets_BT))
+    return jnp.sum(sums_B)
 
 
 def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
@@ -485,7 +487,7 @@ def forward(params, ids_BT, cfg, positions_T=None, caches=None, ctx=None):
 def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
     ctx = {"train": train, "key": key, "seq_ids": jnp.arange(x_BT.shape[0])}
     h_BTD, stats, _ = forward(params, x_BT, cfg, ctx=ctx)
-    ce_sum = cross_entropy_sum(_table(params, cfg, Axes()), h_BTD[:, None], y_BT[:, None], cfg, Axes())
+    ce_sum = cross_entropy_sum(_table(params, cfg, Axes()), h_BTD, y_BT, cfg, Axes())
     return _summarise(ce_sum, stats, x_BT.size, x_BT.shape[0], cfg)
 
 
@@ -537,7 +539,8 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
     targets_MbT = lax.dynamic_slice_in_dim(y_MbT, stage * (M // n_stages), M // n_stages)
     h_MbTD = rms_norm(params["final_norm"], mine_MbTD)
-    ce_sum = lax.psum(cross_entropy_sum(table_VD, h_MbTD, targets_MbT, cfg, axes), ("dp", "pp"))
+    ce_sum = lax.psum(cross_entropy_sum(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T),
+                                        cfg, axes), ("dp", "pp"))
     # Per-block stats: stage s has blocks [s B/pp, (s+1) B/pp); gather them in order, sum over dp.
     stats = {name: lax.psum(lax.all_gather(s, "pp", axis=0, tiled=True, to="invarying"), "dp")
              for name, s in stats.items()}

@@ -103,7 +103,16 @@ class Config:
 
 
 PRESETS = {
-    "tiny": Config(),
+    # The embedded default: minutes on a 2-core CPU, where the 100k-row output layer is most of the
+    # work, so the body stays small and nothing is recomputed.
+    "tiny": Config(
+        model=ModelConfig(model_dimension=64, n_head=4, blocks=2, layers_per_block=2, T=64, latent_dim=32,
+                          q_latent_dim=32, dhR=16, n_experts=4, k=2, n_shared=1, remat="none"),
+        optim=OptimConfig(max_lr=5e-3, min_lr=5e-4, end_lr=5e-4, warmup_steps=20, end_steps=300,
+                          training_steps=300),
+        run=RunConfig(name="tiny", train_batch_size=16, val_batch_size=16, micro_batch_size=2,
+                      checkpoint_steps=50, eval_steps=4),
+        inference=InferenceConfig(max_tokens=48)),
     # The guide's headline run on 32 TPU-v4 chips.
     "moe1B": Config(
         model=ModelConfig(model_dimension=768, n_head=12, blocks=8, layers_per_block=6, T=1024, latent_dim=128,
@@ -303,7 +312,8 @@ def peak_flops(device_kind):
 
 
 MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x peak FLOP/s); model FLOPs per token = "
-               "6 x active params (incl. output projection) + 6 x layers x T x attention width (causal)")
+               "6 x (active params + output projection) + 3 x T x heads x (2 x head_dim + dhR) per layer "
+               "(causal attention; dhR only in RoPE layers); pipeline bubbles and remat are not counted")
 
 
 def mfu(tokens_per_second, flops_per_token, n_devices, peak):

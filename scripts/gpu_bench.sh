@@ -10,7 +10,8 @@
 # 2. Prints versions, nvidia-smi and jax.devices().
 # 3. Runs bench.py: the tiny preset (sanity), then moe1B on mesh 1 1 1 with 8 sequences of 1024 tokens
 #    per step (--micro_batch_size 1: no pipeline on one device) under --remat full and --remat dots,
-#    then (if the budget allows) 16 sequences under --remat dots.
+#    then --moe_impl ragged (sorted tokens + lax.ragged_dot) against the per-expert buffers, then (if
+#    the budget allows) 16 sequences under --remat dots.
 #    Each run is one JSON line in RESULT_DIR/<name>.json, its log in RESULT_DIR/<name>.log.
 # 4. Prints a summary table LAST (also saved as RESULT_DIR/summary.txt).
 #
@@ -108,11 +109,13 @@ run() {
 MOE=(--preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1 --steps "$STEPS" --warmup "$WARMUP")
 # shellcheck disable=SC2206  # MOE_EXTRA is a list of flags, split on purpose
 MOE+=(${MOE_EXTRA:-})
-run tiny_sanity 90 --preset tiny --n_device_axis 1 1 1 --steps "$STEPS" --warmup "$WARMUP"
-run moe1B_remat_full 180 "${MOE[@]}" --remat full
-run moe1B_remat_dots 180 "${MOE[@]}" --remat dots
+run tiny_sanity 60 --preset tiny --n_device_axis 1 1 1 --steps "$STEPS" --warmup "$WARMUP"
+run moe1B_remat_full 120 "${MOE[@]}" --remat full
+run moe1B_remat_dots 120 "${MOE[@]}" --remat dots
+# the sorted grouped-matmul experts against the per-expert buffers above
+run moe1B_ragged_remat_dots 120 "${MOE[@]}" --remat dots --moe_impl ragged
 # only if the budget allows: twice the batch (16 x 1024 tokens per step)
-run moe1B_b16_remat_dots 150 "${MOE[@]}" --remat dots --train_batch_size 16
+run moe1B_b16_remat_dots 100 "${MOE[@]}" --remat dots --train_batch_size 16
 
 echo
 echo "== summary ($(($(date +%s) - START)) s total)"
@@ -120,7 +123,7 @@ echo "== summary ($(($(date +%s) - START)) s total)"
 import json, os, sys
 
 d = sys.argv[1]
-names = ["tiny_sanity", "moe1B_remat_full", "moe1B_remat_dots", "moe1B_b16_remat_dots"]
+names = ["tiny_sanity", "moe1B_remat_full", "moe1B_remat_dots", "moe1B_ragged_remat_dots", "moe1B_b16_remat_dots"]
 cols = ["run", "status", "tokens/s", "step s (med)", "compile s", "MFU spec", "MFU meas", "matmul TF/s",
         "peak GiB", "device"]
 rows = []
