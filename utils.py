@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 # The embedding table is padded to a multiple of this many rows, independent of the mesh, so that a
 # checkpoint written on one mesh restores on any other and the vocab splits evenly over tp.
 VOCAB_PAD_MULTIPLE = 128
-MESH_AXES = ("dp", "pp", "tp")
 
 
 @dataclass(frozen=True)
