@@ -113,11 +113,12 @@ def _dims(text):
 
 
 def _dot_category(rhs):
-    """Which part of the model a dot belongs to, from the einsum spec JAX writes into its op_name
-    (the transposed dots of the backward pass keep the forward op's name)."""
+    """Which part of the model a dot belongs to, from the op_name JAX writes into its metadata: the
+    output layer's dots run under the named scope "output_layer" (model.cross_entropy_sum), and
+    the dots of the backward pass keep the forward's name inside "transpose(...)"."""
     name = re.search(r'op_name="([^"]*)"', rhs)
     name = name.group(1) if name else ""
-    part = "output_layer" if "btd,vd->btv" in name else ("blocks" if name else "unattributed")
+    part = "output_layer" if "output_layer" in name else ("blocks" if name else "unattributed")
     phase = ("remat" if "rematted_computation" in name else "backward" if "transpose(" in name else "forward")
     return part, phase
 
@@ -129,7 +130,7 @@ def hlo_flops(hlo_text):
     "output_layer": F, "blocks": F, "unattributed": F, "forward": F, "backward": F, "remat": F}:
     the first three split the total by part ("unattributed": dots XLA created without an op_name,
     seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
-    inside the backward). The output layer is recognised by model.logits_local's einsum spec."""
+    inside the backward). The output layer is recognised by its "output_layer" scope."""
     comps, entry, current = {}, None, None
     for line in hlo_text.splitlines():
         stripped = line.strip()

@@ -69,6 +69,15 @@ def _index(axis):
     return 0 if axis is None else lax.axis_index(axis)
 
 
+def _vary_like(arrays, others):
+    """`arrays` cast to vary over every mesh axis any of `others` varies over (inside shard_map;
+    a no-op outside it)."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying
+    axes = frozenset().union(*map(varying, others))
+    return tuple(lax.pcast(x, tuple(sorted(axes - varying(x))), to="varying") if axes - varying(x) else x
+                 for x in arrays)
+
+
 # ----------------------------------------------------------------------------------------------
 # Parameters: shapes, init, specs, counts
 
@@ -434,29 +443,97 @@ def logits_local(table_VD, h_BTD, cfg, axes):
     return jnp.where(vocab_ids_V < cfg.vocab_size, logits_BTV, -jnp.inf)
 
 
-def cross_entropy(table_VD, h_BTD, targets_BT, cfg, axes):
-    """Per-token cross-entropy [B, T] with the vocab split over tp (Megatron's parallel softmax):
-    max and sum-exp are combined across ranks, and the target logit comes from the rank holding it."""
-    V = table_VD.shape[0]
-    logits_BTV = logits_local(table_VD, h_BTD, cfg, axes)
-    local_max_BT = lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
-    max_BT = local_max_BT if axes.tp is None else lax.pmax(local_max_BT, axes.tp)
-    sum_exp_BT = _psum(jnp.sum(jnp.exp(logits_BTV - max_BT[..., None]), axis=-1), axes.tp)
-    local_BT = targets_BT - _index(axes.tp) * V
-    inside_BT = (local_BT >= 0) & (local_BT < V)
-    picked_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, V - 1)[..., None], axis=-1)[..., 0]
-    target_BT = _psum(jnp.where(inside_BT, picked_BT, 0.0), axes.tp)
-    return max_BT + jnp.log(sum_exp_BT) - target_BT
-
-
 def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
-    """Summed cross-entropy, one sequence at a time: a scan keeps one sequence's fp32 logits [T, V]
-    alive instead of [tokens, V] (and on CPU the smaller working set is faster). Under remat the
-    backward pass recomputes them per sequence; with --remat none the softmax is kept."""
-    one = lambda h_TD, y_T: jnp.sum(cross_entropy(table_VD, h_TD[None], y_T[None], cfg, axes))
-    one = one if cfg.remat == "none" else jax.checkpoint(one)
-    _, sums_B = lax.scan(lambda _, inputs: (None, one(*inputs)), None, (h_BTD, targets_BT))
-    return jnp.sum(sums_B)
+    """Summed cross-entropy with the vocab split over tp (Megatron's parallel softmax), a chunk of
+    whole sequences at a time. Per chunk each rank reduces its vocab rows to three numbers per token
+    (`_vocab_softmax_stats`); the ranks then combine maxima, rescaled sums of exponentials and the
+    target logit, which exactly one rank holds. No fp32 logits outlive one chunk, in the forward or
+    the backward pass (which recomputes them): memory is O(chunk x V/tp) whatever the batch."""
+    V, dtype = table_VD.shape[0], table_VD.dtype
+    vocab_start = _index(axes.tp) * V
+    n_real = jnp.clip(cfg.vocab_size - vocab_start, 0, V)          # rows past the real vocab are padding
+    table_VD = _operands(dtype, table_VD)[0]                         # rounded (on CPU widened) once, not per chunk
+    local_targets_BT = targets_BT - vocab_start
+    # A custom_vjp must hand back cotangents typed like its inputs, and the table's gradient varies
+    # over every axis the tokens do (and the tokens' over tp). Casting both to the union first
+    # makes JAX put the reductions in the cast's transpose: psum over dp/pp for the table (on top of
+    # FSDP's reduce-scatter), over tp for the hidden states.
+    table_VD, h_BTD = _vary_like((table_VD, h_BTD), (table_VD, h_BTD, local_targets_BT, n_real))
+
+    def one(h_TD, y_T):                                             # T: the chunk's tokens
+        local_max_T, sum_exp_T, target_T = _vocab_softmax_stats(dtype, table_VD, h_TD, y_T, n_real)
+        local_max_T = lax.stop_gradient(local_max_T)
+        max_T = local_max_T if axes.tp is None else lax.pmax(local_max_T, axes.tp)
+        sum_exp_T = _psum(sum_exp_T * jnp.exp(local_max_T - max_T), axes.tp)
+        return jnp.sum(max_T + jnp.log(sum_exp_T) - _psum(target_T, axes.tp))
+
+    B, T, D = h_BTD.shape
+    n = B // _sequences_per_chunk(B, T)
+    with jax.named_scope("output_layer"):
+        _, sums = lax.scan(lambda _, inputs: (None, one(*inputs)), None,
+                           (h_BTD.reshape(n, -1, D), local_targets_BT.reshape(n, -1)))
+    return jnp.sum(sums)
+
+
+def _sequences_per_chunk(B, T, min_tokens=128):
+    """Whole sequences per cross-entropy chunk: the fewest (dividing B) that make min_tokens. Below
+    ~128 tokens XLA:CPU's vocab-sized matmuls lose efficiency; above it memory grows for no speed."""
+    return next(g for g in range(1, B + 1) if B % g == 0 and (g * T >= min_tokens or g == B))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _vocab_softmax_stats(dtype, table_VD, h_TD, local_targets_T, n_real):
+    """Over this rank's vocab rows [0, n_real) of a table already rounded for the matmul dtype
+    (`_operands`): per token the max logit m, sum_v exp(logit_v - m), and the target's logit (0 when
+    another rank holds the target). m gets no gradient: the loss does not depend on it. The
+    backward pass recomputes the logits rather than keeping [V, T] floats per sequence."""
+    return _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real)[0]
+
+
+_dot32 = partial(jnp.einsum, preferred_element_type=jnp.float32)
+
+
+def _exp_logits_VT(dtype, table_VD, h_TD, n_real, max_T=None):
+    """exp(logits - max) [V, T], 0 on padding rows, and the max. Vocab-major: XLA:CPU runs the
+    backward's products with it up to 2x faster than with token-major [T, V] (BENCHMARKS.md)."""
+    logits_VT = _dot32("vd,td->vt", table_VD, _operands(dtype, h_TD)[0])
+    real_V1 = (jnp.arange(table_VD.shape[0]) < n_real)[:, None]
+    if max_T is None:
+        max_T = jnp.max(jnp.where(real_V1, logits_VT, -jnp.inf), axis=0)
+    return jnp.where(real_V1, jnp.exp(logits_VT - max_T), 0.0), max_T
+
+
+def _target_rows(table_VD, local_targets_T, n_real):
+    """Each token's target row of the table, and whether this rank holds it."""
+    inside_T = (local_targets_T >= 0) & (local_targets_T < n_real)
+    return inside_T, table_VD[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)]
+
+
+def _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real):
+    exp_VT, max_T = _exp_logits_VT(dtype, table_VD, h_TD, n_real)
+    inside_T, rows_TD = _target_rows(table_VD, local_targets_T, n_real)
+    target_T = jnp.where(inside_T, _dot32("td,td->t", rows_TD, _operands(dtype, h_TD)[0]), 0.0)
+    return (max_T, jnp.sum(exp_VT, axis=0), target_T), (table_VD, h_TD, local_targets_T, n_real, max_T)
+
+
+def _softmax_stats_bwd(dtype, residuals, cotangents):
+    """d logit[v, t] = g_sum[t] exp(logit[v, t] - m[t]) + g_target[t] [v is t's target]. The g_sum
+    scaling is applied on the [T, D] side of both products, so the recomputed exponentials are the
+    only [V, T] array."""
+    table_VD, h_TD, local_targets_T, n_real, max_T = residuals
+    _, g_sum_T, g_target_T = cotangents
+    exp_VT = _operands(dtype, _exp_logits_VT(dtype, table_VD, h_TD, n_real, max_T)[0])[0]
+    inside_T, rows_TD = _target_rows(table_VD, local_targets_T, n_real)
+    g_target_T = jnp.where(inside_T, g_target_T, 0.0)
+    d_h_TD = (g_sum_T[:, None] * _dot32("vd,vt->td", table_VD, exp_VT)
+              + g_target_T[:, None] * rows_TD.astype(jnp.float32))
+    d_table_VD = _dot32("vt,td->vd", exp_VT, _operands(dtype, h_TD * g_sum_T[:, None])[0])
+    d_table_VD = d_table_VD.at[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)].add(
+        g_target_T[:, None] * _operands(dtype, h_TD)[0].astype(jnp.float32))
+    return d_table_VD.astype(table_VD.dtype), d_h_TD.astype(h_TD.dtype), None, None
+
+
+_vocab_softmax_stats.defvjp(_softmax_stats_fwd, _softmax_stats_bwd)
 
 
 def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):

@@ -76,6 +76,29 @@ def test_bfloat16_matmuls_track_the_fp32_reference(reference):
     assert rel_err(loss, ref_loss) < 1e-2 and rel_err(loss, bf16_ref) < 1e-3
 
 
+@pytest.mark.parametrize("n_seq,T", [(3, 8), (16, 16), (5, 40), (2, 130)])
+def test_cross_entropy_equals_log_softmax(n_seq, T):
+    """The chunked cross-entropy and its hand-written backward (logits recomputed, never stored)
+    against log_softmax over the full logits: value and both gradients. The padding rows past the
+    real vocab hold nonzero values here and must still be ignored. The shapes give one chunk, two
+    chunks of several sequences, and chunks of one long sequence."""
+    cfg = utils.ModelConfig(vocab_size=1000, model_dimension=16, model_dtype="float32")
+    table_VD = jax.random.normal(jax.random.key(1), (1024, 16))
+    h_BTD = jax.random.normal(jax.random.key(2), (n_seq, T, 16))        # logits spread ~4: max-shift matters
+    y_BT = jax.random.randint(jax.random.key(3), (n_seq, T), 0, cfg.vocab_size)
+
+    def naive(table_VD, h_BTD):
+        log_p = jax.nn.log_softmax(h_BTD @ table_VD[:cfg.vocab_size].T, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(log_p, y_BT[..., None], axis=-1))
+
+    fused = lambda table_VD, h_BTD: model.cross_entropy_sum(table_VD, h_BTD, y_BT, cfg, model.Axes())
+    value, grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(table_VD, h_BTD)
+    ref_value, ref_grads = jax.value_and_grad(naive, argnums=(0, 1))(table_VD, h_BTD)
+    assert rel_err(value, ref_value) < 1e-6
+    assert rel_err(grads[0], ref_grads[0]) < 1e-5 and rel_err(grads[1], ref_grads[1]) < 1e-5
+    assert not jnp.any(grads[0][cfg.vocab_size:])
+
+
 def test_dropout_masks_do_not_depend_on_the_mesh():
     cfg = with_model(CFG, dropout_rate=0.2)
     params = model.init_params(cfg, KEY)
