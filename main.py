@@ -374,6 +374,10 @@ def _train(cfg, jax, mesh):
     data_sharding = NamedSharding(mesh, P("dp", None))
     global_batch = dp * rc.train_batch_size
     val_batches = dataset.validation_batches(val_ds, mc.T, dp * rc.val_batch_size, data_sharding, rc.eval_steps)
+    if len(val_batches) < rc.eval_steps:
+        log(f"note: the val split holds {val_ds.n_windows(mc.T)} windows of {mc.T + 1} tokens, enough for "
+            f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {dp * rc.val_batch_size}; "
+            f"evaluating on {len(val_batches)}")
 
     trainer = build_trainer(cfg, mesh)
     abstract_state, schedule = trainer.abstract_state, trainer.schedule

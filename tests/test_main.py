@@ -172,3 +172,10 @@ def test_wandb_without_network_or_key_does_not_hang(env, tmp_path, wandb_env):
 def test_config_error_names_the_flag(env, tmp_path):
     proc = run(env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2, timeout=120)
     assert "TP of --n_device_axis" in proc.stderr
+
+
+def test_eval_steps_beyond_the_val_split_are_capped_with_a_note(env, tmp_path):
+    # The bundled val split holds 21,264 tokens: 664 windows of T+1 = 33, i.e. 2 batches of 300.
+    proc = run(env, tmp_path, *MESH1, "--val_batch_size", "300", "--eval_steps", "3", steps=1, timeout=240)
+    assert "enough for 2 of --eval_steps 3 batches of 300; evaluating on 2" in proc.stdout
+    assert "final: val cross-entropy" in proc.stdout
