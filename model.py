@@ -72,10 +72,20 @@ def _index(axis):
 def _vary_like(arrays, others):
     """`arrays` cast to vary over every mesh axis any of `others` varies over (inside shard_map;
     a no-op outside it)."""
-    varying = lambda x: jax.typeof(x).manual_axis_type.varying
-    axes = frozenset().union(*map(varying, others))
-    return tuple(lax.pcast(x, tuple(sorted(axes - varying(x))), to="varying") if axes - varying(x) else x
-                 for x in arrays)
+    axes = frozenset().union(*map(_varying_axes, others))
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+    return tuple(map(cast, arrays))
+
+
+def _varying_axes(x):
+    """The mesh axes x varies over (check_vma's type). JAX 0.10 keeps them in the aval's
+    manual_axis_type; earlier releases called the same set `vma`."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else aval.vma
 
 
 # ----------------------------------------------------------------------------------------------
