@@ -34,7 +34,7 @@ INVALID = [
     ({"temperature": 0.0}, "--temperature must be > 0"),
     ({"top_k": 0}, "--top_k must be >= 1"),
     ({"max_lr": 0.0}, "--max_lr must be > 0"),
-    ({"warmup_steps": 500}, "--warmup_steps (500) must be <= --end_steps (440)"),
+    ({"warmup_steps": 500}, "--warmup_steps (500) must be <= --end_steps (300)"),
     ({"grad_step": 0}, "--grad_step must be >= 1"),
     ({"grad_clip_norm": -1.0}, "--grad_clip_norm must be > 0"),
     ({"checkpoint_steps": 0}, "--checkpoint_steps must be >= 1"),
