@@ -63,12 +63,11 @@ def build_step(cfg, mesh):
     abstract arguments for compiling without data. Returns (step, make_state, make_batch, abstract_args)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import main as driver
 
     trainer = driver.build_trainer(cfg, mesh)
-    data_shard = NamedSharding(mesh, P("dp", None))
+    data_shard = trainer.data_sharding
     G, rows, T = cfg.optim.grad_step, cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T
 
     def make_state(seed):

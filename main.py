@@ -261,7 +261,7 @@ def main(argv=None):
 def build_trainer(cfg, mesh):
     """The training state's shardings, a fresh state, and the jitted training step (bench.py times
     this same step). step(params, opt_state, key, xs, ys) -> (params, opt_state, key, stats); xs and ys
-    are tuples of --grad_step global batches [dp x train_batch_size, T], sharded over dp."""
+    are tuples of --grad_step global batches [dp x train_batch_size, T] laid out as data_sharding."""
     import types
 
     import jax
@@ -329,12 +329,13 @@ def build_trainer(cfg, mesh):
         params = optax.apply_updates(params, updates)
         return params, opt_state, jax.random.key_data(key), stats
 
-    data_shards = tuple([NamedSharding(mesh, P("dp", None))] * G)
+    data_sharding = NamedSharding(mesh, P("dp", None))          # sequences over dp, whole rows
+    data_shards = tuple([data_sharding] * G)
     train_step = jax.jit(train_step, in_shardings=(p_shard, o_shard, replicated, data_shards, data_shards),
                          out_shardings=(p_shard, o_shard, replicated, replicated), donate_argnums=(0, 1, 2))
 
     return types.SimpleNamespace(step=train_step, fresh_state=fresh_state, abstract_state=abstract_state,
-                                 schedule=schedule)
+                                 schedule=schedule, data_sharding=data_sharding)
 
 
 def train(cfg, jax):
@@ -344,7 +345,6 @@ def train(cfg, jax):
 
 def _train(cfg, jax, mesh):
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
     from tqdm import tqdm
 
     import dataset
@@ -367,21 +367,20 @@ def _train(cfg, jax, mesh):
         f"device(s), {jax.process_count()} process(es)")
     log(utils.MFU_FORMULA)
 
+    trainer = build_trainer(cfg, mesh)
+    abstract_state, schedule, data_sharding = trainer.abstract_state, trainer.schedule, trainer.data_sharding
+    G, M = oc.grad_step, rc.micro_batch_size
+
     # --- data
     data_dir = data_dir_for(cfg)
     train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
     val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
-    data_sharding = NamedSharding(mesh, P("dp", None))
     global_batch = dp * rc.train_batch_size
     val_batches = dataset.validation_batches(val_ds, mc.T, dp * rc.val_batch_size, data_sharding, rc.eval_steps)
     if len(val_batches) < rc.eval_steps:
         log(f"note: the val split holds {val_ds.n_windows(mc.T)} windows of {mc.T + 1} tokens, enough for "
             f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {dp * rc.val_batch_size}; "
             f"evaluating on {len(val_batches)}")
-
-    trainer = build_trainer(cfg, mesh)
-    abstract_state, schedule = trainer.abstract_state, trainer.schedule
-    G, M = oc.grad_step, rc.micro_batch_size
 
     mngr = checkpoint_manager(run_dir)
     restored = restore_latest(mngr, abstract_state, run_dir) if mngr.all_steps() else None

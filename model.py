@@ -496,7 +496,7 @@ def _vocab_softmax_stats(dtype, table_VD, h_TD, local_targets_T, n_real):
     """Over this rank's vocab rows [0, n_real) of a table already rounded for the matmul dtype
     (`_operands`): per token the max logit m, sum_v exp(logit_v - m), and the target's logit (0 when
     another rank holds the target). m gets no gradient: the loss does not depend on it. The
-    backward pass recomputes the logits rather than keeping [V, T] floats per sequence."""
+    backward pass recomputes the logits rather than keeping [V, T] floats per chunk."""
     return _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real)[0]
 
 

@@ -6,7 +6,7 @@ from utils import ConfigError, PRESETS, config_from_args, override, validate
 # Dataclass defaults, not a preset, so tuning a preset does not move these expectations.
 TINY = utils.Config()
 
-# (overrides, substring the error must contain): each violates exactly one rule of the tiny preset.
+# (overrides, substring the error must contain): each violates exactly one rule of the default config.
 INVALID = [
     ({"n_head": 3}, "--model_dimension (128) must be divisible by --n_head (3)"),
     ({"n_device_axis": (1, 1, 8)}, "--n_head (4) must be divisible by TP"),
