@@ -1,8 +1,10 @@
 """The training data loader: token shards (data/shards.py) -> global (x, y) batches laid out on the mesh.
 
-- `TokenDataset(data_dir, split, vocab_size)`: reads `manifest.json` (local directory or fsspec URL;
-  remote shards are downloaded once into a local cache), checks every shard (size, sha256, tokenizer,
-  token ids < vocab_size) and memory-maps it. The split is the concatenation of its shards in order.
+- `TokenDataset(data_dir, split, vocab_size)`: reads `manifest.json` (local directory or any fsspec URL)
+  and checks the tokenizer and every shard's size against it (one directory listing); then reads only
+  the byte ranges of the windows it is asked for. Nothing is downloaded or hashed at start, so start-up,
+  memory and local disk do not grow with the number of shards; `python -m data.verify DIR` is the full
+  sha256 check. The split is the concatenation of its shards in order.
 - `BatchLoader(dataset, T, global_batch, sharding, seed)`: window w is tokens [w*T, w*T + T + 1) of the
   split, so (x, y) = (window[:-1], window[1:]) and no window runs past the end of the data. Epoch e
   visits the (n_tokens - 1) // T windows in the order of a permutation seeded by (seed, e); global row
@@ -15,9 +17,10 @@
 - `ensure_bundled_shards(cache_dir)`: tokenizes the bundled corpus once into a cached shard directory
   whose val split is exactly the corpus' val documents.
 """
-import hashlib
+import collections
 import json
 import os
+import posixpath
 import queue
 import shutil
 import threading
@@ -31,7 +34,7 @@ from data import shards as _shards
 from data import tokenizer as _tok
 
 BUNDLED_SHARD_SIZE = 1 << 20
-_HASH_CHUNK = 1 << 24
+_OPEN_FILES = 64               # local shard files kept open (LRU)
 
 
 class DataError(ValueError):
@@ -54,7 +57,8 @@ def ensure_bundled_shards(cache_dir: str) -> str:
     """
     from data import corpus
     key = _shards._file_sha256(corpus.PATH)[:16]
-    out = os.path.join(os.path.abspath(cache_dir), f"kjv_{_tok.NAME}_{key}_s{BUNDLED_SHARD_SIZE}")
+    # "_c": manifests with token counts (older caches without them are rebuilt, not reused)
+    out = os.path.join(os.path.abspath(cache_dir), f"kjv_{_tok.NAME}_{key}_s{BUNDLED_SHARD_SIZE}_c")
     if _complete(out):
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -84,113 +88,172 @@ def _complete(d):
 # Dataset
 # ----------------------------------------------------------------------------------------------------
 
-class TokenDataset:
-    """One split of a shard directory, memory-mapped. `n_tokens`, `read(start, length)`."""
+def _read_manifest(fs, root, manifest_path, vocab_size):
+    """The manifest dict, checked against this code's tokenizer and format and the model's vocab."""
+    try:
+        with fs.open(f"{root}/{_shards.MANIFEST}", "rb") as f:
+            m = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{manifest_path}: no manifest; tokenize first "
+                        f"(python -m data.tokenize_local --out {manifest_path.rsplit('/', 1)[0]} ...)") from None
+    except ValueError as e:
+        raise DataError(f"{manifest_path}: not valid JSON ({e})") from None
+    if m.get("tokenizer") != _tok.NAME:
+        raise DataError(f"{manifest_path}: shards were tokenized with {m.get('tokenizer')!r}, but this "
+                        f"code uses {_tok.NAME!r}; re-tokenize the data")
+    if m.get("dtype") != "uint32" or m.get("format") != _shards.FORMAT_VERSION:
+        raise DataError(f"{manifest_path}: unsupported format {m.get('format')} / dtype {m.get('dtype')}")
+    if int(m.get("vocab_size", 0)) > vocab_size:
+        raise DataError(f"{manifest_path}: tokenizer vocab {m.get('vocab_size')} exceeds the model's "
+                        f"vocab_size {vocab_size}")
+    if not m.get("complete"):
+        raise DataError(f"{manifest_path}: tokenization did not finish; rerun the tokenizer with --resume")
+    return m
 
-    def __init__(self, data_dir: str, split: str, vocab_size: int, cache_dir: str = None, verify: bool = True):
+
+class TokenDataset:
+    """One split of a shard directory, read by byte range. `n_tokens`, `read(start, length)`, `read_many`.
+
+    Opening reads the manifest and lists the directory once (every shard's size is checked against the
+    manifest); nothing is downloaded or hashed, so start-up does not grow with the data. Reads go to
+    the byte ranges of the windows asked for: `os.pread` on a small cache of open files for a local
+    directory, one concurrent `cat_ranges` call per batch for an object store. Token ids are checked
+    against vocab_size as they are read; the full sha256 check is `python -m data.verify DIR`.
+    """
+
+    def __init__(self, data_dir: str, split: str, vocab_size: int):
         self.data_dir, self.split, self.vocab_size = data_dir, split, int(vocab_size)
-        fs, root = fsspec.core.url_to_fs(data_dir)
-        root = root.rstrip("/")
+        self.fs, root = fsspec.core.url_to_fs(data_dir)
+        self.root = root.rstrip("/")
+        self.local = isinstance(self.fs, LocalFileSystem)
         self.manifest_path = f"{data_dir.rstrip('/')}/{_shards.MANIFEST}"
-        try:
-            with fs.open(f"{root}/{_shards.MANIFEST}", "rb") as f:
-                m = json.loads(f.read().decode("utf-8"))
-        except FileNotFoundError:
-            raise DataError(f"{self.manifest_path}: no manifest; tokenize first "
-                            f"(python -m data.tokenize_local --out {data_dir} ...)") from None
-        except ValueError as e:
-            raise DataError(f"{self.manifest_path}: not valid JSON ({e})") from None
-        self.manifest = m
-        if m.get("tokenizer") != _tok.NAME:
-            raise DataError(f"{self.manifest_path}: shards were tokenized with {m.get('tokenizer')!r}, but this "
-                            f"code uses {_tok.NAME!r}; re-tokenize the data")
-        if m.get("dtype") != "uint32" or m.get("format") != _shards.FORMAT_VERSION:
-            raise DataError(f"{self.manifest_path}: unsupported format {m.get('format')} / dtype {m.get('dtype')}")
-        if int(m.get("vocab_size", 0)) > self.vocab_size:
-            raise DataError(f"{self.manifest_path}: tokenizer vocab {m.get('vocab_size')} exceeds the model's "
-                            f"vocab_size {self.vocab_size}")
-        if not m.get("complete"):
-            raise DataError(f"{self.manifest_path}: tokenization did not finish; rerun the tokenizer with --resume")
+        self.manifest = m = _read_manifest(self.fs, self.root, self.manifest_path, self.vocab_size)
         entries = [s for s in m["shards"] if s["split"] == split]
         if not entries:
             raise DataError(f"{self.manifest_path}: no shards for split {split!r} "
                             f"(splits present: {sorted({s['split'] for s in m['shards']})})")
-        local = type(fs) is LocalFileSystem
-        cache = None if local else os.path.join(cache_dir or default_cache_dir(), "shards",
-                                                hashlib.sha256(data_dir.encode()).hexdigest()[:16])
-        self.files, self.arrays = [], []
-        for s in entries:
-            name = f"{data_dir.rstrip('/')}/{s['file']}"
-            if local:
-                path = f"{root}/{s['file']}"
-                self._check(path, name, s, verify)
-            else:
-                path = self._fetch(fs, f"{root}/{s['file']}", name, s, cache, verify)
-            self.files.append(name)
-            self.arrays.append(np.memmap(path, dtype=_shards.DTYPE, mode="r", shape=(int(s["tokens"]),)))
+        self._check_sizes(entries)
+        self.files = [f"{data_dir.rstrip('/')}/{s['file']}" for s in entries]
+        self.paths = [f"{self.root}/{s['file']}" for s in entries]
         self.sizes = np.array([int(s["tokens"]) for s in entries], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
         self.n_tokens = int(self.starts[-1])
-        self.tokens_read = 0          # counter (tests check that a host reads only its own rows)
+        self.tokens_read = 0          # tokens returned by read/read_many (a host reads only its own rows)
+        self.bytes_read = 0           # bytes requested from storage
+        self._fds = collections.OrderedDict()
+        self._lock = threading.Lock()
 
-    def _fetch(self, fs, remote, name, entry, cache, verify):
-        """Local copy of a remote shard in `cache` (downloaded atomically; a stale copy is replaced)."""
-        os.makedirs(cache, exist_ok=True)
-        path = os.path.join(cache, entry["file"])
-        if os.path.exists(path):
-            try:
-                self._check(path, name, entry, verify)
-                return path
-            except DataError:
-                os.remove(path)
+    def _check_sizes(self, entries):
+        """Every shard of the split exists with 4 bytes per manifest token: one directory listing."""
         try:
-            fs.get_file(remote, path + ".tmp")
+            listing = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
-            raise DataError(f"shard {name} listed in the manifest is missing") from None
-        os.replace(path + ".tmp", path)
-        self._check(path, name, entry, verify)
-        return path
+            listing = []
+        sizes = {posixpath.basename(str(e["name"]).rstrip("/")): e.get("size") for e in listing}
+        for s in entries:
+            name, want = f"{self.data_dir.rstrip('/')}/{s['file']}", 4 * int(s["tokens"])
+            if s["file"] not in sizes:
+                raise DataError(f"shard {name} listed in the manifest is missing")
+            if sizes[s["file"]] != want:
+                raise DataError(f"shard {name} is truncated or corrupt: {sizes[s['file']]} bytes, the manifest "
+                                f"says {s['tokens']} tokens ({want} bytes); re-tokenize it")
 
-    def _check(self, path, name, entry, verify):
-        want = 4 * int(entry["tokens"])
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            raise DataError(f"shard {name} listed in the manifest is missing") from None
-        if size != want:
-            raise DataError(f"shard {name} is truncated or corrupt: {size} bytes, the manifest says "
-                            f"{entry['tokens']} tokens ({want} bytes); re-tokenize it")
-        if not verify:
-            return
-        h, top = hashlib.sha256(), 0
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-                h.update(chunk)
-                if chunk:
-                    top = max(top, int(np.frombuffer(chunk, dtype=_shards.DTYPE).max()))
-        if h.hexdigest() != entry["sha256"]:
-            raise DataError(f"shard {name} is corrupt: sha256 {h.hexdigest()} != manifest {entry['sha256']}")
-        if top >= self.vocab_size:
-            raise DataError(f"shard {name} holds token id {top} >= vocab_size {self.vocab_size}")
-
-    def read(self, start, length):
-        """Tokens [start, start + length) of the split (across shard boundaries) as int32."""
+    def _pieces(self, start, length):
+        """(position in the row, shard index, token offset in the shard, token count) covering tokens
+        [start, start + length) of the split."""
         if start < 0 or start + length > self.n_tokens:
             raise IndexError(f"read [{start}, {start + length}) outside {self.n_tokens} tokens of {self.manifest_path}")
-        out = np.empty(length, dtype=np.int32)
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = 0
         while pos < length:
             off = start + pos - int(self.starts[i])
             take = min(length - pos, int(self.sizes[i]) - off)
-            out[pos: pos + take] = self.arrays[i][off: off + take]
+            yield pos, i, off, take
             pos += take
             i += 1
-        self.tokens_read += length
+
+    def read(self, start, length):
+        """Tokens [start, start + length) of the split (across shard boundaries) as int32."""
+        return self.read_many([start], length)[0]
+
+    def read_many(self, starts, length):
+        """int32 [len(starts), length]: row j is tokens [starts[j], starts[j] + length)."""
+        out = np.empty((len(starts), length), dtype=np.int32)
+        pieces = [(j, *p) for j, s in enumerate(starts) for p in self._pieces(int(s), length)]
+        fetch = self._pread if self.local else self._cat_ranges
+        for (j, pos, i, off, take), data in zip(pieces, fetch([(i, off, take) for _, _, i, off, take in pieces])):
+            out[j, pos: pos + take] = np.frombuffer(data, dtype=_shards.DTYPE)
+            top = int(out[j, pos: pos + take].max()) if take else 0
+            if top >= self.vocab_size or top < 0:
+                raise DataError(f"shard {self.files[i]} holds token id {top & 0xFFFFFFFF} >= vocab_size "
+                                f"{self.vocab_size}; check it with python -m data.verify {self.data_dir}")
+        self.tokens_read += out.size
+        self.bytes_read += 4 * out.size
         return out
+
+    def _pread(self, pieces):
+        res = []
+        for i, off, take in pieces:
+            data = os.pread(self._fd(i), 4 * take, 4 * off)
+            if len(data) != 4 * take:
+                raise DataError(f"shard {self.files[i]} is shorter than the manifest says; re-tokenize it")
+            res.append(data)
+        return res
+
+    def _fd(self, i):
+        """An open file descriptor for shard i from a small LRU (memory and fds stay flat with the shard count)."""
+        with self._lock:
+            fd = self._fds.pop(i, None)
+            if fd is None:
+                try:
+                    fd = os.open(self.fs._strip_protocol(self.paths[i]), os.O_RDONLY)
+                except FileNotFoundError:
+                    raise DataError(f"shard {self.files[i]} listed in the manifest is missing") from None
+                if len(self._fds) >= _OPEN_FILES:
+                    os.close(self._fds.popitem(last=False)[1])
+            self._fds[i] = fd
+            return fd
+
+    def _cat_ranges(self, pieces):
+        try:
+            res = self.fs.cat_ranges([self.paths[i] for i, _, _ in pieces], [4 * off for _, off, _ in pieces],
+                                     [4 * (off + take) for _, off, take in pieces], on_error="raise")
+        except FileNotFoundError as e:
+            raise DataError(f"a shard of {self.manifest_path} is missing ({e})") from None
+        for (i, _, take), data in zip(pieces, res):
+            if len(data) != 4 * take:
+                raise DataError(f"shard {self.files[i]} is shorter than the manifest says; re-tokenize it")
+        return res
+
+    def close(self):
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def token_counts(self):
+        """Per-token-id counts of this split recorded at tokenization, or None for an older manifest."""
+        enc = (self.manifest.get("token_counts") or {}).get(self.split)
+        return None if enc is None else _shards.decode_counts(enc)
+
+    def unigram_entropy(self):
+        """Entropy (nats) of this split's unigram distribution (the loss of the best model that ignores
+        context), from the manifest's token counts; None when the manifest predates them."""
+        counts = self.token_counts()
+        if counts is None or not counts.sum():
+            return None
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
 
     def n_windows(self, T):
         return max(0, (self.n_tokens - 1) // T)
+
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,12 +293,12 @@ def _assemble(dataset, T, window_ids, sharding):
                     for targets in blocks.values() for _, cols in targets)
     if full_cols and rows == list(range(rows[0], rows[-1] + 1)):
         # the usual case (batch over dp, rows of a process contiguous): one call for the process' rows
-        block = np.stack([dataset.read(int(w) * T, T + 1) for w in window_ids[rows[0]: rows[-1] + 1]])
+        block = dataset.read_many(window_ids[rows[0]: rows[-1] + 1] * T, T + 1)
         return (jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(block[:, :-1]), shape),
                 jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(block[:, 1:]), shape))
     xs, ys, devs = [], [], []
     for (r0, r1), targets in blocks.items():
-        block = np.stack([dataset.read(int(w) * T, T + 1) for w in window_ids[r0:r1]])
+        block = dataset.read_many(window_ids[r0:r1] * T, T + 1)
         for d, cols in targets:
             xs.append(np.ascontiguousarray(block[:, :-1][:, cols]))
             ys.append(np.ascontiguousarray(block[:, 1:][:, cols]))
@@ -286,7 +349,7 @@ class BatchLoader:
     def read_rows(self, step, rows):
         """Host int32 [len(rows), T+1] windows of these global rows of step `step`."""
         ids = self.window_ids(step)
-        return np.stack([self.dataset.read(int(ids[r]) * self.T, self.T + 1) for r in rows])
+        return self.dataset.read_many(ids[np.asarray(rows, dtype=np.int64)] * self.T, self.T + 1)
 
     def batch(self, step):
         """(x, y): int32 jax.Arrays [global_batch, T] placed with `sharding`; y is x shifted by one."""

@@ -14,7 +14,8 @@ contiguously into shards of exactly `shard_size` uint32 tokens (little-endian, `
 a segment's last shard may be shorter).
 
 `manifest.json` next to the shards records the plan, each closed shard (file, split, tokens, sha256),
-the tokenizer, and the resume cursor, rewritten after every shard:
+the tokenizer, each split's per-token-id counts (`token_counts`, compressed: the loader's unigram
+entropy comes from them) and the resume cursor, rewritten after every shard:
 
     cursor = {"segment": i, "docs": d, "carry": c}
 
@@ -37,11 +38,13 @@ Test hook: JAXFORMER_TOKENIZE_KILL_AT="<event>:<n>" makes the writer SIGKILL its
   manifest:N  after the manifest for the N-th shard is written (mid-document when a document straddles).
 N counts from 1 within one process run.
 """
+import base64
 import collections
 import hashlib
 import json
 import os
 import signal
+import zlib
 from dataclasses import dataclass, field
 
 import fsspec
@@ -291,6 +294,15 @@ def _maybe_kill(event, n):
 # Packing + manifest
 # ----------------------------------------------------------------------------------------------------
 
+def encode_counts(counts):
+    """Per-token-id counts as a compact manifest string: base64 of zlib-compressed little-endian uint64."""
+    return base64.b64encode(zlib.compress(np.asarray(counts, dtype="<u8").tobytes(), 6)).decode("ascii")
+
+
+def decode_counts(text):
+    return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<u8").astype(np.int64)
+
+
 @dataclass
 class Writer:
     out: Output
@@ -299,6 +311,9 @@ class Writer:
     shards: list = field(default_factory=list)
     cursor: dict = field(default_factory=lambda: {"segment": 0, "docs": 0, "carry": 0})
     complete: bool = False
+    # split -> per-token-id counts of its closed shards (the loader's unigram entropy); None when resuming
+    # a manifest written before counts were recorded (then none are recorded)
+    counts: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self._n_written = 0           # shards written by this process (kill-hook counter)
@@ -308,10 +323,13 @@ class Writer:
 
     # -- manifest ------------------------------------------------------------------------------------
     def manifest(self):
-        return {"format": FORMAT_VERSION, "tokenizer": tok.NAME, "vocab_size": tok.VOCAB_SIZE,
-                "eot_id": tok.EOT_ID, "dtype": "uint32", "byteorder": "little",
-                "shard_size": self.shard_size, "plan": self.plan, "shards": self.shards,
-                "cursor": self.cursor, "complete": self.complete}
+        m = {"format": FORMAT_VERSION, "tokenizer": tok.NAME, "vocab_size": tok.VOCAB_SIZE,
+             "eot_id": tok.EOT_ID, "dtype": "uint32", "byteorder": "little",
+             "shard_size": self.shard_size, "plan": self.plan, "shards": self.shards,
+             "cursor": self.cursor, "complete": self.complete}
+        if self.counts is not None:
+            m["token_counts"] = {k: encode_counts(v) for k, v in sorted(self.counts.items())}
+        return m
 
     def _write_manifest(self):
         self.out.write_atomic(MANIFEST, (json.dumps(self.manifest(), indent=1) + "\n").encode())
@@ -330,7 +348,11 @@ class Writer:
             if m["plan"] != json.loads(json.dumps(plan)) or m["shard_size"] != shard_size:
                 raise ValueError(f"{out.path(MANIFEST)}: --resume with different sources or --shard_size than "
                                  f"the run that wrote it (manifest plan {m['plan']}, shard_size {m['shard_size']})")
-            w = cls(out, plan, shard_size, shards=m["shards"], cursor=m["cursor"], complete=m["complete"])
+            counts = m.get("token_counts")
+            counts = ({k: decode_counts(v) for k, v in counts.items()} if counts is not None
+                      else None if m["shards"] else {})
+            w = cls(out, plan, shard_size, shards=m["shards"], cursor=m["cursor"], complete=m["complete"],
+                    counts=counts)
         else:
             w = cls(out, plan, shard_size)
         out.remove_temps()
@@ -354,6 +376,9 @@ class Writer:
         _maybe_kill("shard", n)
         self.shards.append({"file": name, "split": split, "tokens": len(tokens),
                             "sha256": hashlib.sha256(data).hexdigest()})
+        if self.counts is not None:
+            c = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=tok.VOCAB_SIZE)
+            self.counts[split] = self.counts.get(split, 0) + c
 
     def run(self, encode_map, progress=None, batch_docs=256, batch_chars=1 << 20):
         """Tokenize every remaining segment. encode_map(iterable of text batches) -> iterable of

@@ -142,6 +142,23 @@ def test_validation_batches_are_fixed(data_dir):
     assert len(dataset.validation_batches(ds, T, B, sh, 10_000)) == ds.n_windows(T) // B
 
 
+def test_range_reads_equal_the_shard_bytes_and_entropy_is_the_manifest_counts(data_dir, copy_dir):
+    ds = dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE)
+    allt = np.concatenate([np.fromfile(os.path.join(data_dir, os.path.basename(f)), dtype="<u4") for f in ds.files])
+    starts = [0, 2_990, 5_999, ds.n_tokens - 40, 123]       # inside, across one / two shard boundaries, at the end
+    rows = ds.read_many(starts, 40)
+    for r, s in zip(rows, starts):
+        assert np.array_equal(r, allt[s:s + 40].astype(np.int32))
+    assert ds.tokens_read == ds.bytes_read // 4 == 5 * 40
+    counts = np.bincount(allt.astype(np.int64), minlength=tok.VOCAB_SIZE)
+    p = counts[counts > 0] / counts.sum()
+    assert np.array_equal(ds.token_counts(), counts)
+    assert ds.unigram_entropy() == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-12)
+    _edit_manifest(copy_dir, lambda m: m.pop("token_counts"))   # a manifest from before counts: still loads
+    old = dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
+    assert old.unigram_entropy() is None and np.array_equal(old.read(5_999, 40), rows[2])
+
+
 def test_bundled_shards_load(tmp_path):
     d = dataset.ensure_bundled_shards(str(tmp_path))
     val = dataset.TokenDataset(d, "val", tok.VOCAB_SIZE)
@@ -176,13 +193,21 @@ def test_error_truncated_shard(copy_dir):
         dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
 
 
-def test_error_corrupt_shard(copy_dir):
+def test_corrupt_shard_is_found_by_data_verify(copy_dir, capsys):
+    """A flipped byte keeps the size: training start-up does not hash (it opens), data.verify names it."""
+    from data import verify
+    assert verify.main([copy_dir]) == 0
     p = os.path.join(copy_dir, "train_000000.bin")
     with open(p, "r+b") as f:
         f.seek(100)
         f.write(b"\x01\x00\x00\x00")
-    with pytest.raises(dataset.DataError, match="train_000000.bin is corrupt: sha256"):
-        dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
+    dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
+    capsys.readouterr()
+    assert verify.main([copy_dir]) == 1
+    err = capsys.readouterr().err
+    assert "train_000000.bin is corrupt: sha256" in err
+    assert "token_counts of split 'train' do not match" in err
+    assert "val_" not in err
 
 
 def test_error_missing_shard(copy_dir):
@@ -201,8 +226,9 @@ def test_error_token_id_out_of_vocab(copy_dir):
     with pytest.raises(dataset.DataError, match=r"manifest.json: tokenizer vocab 100277 exceeds .* 1000"):
         dataset.TokenDataset(copy_dir, "val", 1000)
     _edit_manifest(copy_dir, lambda m: m.update(vocab_size=1000))      # a manifest that understates it
+    ds = dataset.TokenDataset(copy_dir, "val", 1000)                     # found as soon as it is read
     with pytest.raises(dataset.DataError, match=r"val_000000.bin holds token id 100257 >= vocab_size 1000"):
-        dataset.TokenDataset(copy_dir, "val", 1000)
+        ds.read(0, 10)
 
 
 def test_error_incomplete_or_missing_manifest(copy_dir, tmp_path):
