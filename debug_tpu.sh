@@ -27,19 +27,19 @@ EOF
 
 die() { echo "debug_tpu.sh: error: $*" >&2; exit 2; }
 # shellcheck source-path=SCRIPTDIR source=launch_lib.sh
-. "$(dirname "${BASH_SOURCE[0]}")/launch_lib.sh"   # resolve_hosts, q, sq
+. "$(dirname "${BASH_SOURCE[0]}")/launch_lib.sh"   # value, resolve_hosts, q, sq
 
 hosts_file="" tpu="" zone="" project="" session="jaxformer-debug" dir="${JAXFORMER_DIR:-}"
 force=0 attach=1 kill=0 dry_run=0 command=()
 while (($#)); do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --hosts) hosts_file=${2?--hosts needs a FILE}; shift 2 ;;
-    --tpu) tpu=${2?--tpu needs a NAME}; shift 2 ;;
-    --zone) zone=${2?--zone needs a ZONE}; shift 2 ;;
-    --project) project=${2?--project needs a value}; shift 2 ;;
-    --session) session=${2?--session needs a NAME}; shift 2 ;;
-    --dir) dir=${2?--dir needs a DIR}; shift 2 ;;
+    --hosts) hosts_file=$(value "$@"); shift 2 ;;
+    --tpu) tpu=$(value "$@"); shift 2 ;;
+    --zone) zone=$(value "$@"); shift 2 ;;
+    --project) project=$(value "$@"); shift 2 ;;
+    --session) session=$(value "$@"); shift 2 ;;
+    --dir) dir=$(value "$@"); shift 2 ;;
     --force) force=1; shift ;;
     --no-attach) attach=0; shift ;;
     --kill) kill=1; shift ;;
@@ -79,8 +79,9 @@ pane_cmd() {
   else
     printf 'ssh -t -o ConnectTimeout=15 %q %s' "${hosts[$1]}" "$(sq "$remote")"
   fi
-  # keep the pane open when the command ends, so its last output can be read
-  printf '; echo; echo "[debug_tpu.sh: %s: exit status $?]"; exec bash --norc -i' "${hosts[$1]}"
+  # keep the pane open when the command ends, so its last output and its own exit status can be read
+  # shellcheck disable=SC2016  # $rc is the pane shell's
+  printf '; rc=$?; echo; echo "[debug_tpu.sh: %s: exit status $rc]"; exec bash --norc -i' "${hosts[$1]}"
 }
 
 if ((dry_run)); then

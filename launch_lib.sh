@@ -1,20 +1,30 @@
 # shellcheck shell=bash
 # launch_lib.sh: code shared by launcher.sh, debug_tpu.sh and run.sh, which source it from their own
-# directory. Not run on its own. The caller defines die (print "SCRIPT: error: ...", exit 2) and,
-# for resolve_hosts, usage; both are called from here so every message stays the caller's own.
+# directory. Not run on its own. The caller defines die (print "SCRIPT: error: ...", exit 2), called
+# from here so every message stays the caller's own.
+
+# value OPTION [VALUE ...]: print VALUE; die (one line, exit 2) when OPTION has none. Use as
+# `x=$(value "$@")` in an option loop: the caller's errexit then ends the script with die's status.
+value() {
+  [[ $# -ge 2 && $2 != --* ]] || die "$1 needs a value (see --help)"
+  printf '%s' "$2"
+}
 
 # resolve_hosts HOSTS_FILE TPU ZONE PROJECT: set the global array `hosts` to the hosts named by
-# --hosts HOSTS_FILE (one [user@]host a line; blank lines and # comments ignored) or, with TPU set,
-# to the workers of that TPU VM (gcloud compute tpus tpu-vm describe). Dies on bad or missing input.
+# --hosts HOSTS_FILE (one [user@]host a line; blank lines, # comments and CRLF line ends are fine; a
+# line of several words is an error naming it) or, with TPU set, to the workers of that TPU VM
+# (gcloud compute tpus tpu-vm describe). Dies on bad or missing input.
 resolve_hosts() {
-  local hosts_file=$1 tpu=$2 zone=$3 project=$4 line ips
+  local hosts_file=$1 tpu=$2 zone=$3 project=$4 line ips words n=0
   hosts=()
   if [[ -n $hosts_file ]]; then
     [[ -z $tpu ]] || die "give --hosts or --tpu, not both"
     [[ -f $hosts_file ]] || die "hosts file '$hosts_file' not found"
     while IFS= read -r line || [[ -n $line ]]; do
-      line=${line%%#*}; read -r line _ <<< "$line" || true
-      [[ -n $line ]] && hosts+=("$line")
+      n=$((n + 1)); line=${line%%#*}; line=${line//$'\r'/}
+      read -ra words <<< "$line" || true
+      ((${#words[@]} <= 1)) || die "hosts file '$hosts_file' line $n: '${line}' is not one [user@]host"
+      ((${#words[@]} == 0)) || hosts+=("${words[0]}")
     done < "$hosts_file"
     ((${#hosts[@]})) || die "hosts file '$hosts_file' lists no hosts"
   elif [[ -n $tpu ]]; then
@@ -25,22 +35,25 @@ resolve_hosts() {
     read -ra hosts <<< "${ips//[;,]/ }"
     ((${#hosts[@]})) || die "TPU '$tpu' in zone '$zone' reports no workers"
   else
-    usage >&2; die "missing --hosts FILE or --tpu NAME --zone ZONE"
+    die "missing --hosts FILE or --tpu NAME --zone ZONE (see --help)"
   fi
 }
 
-# run_name_from_args [MAIN_ARGS...]: if the global `name` is empty, set it from main.py's own
-# --name VALUE / --name=VALUE in MAIN_ARGS (the last one wins), else "jaxformer"; then die unless
-# it is a valid run name (it names tmux sessions and log files).
+# run_name_from_args [MAIN_ARGS...]: the run's one name. main.py's own --name VALUE / --name=VALUE
+# in MAIN_ARGS (the last one wins) must equal the global `name` when both are given (die otherwise);
+# `name` is set from it when empty, else to "jaxformer". Sets `name_in_args` to 1 when MAIN_ARGS
+# name the run. Dies unless the name is valid (it names tmux sessions and log files).
 run_name_from_args() {
-  local args=("$@") i
-  if [[ -z $name ]]; then
-    for ((i = 0; i < ${#args[@]}; i++)); do
-      [[ ${args[i]} == --name && $((i + 1)) -lt ${#args[@]} ]] && name=${args[i + 1]}
-      [[ ${args[i]} == --name=* ]] && name=${args[i]#--name=}
-    done
-    name=${name:-jaxformer}
+  local args=("$@") i given=""
+  name_in_args=""
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    [[ ${args[i]} == --name && $((i + 1)) -lt ${#args[@]} ]] && given=${args[i + 1]} name_in_args=1
+    [[ ${args[i]} == --name=* ]] && given=${args[i]#--name=} name_in_args=1
+  done
+  if [[ -n $name && -n $name_in_args && $given != "$name" ]]; then
+    die "--name '$name' differs from main.py's --name '$given' after --; give the run one name"
   fi
+  name=${name:-${given:-jaxformer}}
   [[ $name =~ ^[A-Za-z0-9_.-]+$ ]] || die "run name may hold only letters, digits, '_', '.', '-': '$name'"
 }
 

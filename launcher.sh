@@ -1,31 +1,44 @@
 #!/usr/bin/env bash
-# launcher.sh: start a JAXformer run on every host in parallel (one run.sh per host), log per host.
+# launcher.sh: start a JAXformer run on every host in parallel (one run.sh per host), log per host;
+# show or stop a run on every host.
 set -euo pipefail
 
 usage() {
   cat <<'EOF'
 usage: launcher.sh (--hosts FILE | --tpu NAME --zone ZONE [--project P]) [options] [-- MAIN_ARGS...]
+       launcher.sh (--status RUN | --stop RUN) (--hosts FILE | --tpu ...) [--dir D] [--log-dir D]
 
 Runs `run.sh HOST --index I --num-processes N ...` for every host at once: host I becomes jax process
-I, in tmux session RUN-I on that host. Each host's output goes to LOCAL_LOGS/I-HOST.log here. Exits
-non-zero, naming each host that failed to start (or, with --wait, to finish).
+I, in tmux session RUN-I on that host. Each host's output goes to LOCAL_LOGS/I-HOST.log here. A host
+is ok once main.py there has passed start-up (its first training step is dispatched); a host whose
+program ends first, or does not get there within --timeout, FAILED: the launcher shows the last
+lines of its log, stops the run on the other hosts (unless --keep-going) and exits 1.
 
 hosts:
-  --hosts FILE           one host per line ([user@]host); blank lines and # comments ignored
+  --hosts FILE           one [user@]host per line; blank lines, # comments and CRLF line ends are fine
   --tpu NAME --zone Z    the workers of a TPU VM (gcloud compute tpus tpu-vm describe), reached
                          with `gcloud compute tpus tpu-vm ssh --worker I` unless SSH is set
   --project P            gcloud project for --tpu
 
 options:
-  --name RUN             run name (default: --name in MAIN_ARGS, else "jaxformer")
-  --coordinator H:P      jax.distributed coordinator, e.g. FIRST_HOST:1234 (GPU/CPU clusters;
-                         TPU pods auto-detect and need none)
+  --name RUN             the run's one name: tmux sessions RUN-I, logs, and main.py's --name
+                         (default: --name in MAIN_ARGS, else "jaxformer"; the two must not differ)
+  --coordinator H:P      jax.distributed coordinator, e.g. FIRST_HOST:1234, needed with several
+                         hosts off a TPU pod (else each host would train on its own); "auto": the
+                         hosts are TPU pod workers, which find their coordinator themselves
   --commit SHA|asis      code version on every host (default asis; SHA refused on a dirty checkout)
   --dir DIR              checkout on the hosts (default: $JAXFORMER_DIR, else this script's directory)
   --python PY, --main SCRIPT, --log-dir DIR, --env NAME=VALUE, --force
                          passed to run.sh (see run.sh --help)
-  --wait                 wait for the program on every host; exit status says which hosts failed
+  --timeout S            seconds to wait for every host to pass start-up, or with --stop for
+                         every run to end (default 900)
+  --wait                 wait for the program on every host to finish; exit status says which failed
+  --keep-going           on a failure, leave the run going on the other hosts
   --local-logs DIR       per-host logs here (default: ./logs/launch/RUN)
+  --status RUN           per host: tmux session running or not, last step and loss in its log,
+                         how long ago its log changed
+  --stop RUN             SIGTERM to main.py on every host (it saves a checkpoint and exits 0), then
+                         wait up to --timeout for every session to end
   --dry-run              print what each run.sh would run, run nothing
   -h, --help             this help
 
@@ -37,74 +50,140 @@ EOF
 die() { echo "launcher.sh: error: $*" >&2; exit 2; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source-path=SCRIPTDIR source=launch_lib.sh
-. "$here/launch_lib.sh"   # resolve_hosts, run_name_from_args
+. "$here/launch_lib.sh"   # value, resolve_hosts, run_name_from_args
 
-hosts_file="" tpu="" zone="" project="" name="" local_logs="" dry_run=0
-pass=() main_args=()
+hosts_file="" tpu="" zone="" project="" name="" local_logs="" coordinator="" timeout=900
+mode=start dry_run=0 wait=0 keep_going=0
+where=() pass=() main_args=()   # run.sh options: where the run lives (every mode); how to start it
 while (($#)); do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --hosts) hosts_file=${2?--hosts needs a FILE}; shift 2 ;;
-    --tpu) tpu=${2?--tpu needs a NAME}; shift 2 ;;
-    --zone) zone=${2?--zone needs a ZONE}; shift 2 ;;
-    --project) project=${2?--project needs a value}; shift 2 ;;
-    --name) name=${2?--name needs a value}; shift 2 ;;
-    --local-logs) local_logs=${2?--local-logs needs a DIR}; shift 2 ;;
+    --hosts) hosts_file=$(value "$@"); shift 2 ;;
+    --tpu) tpu=$(value "$@"); shift 2 ;;
+    --zone) zone=$(value "$@"); shift 2 ;;
+    --project) project=$(value "$@"); shift 2 ;;
+    --name) name=$(value "$@"); shift 2 ;;
+    --status|--stop) mode=${1#--}; name=$(value "$@"); shift 2 ;;
+    --coordinator) coordinator=$(value "$@"); shift 2 ;;
+    --timeout) timeout=$(value "$@"); shift 2 ;;
+    --local-logs) local_logs=$(value "$@"); shift 2 ;;
     --dry-run) dry_run=1; shift ;;
-    --coordinator|--commit|--dir|--python|--main|--log-dir|--env)
-      pass+=("$1" "${2?$1 needs a value}"); shift 2 ;;
-    --force|--wait) pass+=("$1"); shift ;;
+    --wait) wait=1; shift ;;
+    --keep-going) keep_going=1; shift ;;
+    --dir|--log-dir) where+=("$1" "$(value "$@")"); shift 2 ;;
+    --commit|--python|--main|--env) pass+=("$1" "$(value "$@")"); shift 2 ;;
+    --force) pass+=("$1"); shift ;;
     --) shift; main_args=("$@"); break ;;
     *) die "unknown argument '$1' (see --help; arguments for main.py go after --)" ;;
   esac
 done
+[[ $timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds, got '$timeout'"
+[[ $mode == start || ${#main_args[@]} -eq 0 ]] || die "--$mode takes no arguments for main.py"
 
 resolve_hosts "$hosts_file" "$tpu" "$zone" "$project"
-if [[ -n $tpu ]]; then pass+=(--tpu "$tpu" --zone "$zone" ${project:+--project "$project"}); fi
-
+if [[ -n $tpu ]]; then where+=(--tpu "$tpu" --zone "$zone" ${project:+--project "$project"}); fi
 run_name_from_args ${main_args[@]+"${main_args[@]}"}   # --name, else main.py's --name, else jaxformer
 n=${#hosts[@]}
+if [[ $mode == start && $n -gt 1 && -z $coordinator && -z $tpu ]]; then
+  die "$n hosts and no --coordinator: off a TPU pod each host would start its own independent run;" \
+      "give --coordinator FIRST_HOST:PORT (or --coordinator auto for TPU pod workers, or --tpu NAME)"
+fi
+[[ -z $coordinator || $coordinator == auto ]] || pass+=(--coordinator "$coordinator")
+local_logs=${local_logs:-logs/launch/$name}
+host_log() { echo "$local_logs/$1-${hosts[$1]//\//_}.log"; }
 
-run_args() {  # the run.sh command line for host $1 at index $2
-  printf '%s\0' "$here/run.sh" "$1" --name "$name" --index "$2" --num-processes "$n" \
-    ${pass[@]+"${pass[@]}"} -- ${main_args[@]+"${main_args[@]}"}
+run_args() {  # the run.sh command line for host index $1, then extra run.sh options
+  local i=$1; shift
+  printf '%s\0' "$here/run.sh" "${hosts[i]}" --name "$name" --index "$i" --num-processes "$n" \
+    ${where[@]+"${where[@]}"} "$@"
+}
+
+# on_hosts OPTION...: run.sh --index I OPTION... at once for every host I not in `skip`; print
+# "host I HOST: " and its last output line each; return 1 if any failed
+declare -A skip=()
+on_hosts() {
+  local i rc=0 tmp pids=()
+  tmp=$(mktemp -d)
+  for i in "${!hosts[@]}"; do
+    [[ -z ${skip[$i]:-} ]] || continue
+    mapfile -d '' cmd < <(run_args "$i" "$@")
+    "${cmd[@]}" < /dev/null > "$tmp/$i" 2>&1 & pids[i]=$!
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[i]}" || rc=1
+    echo "host $i ${hosts[i]}: $(tail -n 1 "$tmp/$i")"
+  done
+  rm -f "$tmp"/*; rmdir "$tmp"
+  return "$rc"
 }
 
 if ((dry_run)); then
   echo "# launcher.sh --dry-run: run '$name' on $n host(s): ${hosts[*]}"
   for i in "${!hosts[@]}"; do
-    mapfile -d '' cmd < <(run_args "${hosts[i]}" "$i")
+    mapfile -d '' cmd < <(run_args "$i" ${pass[@]+"${pass[@]}"} -- ${main_args[@]+"${main_args[@]}"})
     echo "## host $i: ${hosts[i]}"
     "${cmd[@]:0:1}" --dry-run "${cmd[@]:1}"
   done
   exit 0
 fi
 
-local_logs=${local_logs:-logs/launch/$name}
-mkdir -p "$local_logs"
-pids=()
-for i in "${!hosts[@]}"; do
-  mapfile -d '' cmd < <(run_args "${hosts[i]}" "$i")
-  "${cmd[@]}" < /dev/null > "$local_logs/$i-${hosts[i]//\//_}.log" 2>&1 &
-  pids+=($!)
-done
-echo "launcher.sh: run '$name' on $n host(s), logs in $local_logs/"
+case $mode in
+  status) echo "launcher.sh: run '$name' on $n host(s)"; on_hosts --status; exit ;;
+  stop) echo "launcher.sh: stopping run '$name' on $n host(s) (SIGTERM: main.py saves a checkpoint and exits)"
+        if on_hosts --stop --timeout "$timeout"; then exit 0; fi
+        echo "launcher.sh: error: the run did not end on every host within $timeout s (--timeout)" >&2; exit 1 ;;
+esac
 
-failed=()
+if ((wait)); then until=(--wait); else until=(--ready --timeout "$timeout"); fi
+mkdir -p "$local_logs"
+declare -A index_of
+pid_of=()
 for i in "${!hosts[@]}"; do
-  log="$local_logs/$i-${hosts[i]//\//_}.log"
-  if wait "${pids[i]}"; then
-    echo "launcher.sh: host $i ${hosts[i]}: ok"
-  else
-    rc=$?
-    why="exit status $rc"
-    ((rc == 255)) && why="unreachable over SSH (exit 255)"
-    echo "launcher.sh: host $i ${hosts[i]}: FAILED, $why; last lines of $log:" >&2
-    tail -n 5 "$log" | sed 's/^/    /' >&2
-    failed+=("${hosts[i]}")
+  mapfile -d '' cmd < <(run_args "$i" ${pass[@]+"${pass[@]}"} "${until[@]}" -- ${main_args[@]+"${main_args[@]}"})
+  "${cmd[@]}" < /dev/null > "$(host_log "$i")" 2>&1 &
+  index_of[$!]=$i pid_of[i]=$!
+done
+echo "launcher.sh: run '$name' on $n host(s), logs in $local_logs/; waiting for every host to" \
+     "$( ((wait)) && echo "finish" || echo "pass start-up (up to $timeout s)")"
+
+# stop_all: stop the run on every host that has not failed, once each host's run.sh has started its
+# tmux session or ended (a session started after the stop would be left running)
+stop_all() {
+  local i
+  for i in "${!hosts[@]}"; do
+    while kill -0 "${pid_of[i]}" 2>/dev/null && ! grep -q '^run.sh: started tmux session' "$(host_log "$i")"; do
+      sleep 0.5
+    done
+  done
+  echo "launcher.sh: stopping the run on the other host(s) (--keep-going leaves them running):" >&2
+  on_hosts --stop --force --timeout 20 | sed 's/^/    /' >&2 || true
+}
+
+# report each host as its run.sh ends; on the first failure stop the others, unless --keep-going
+failed=() stopped=0
+for _ in "${!hosts[@]}"; do
+  rc=0; wait -n -p pid || rc=$?
+  i=${index_of[$pid]}
+  if ((stopped)); then
+    echo "launcher.sh: host $i ${hosts[i]}: stopped"; continue
+  elif ((rc == 0)); then
+    echo "launcher.sh: host $i ${hosts[i]}: ok$( ((wait)) && echo ", finished" || echo ", main.py passed start-up")"
+    continue
   fi
+  case $rc in
+    255) why="unreachable over SSH (exit 255)" ;;
+    8) why="no start-up within $timeout s (--timeout)" ;;
+    *) why="exit status $rc" ;;
+  esac
+  echo "launcher.sh: host $i ${hosts[i]}: FAILED, $why; last lines of $(host_log "$i"):" >&2
+  tail -n 12 "$(host_log "$i")" | sed 's/^/    /' >&2
+  failed[i]=${hosts[i]}          # reported in host order
+  ((rc == 8)) || skip[$i]=1     # a host that timed out is still running: stop it too
+  if ((!keep_going && n > ${#skip[@]})); then stop_all; stopped=1; fi
 done
 if ((${#failed[@]})); then
   echo "launcher.sh: error: ${#failed[@]} of $n host(s) failed: ${failed[*]}" >&2
   exit 1
 fi
+echo "launcher.sh: run '$name' is $( ((wait)) && echo "done" || echo "running") on $n host(s);" \
+     "see it: launcher.sh --status $name ...; stop it: launcher.sh --stop $name ... (same hosts)"

@@ -8,10 +8,12 @@ usage: run.sh HOST [options] [-- MAIN_ARGS...]
 
 Over SSH, start `python main.py MAIN_ARGS` on HOST inside a detached tmux session named after the
 run (so it survives a dropped link), in the checkout, with its output teed to a log on the host.
+With --status or --stop, report on or stop that run instead.
 
 options:
-  --name RUN             run name: tmux session RUN (RUN-I with --index I), log RUN[-I].log
-                         (default: the value of --name in MAIN_ARGS, else "jaxformer")
+  --name RUN             run name: tmux session RUN (RUN-I with --index I), log RUN[-I].log, and
+                         main.py's --name (default: the value of --name in MAIN_ARGS, else
+                         "jaxformer"; a different --name in MAIN_ARGS is an error)
   --index I              this host's index in the host list (= jax process id with --coordinator)
   --num-processes N      number of hosts (jax process count with --coordinator)
   --coordinator H:P      set JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID for
@@ -28,6 +30,14 @@ options:
   --project P            gcloud project for --tpu
   --force                kill an existing tmux session of the same name first
   --wait                 stay connected until the program ends; stream its log; exit with its status
+  --ready                wait until main.py has passed start-up (its line "jaxformer started:
+                         process I of N, ..."; up to --timeout), or exit with the status of a
+                         program that ended first, showing the last lines of its log
+  --status               print one line: session running or not, last step and loss in the log,
+                         how long ago the log last changed
+  --stop                 send SIGTERM to the program (main.py checkpoints and exits) and wait up to
+                         --timeout for its session to end; with --force, then kill the session
+  --timeout S            seconds for --ready and --stop (default 900)
   --dry-run              print what would run, run nothing
   -h, --help             this help
 
@@ -37,36 +47,41 @@ environment:
   WANDB_API_KEY, HF_TOKEN  secrets: sent to the host on stdin into a private file that the run
                          reads and deletes; never on a command line, in a pane, a log or --dry-run
 
-exit status: 0 started (or, with --wait, finished) OK; 2 bad usage; 255 HOST unreachable; 3 no
-checkout; 4 tmux missing on HOST; 5 local changes block --commit; 6 git failed; 7 session exists;
-otherwise the program's exit status (--wait).
+exit status: 0 started (with --ready: passed start-up; --wait: finished) OK, or stopped; 2 bad
+usage; 255 HOST unreachable; 3 no checkout; 4 tmux missing on HOST; 5 local changes block --commit;
+6 git failed; 7 session exists; 8 --ready timed out; 9 --stop timed out; otherwise the program's
+exit status (--wait, or --ready when it ended before start-up).
 EOF
 }
 
 die() { echo "run.sh: error: $*" >&2; exit 2; }
 # shellcheck source-path=SCRIPTDIR source=launch_lib.sh
-. "$(dirname "${BASH_SOURCE[0]}")/launch_lib.sh"   # run_name_from_args, q, sq
+. "$(dirname "${BASH_SOURCE[0]}")/launch_lib.sh"   # value, run_name_from_args, q, sq
 
 host="" name="" index="" nproc="" coordinator="" dir="${JAXFORMER_DIR:-}" commit="asis"
 python="" main="main.py" log_dir="" tpu="" zone="" project="" force=0 wait=0 dry_run=0
-extra_env=() main_args=()
+mode=start ready=0 timeout=900 extra_env=() main_args=()
 
 while (($#)); do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --name) name=${2?--name needs a value}; shift 2 ;;
-    --index) index=${2?--index needs a value}; shift 2 ;;
-    --num-processes) nproc=${2?--num-processes needs a value}; shift 2 ;;
-    --coordinator) coordinator=${2?--coordinator needs HOST:PORT}; shift 2 ;;
-    --dir) dir=${2?--dir needs a value}; shift 2 ;;
-    --commit) commit=${2?--commit needs a SHA or asis}; shift 2 ;;
-    --python) python=${2?--python needs a value}; shift 2 ;;
-    --main) main=${2?--main needs a value}; shift 2 ;;
-    --log-dir) log_dir=${2?--log-dir needs a value}; shift 2 ;;
-    --env) extra_env+=("${2?--env needs NAME=VALUE}"); shift 2 ;;
-    --tpu) tpu=${2?--tpu needs a value}; shift 2 ;;
-    --zone) zone=${2?--zone needs a value}; shift 2 ;;
-    --project) project=${2?--project needs a value}; shift 2 ;;
+    --name) name=$(value "$@"); shift 2 ;;
+    --index) index=$(value "$@"); shift 2 ;;
+    --num-processes) nproc=$(value "$@"); shift 2 ;;
+    --coordinator) coordinator=$(value "$@"); shift 2 ;;
+    --dir) dir=$(value "$@"); shift 2 ;;
+    --commit) commit=$(value "$@"); shift 2 ;;
+    --python) python=$(value "$@"); shift 2 ;;
+    --main) main=$(value "$@"); shift 2 ;;
+    --log-dir) log_dir=$(value "$@"); shift 2 ;;
+    --env) extra_env+=("$(value "$@")"); shift 2 ;;
+    --tpu) tpu=$(value "$@"); shift 2 ;;
+    --zone) zone=$(value "$@"); shift 2 ;;
+    --project) project=$(value "$@"); shift 2 ;;
+    --timeout) timeout=$(value "$@"); shift 2 ;;
+    --ready) ready=1; shift ;;
+    --status) mode=status; shift ;;
+    --stop) mode=stop; shift ;;
     --force) force=1; shift ;;
     --wait) wait=1; shift ;;
     --dry-run) dry_run=1; shift ;;
@@ -77,7 +92,8 @@ while (($#)); do
   esac
 done
 
-[[ -n $host ]] || { usage >&2; die "missing HOST"; }
+[[ -n $host ]] || die "missing HOST (see --help)"
+[[ $timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds, got '$timeout'"
 [[ -z $index || $index =~ ^[0-9]+$ ]] || die "--index must be a non-negative integer, got '$index'"
 [[ -z $nproc || $nproc =~ ^[1-9][0-9]*$ ]] || die "--num-processes must be a positive integer, got '$nproc'"
 if [[ -n $coordinator ]]; then
@@ -92,11 +108,16 @@ for kv in ${extra_env[@]+"${extra_env[@]}"}; do
 done
 
 run_name_from_args ${main_args[@]+"${main_args[@]}"}   # --name, else main.py's own --name, else jaxformer
+# main.py gets the run's name too, so its run directory is OUTPUT_DIR/RUN (another program: untouched)
+[[ $(basename "$main") != main.py || -n $name_in_args ]] || main_args+=(--name "$name")
 session=${name//./_}${index:+-$index}          # tmux forbids '.' and ':' in session names
 [[ -n $dir ]] || dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 log_dir=${log_dir:-$dir/logs}
 log=$log_dir/$session.log
 status_file=$log_dir/$session.exit
+pid_file=$log_dir/$session.pid    # the program's pid, for --stop
+# what main.py prints on every process once its first training step is dispatched (main.py: started_line)
+ready_line='jaxformer started: process '   # anywhere in a line: a progress bar may precede it
 
 # ---- the program, run inside tmux on the host: env, banner, program | tee log, exit status file ----
 inner="set -o pipefail; cd $(q "$dir") || exit 3"
@@ -114,38 +135,92 @@ cmd="$py -u $(q "$main")"
 for a in ${main_args[@]+"${main_args[@]}"}; do cmd+=" $(q "$a")"; done
 inner+="; echo \"run.sh: run $name process ${index:-0}/${nproc:-1} on $(q "$host"), commit \$(git rev-parse --short HEAD 2>/dev/null || echo none), \$(date -u +%FT%TZ)\" | tee -a $(q "$log")"
 inner+="; echo \"run.sh: \$ \"$(q "$cmd") | tee -a $(q "$log")"
-inner+="; $cmd 2>&1 | tee -a $(q "$log"); code=\${PIPESTATUS[0]}"
-inner+="; echo \"run.sh: exit status \$code\" | tee -a $(q "$log"); echo \$code > $(q "$status_file")"
+# the program replaces a subshell that first writes its pid: --stop signals exactly the program
+inner+="; { echo \$BASHPID > $(q "$pid_file"); exec $cmd; } 2>&1 | tee -a $(q "$log"); code=\${PIPESTATUS[0]}"
+inner+="; rm -f $(q "$pid_file"); echo \"run.sh: exit status \$code\" | tee -a $(q "$log"); echo \$code > $(q "$status_file")"
 
-# ---- the command sent over SSH: checks, optional checkout, tmux session, optional wait ----
-remote=$(cat <<EOF
+# ---- the command sent over SSH: checks, then start (optional checkout, tmux session, optional
+# wait), --status or --stop ----
+S=$(q "=$session") LOG=$(q "$log") STATUS=$(q "$status_file") H=$(q "$host")
+preamble=$(cat <<EOF
 set -euo pipefail
-secrets=\$(umask 077 && mktemp "\${TMPDIR:-/tmp}/jaxformer-env.XXXXXX"); cat > "\$secrets"
-fail() { rm -f "\$secrets"; echo "run.sh: error on $(q "$host"): \$2" >&2; exit "\$1"; }
+secrets=""
+fail() { rm -f "\$secrets"; echo "run.sh: error on $H: \$2" >&2; exit "\$1"; }
 cd $(q "$dir") 2>/dev/null || fail 3 $(q "no checkout at $dir (clone the repo there or pass --dir)")
 command -v tmux >/dev/null || fail 4 "tmux is not installed (sudo apt-get install -y tmux)"
+EOF
+)
+start=$(cat <<EOF
+secrets=\$(umask 077 && mktemp "\${TMPDIR:-/tmp}/jaxformer-env.XXXXXX"); cat > "\$secrets"
 if [ $(q "$commit") != asis ]; then
   [ -z "\$(git status --porcelain --untracked-files=no)" ] || fail 5 $(q "the checkout $dir has local changes; commit or stash them there, or run with --commit asis")
   git cat-file -e $(q "$commit^{commit}") 2>/dev/null || git fetch --quiet || fail 6 "git fetch failed"
   git checkout --quiet --detach $(q "$commit") || fail 6 $(q "git checkout $commit failed")
 fi
-if tmux has-session -t $(q "=$session") 2>/dev/null; then
+if tmux has-session -t $S 2>/dev/null; then
   [ $force = 1 ] || fail 7 $(q "tmux session '$session' is already running (attach: tmux attach -t $session; replace: --force)")
-  tmux kill-session -t $(q "=$session")
+  tmux kill-session -t $S
 fi
-mkdir -p $(q "$log_dir"); rm -f $(q "$status_file")
+mkdir -p $(q "$log_dir"); rm -f $STATUS
+offset=0; [ -f $LOG ] && offset=\$(wc -c < $LOG)   # the log is appended to: --ready reads past this
 tmux new-session -d -s $(q "$session") -x 200 -y 50 bash -c $(sq "$inner") run.sh "\$secrets"
-echo "run.sh: started tmux session '$session' on $(q "$host") (tmux attach -t $session), log $(q "$log")"
+echo "run.sh: started tmux session '$session' on $H (tmux attach -t $session), log $LOG"
 if [ $wait = 1 ]; then
   pid=\$(tmux display-message -p -t $(q "=$session:") '#{pane_pid}' 2>/dev/null || true)
-  if [ -n "\$pid" ]; then tail -n +1 -F --pid="\$pid" $(q "$log") 2>/dev/null || true; fi
-  while tmux has-session -t $(q "=$session") 2>/dev/null; do sleep 1; done
-  [ -f $(q "$status_file") ] || fail 1 "the run ended without an exit status (see $(q "$log"))"
-  [ -n "\$pid" ] || cat $(q "$log")
-  exit "\$(cat $(q "$status_file"))"
+  if [ -n "\$pid" ]; then tail -n +1 -F --pid="\$pid" $LOG 2>/dev/null || true; fi
+  while tmux has-session -t $S 2>/dev/null; do sleep 1; done
+  [ -f $STATUS ] || fail 1 "the run ended without an exit status (see $LOG)"
+  [ -n "\$pid" ] || cat $LOG
+  exit "\$(cat $STATUS)"
+fi
+if [ $ready = 1 ]; then
+  end=\$((SECONDS + $timeout))
+  while ! tail -c +\$((offset + 1)) $LOG 2>/dev/null | grep -q -a $(q "$ready_line"); do
+    if ! tmux has-session -t $S 2>/dev/null; then
+      code=\$(cat $STATUS 2>/dev/null || echo 1)
+      if [ "\$code" = 0 ]; then echo "run.sh: the program on $H finished (exit status 0)"; exit 0; fi
+      echo "run.sh: last lines of $LOG on $H:"
+      tail -c +\$((offset + 1)) $LOG | tail -n 10 | sed 's/^/    /'
+      fail "\$code" "the program exited with status \$code before start-up"
+    fi
+    [ \$SECONDS -lt \$end ] || fail 8 $(q "no start-up line from the program within $timeout s; it is still running in tmux session '$session' (see $log)")
+    sleep 1
+  done
+  echo "run.sh: the program on $H passed start-up"
 fi
 EOF
 )
+status=$(cat <<EOF
+if tmux has-session -t $S 2>/dev/null; then state=running
+elif [ -f $STATUS ]; then state="ended, exit status \$(cat $STATUS)"
+else state=$(q "not running (no tmux session '$session')"); fi
+if [ -f $LOG ]; then
+  last=\$(tr '\r' '\n' < $LOG | grep -a -o -E 'step +[0-9]+ \| loss [^ |]+' | tail -n 1 | tr -s ' ' || true)
+  age=\$((\$(date +%s) - \$(stat -c %Y $LOG)))
+  if [ \$age -lt 120 ]; then age="\$age s"; elif [ \$age -lt 7200 ]; then age="\$((age / 60)) min"; else age="\$((age / 3600)) h"; fi
+  echo "\$state | \${last:-no step logged} | log changed \$age ago"
+else
+  echo "\$state | no log at $LOG"
+fi
+EOF
+)
+stop=$(cat <<EOF
+if ! tmux has-session -t $S 2>/dev/null; then echo $(q "not running (no tmux session '$session')"); exit 0; fi
+pid=\$(cat $(q "$pid_file") 2>/dev/null || true)
+if [ -n "\$pid" ] && kill -TERM "\$pid" 2>/dev/null; then how="SIGTERM to pid \$pid"; else how="no program pid"; fi
+end=\$((SECONDS + $timeout))
+while tmux has-session -t $S 2>/dev/null; do
+  if [ \$SECONDS -ge \$end ]; then
+    [ $force = 1 ] || fail 9 $(q "tmux session '$session' still running $timeout s after SIGTERM (tmux attach -t $session)")
+    tmux kill-session -t $S; echo "\$how; killed tmux session '$session' after $timeout s"; exit 0
+  fi
+  sleep 1
+done
+echo "\$how; session '$session' ended, exit status \$(cat $STATUS 2>/dev/null || echo unknown)"
+EOF
+)
+case $mode in start) body=$start ;; status) body=$status ;; stop) body=$stop ;; esac
+remote="$preamble"$'\n'"$body"
 
 if [[ -n ${SSH:-} ]]; then
   read -ra ssh_cmd <<< "$SSH"; ssh_cmd+=("$host")
@@ -156,8 +231,8 @@ else
   ssh_cmd=(ssh -o BatchMode=yes -o ConnectTimeout=15 "$host")
 fi
 
-secret_names=()
-for var in WANDB_API_KEY HF_TOKEN; do [[ -n ${!var:-} ]] && secret_names+=("$var"); done
+secret_names=()   # sent only to start a run
+for var in WANDB_API_KEY HF_TOKEN; do [[ $mode == start && -n ${!var:-} ]] && secret_names+=("$var"); done
 send_secrets() { for var in ${secret_names[@]+"${secret_names[@]}"}; do printf 'export %s=%q\n' "$var" "${!var}"; done; }
 
 if ((dry_run)); then

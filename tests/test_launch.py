@@ -63,12 +63,12 @@ def lib(snippet, tmp_path):
 
 def test_lib_resolve_hosts(tmp_path):
     f = tmp_path / "hosts"
-    f.write_text("# c\n  user@h0  # first\n\n\th1 trailing words\nh2")           # no final newline
+    f.write_text("# c\n  user@h0  # first\n\n\th1\t\nh2")           # no final newline
     p = lib(f'resolve_hosts {f} "" "" ""; printf "<%s>" "${{hosts[@]}}"', tmp_path)
     assert p.returncode == 0 and p.out == "<user@h0><h1><h2>", p.out
     for args, code, msg in [(f"{f} pod z ''", 2, "t: error: give --hosts or --tpu, not both\n"),
                             ("'' pod '' ''", 2, "t: error: --tpu needs --zone\n"),
-                            ("'' '' '' ''", 2, "USAGE\nt: error: missing --hosts FILE or --tpu NAME --zone ZONE\n")]:
+                            ("'' '' '' ''", 2, "t: error: missing --hosts FILE or --tpu NAME --zone ZONE (see --help)\n")]:
         p = lib(f"resolve_hosts {args}; echo unreached", tmp_path)
         assert (p.returncode, p.out) == (code, msg), p.out
     (tmp_path / "gcloud").write_text('#!/bin/sh\necho "$*" >&2\necho "10.1.0.2;10.1.0.3,10.1.0.4"\n')
@@ -82,12 +82,15 @@ def test_lib_resolve_hosts(tmp_path):
 def test_lib_run_name_from_args(tmp_path):
     for name, args, want in [("", "", "jaxformer"), ("", "--preset tiny --name a --name=b.c", "b.c"),
                              ("", "--name=x --name y", "y"), ("", "--name", "jaxformer"),
-                             ("given", "--name other", "given")]:
+                             ("given", "--name given", "given")]:
         p = lib(f"name={name}; run_name_from_args {args}; echo \"<$name>\"", tmp_path)
         assert (p.returncode, p.out) == (0, f"<{want}>\n"), (name, args, p.out)
     p = lib("name=''; run_name_from_args --name 'a b'; echo unreached", tmp_path)
     assert p.returncode == 2
     assert p.out == "t: error: run name may hold only letters, digits, '_', '.', '-': 'a b'\n"
+    p = lib("name=given; run_name_from_args --name other; echo unreached", tmp_path)
+    assert (p.returncode, p.out) == (2, "t: error: --name 'given' differs from main.py's --name 'other' after --; "
+                                        "give the run one name\n")
 
 
 def test_scripts_run_from_any_cwd(env, hosts, tmp_path):
@@ -123,7 +126,8 @@ def test_run_dry_run_shows_command_not_secret(env, tmp_path):
 
 
 def test_launcher_dry_run_and_tpu_hosts(env, hosts, tmp_path):
-    p = sh("launcher.sh", "--hosts", hosts("h0", "h1"), "--dry-run", "--", "--name", "r", env=env, check=0)
+    p = sh("launcher.sh", "--hosts", hosts("h0", "h1"), "--coordinator", "h0:1234", "--dry-run", "--", "--name", "r",
+           env=env, check=0)
     assert "## host 0: h0" in p.out and "## host 1: h1" in p.out
     assert "session 'r-0'" in p.out and "session 'r-1'" in p.out and SECRET not in p.out
     # --tpu: workers come from `gcloud compute tpus tpu-vm describe` (a fake gcloud here)
@@ -193,7 +197,8 @@ def test_session_already_running_then_force(env, tmp_path):
 def test_wait_reports_program_failure(env, hosts, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os, sys\nprint('key set:', bool(os.environ.get('WANDB_API_KEY')))\nsys.exit(3)\n")
-    p = sh("launcher.sh", "--hosts", hosts("hostE", "unreachable-2"), "--name", "bad", "--wait",
+    p = sh("launcher.sh", "--hosts", hosts("hostE", "unreachable-2"), "--name", "bad", "--wait", "--keep-going",
+           "--coordinator", "hostE:1234",
            "--python", sys.executable, "--main", bad, "--log-dir", tmp_path / "logs",
            "--local-logs", tmp_path / "ll", env=env, check=1)
     assert "host 0 hostE: FAILED, exit status 3" in p.stderr and "host 1 unreachable-2: FAILED" in p.stderr

@@ -1,0 +1,125 @@
+"""What main.py needs to run as one of several processes (one per host): joining jax.distributed
+within a time limit, saying it has started, and agreeing on a stop without a per-step host sync.
+
+Environment:
+  JAXFORMER_INIT_TIMEOUT=S   seconds to wait for every process to join jax.distributed (default 300);
+                             then exit 1 with one line naming the coordinator and how many joined.
+  JAXFORMER_STOP_CHECK_S=S   seconds of training between two cross-process stop checks (default 5):
+                             a stop (SIGTERM) is honoured within about this plus a step; each check
+                             costs one host-device sync.
+"""
+import os
+import sys
+import threading
+import time
+
+INIT_TIMEOUT_ENV, INIT_TIMEOUT_S = "JAXFORMER_INIT_TIMEOUT", 300
+STOP_CHECK_ENV, STOP_CHECK_S = "JAXFORMER_STOP_CHECK_S", 5
+
+
+def seconds_from_env(name, default):
+    """Environment variable `name` as a positive whole number of seconds, else `default`; a
+    malformed value exits 2 with one line naming it."""
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) < 1:
+        print(f"error: {name} must be a positive whole number of seconds, got {value!r}", file=sys.stderr)
+        sys.exit(2)
+    return int(value)
+
+
+def initialize(jax, **kwargs):
+    """jax.distributed.initialize(**kwargs), bounded by $JAXFORMER_INIT_TIMEOUT. When a process never joins,
+    JAX waits and then aborts with a stack trace that says neither where nor who; instead this
+    process exits 1 after the timeout with one line saying both."""
+    timeout = seconds_from_env(INIT_TIMEOUT_ENV, INIT_TIMEOUT_S)
+    joined = threading.Event()
+
+    def give_up():
+        if not joined.wait(timeout):
+            print(f"error: {_not_joined(jax, timeout)}", file=sys.stderr, flush=True)
+            os._exit(1)                 # the main thread is blocked inside JAX: nothing else can end it
+    threading.Thread(target=give_up, daemon=True).start()
+    # JAX's own limit comes later, so the line above is what the user sees
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=timeout + 60)
+    finally:
+        joined.set()                    # also when it raises (a single TPU host): the caller decides
+
+
+def _not_joined(jax, timeout):
+    """The timeout line: on the coordinator's process, how many processes joined it; elsewhere,
+    whether this process reached it."""
+    from jax._src import distributed      # what initialize() resolved, also when auto-detected
+    state = distributed.global_state
+    address = getattr(state, "coordinator_address", None) or os.environ.get("JAX_COORDINATOR_ADDRESS", "?")
+    n, pid = getattr(state, "num_processes", None) or "?", getattr(state, "process_id", None)
+    port = int(address.rsplit(":", 1)[1]) if address.rsplit(":", 1)[-1].isdigit() else None
+    head = f"jax.distributed: not every process joined within {timeout} s ({INIT_TIMEOUT_ENV}): "
+    if pid == 0:
+        count = _connections(port, local=True)
+        joined = f"{count} of {n} processes" if count is not None else f"an unknown number of {n} processes"
+        return (head + f"{joined} joined the coordinator at {address} (this process); start the missing "
+                f"host(s), or check JAX_NUM_PROCESSES")
+    reached = _connections(port, local=False)
+    where = ("connected to" if reached else "could not reach") if reached is not None else "waited for"
+    return (head + f"process {pid} of {n} {where} the coordinator at {address}; "
+            f"process 0's log says how many joined")
+
+
+def _connections(port, local):
+    """Established TCP connections with `port` as their local (local=True: clients of the
+    coordinator service on this host) or remote end, from /proc/net; None where unreadable."""
+    if port is None:
+        return None
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            return None
+        for row in rows:
+            fields = row.split()
+            end = fields[1] if local else fields[2]
+            count += fields[3] == "01" and int(end.rsplit(":", 1)[1], 16) == port   # 01: ESTABLISHED
+    return count
+
+
+def started_line(jax):
+    """Printed by every process once its first training step is dispatched (start-up done: config,
+    data, restore, compile); launcher.sh and run.sh --ready wait for it (run.sh: ready_line)."""
+    return (f"jaxformer started: process {jax.process_index()} of {jax.process_count()}, "
+            f"first training step dispatched")
+
+
+class StopAgreement:
+    """stop(step, synced) -> True when every process is to stop after `step` (a SIGTERM/SIGINT on any
+    of them): all processes must save and exit at the same step.
+
+    Agreeing means a collective, which makes the host wait for the device; doing it every step
+    would undo the one-step-ahead dispatch. So processes agree only at `synced` steps (log
+    intervals, which sync anyway) and every K steps, K chosen so that checks come about every
+    $JAXFORMER_STOP_CHECK_S seconds: each check gathers the time every process spent since the
+    last one, and all derive the next check step from those same gathered numbers, so every
+    process checks at the same steps. A single process needs no agreement and answers at once."""
+
+    def __init__(self, jax, requested):
+        self.jax, self.requested = jax, requested
+        self.check_s = seconds_from_env(STOP_CHECK_ENV, STOP_CHECK_S)
+        self.next_check, self.last_step, self.last_t = None, None, None
+
+    def __call__(self, step, synced=False):
+        if self.jax.process_count() == 1:
+            return bool(self.requested())
+        if self.next_check is not None and step < self.next_check and not synced:
+            return False
+        import numpy as np
+        from jax.experimental import multihost_utils
+        now = time.monotonic()
+        mine = [float(bool(self.requested())), now - self.last_t if self.last_t is not None else 0.0]
+        every = np.asarray(multihost_utils.process_allgather(np.array(mine, np.float32)))   # [processes, 2]
+        steps = step - self.last_step if self.last_step is not None else 0
+        per_step = float(every[:, 1].max()) / steps if steps else 0.0
+        self.next_check = step + (max(1, int(self.check_s / per_step)) if per_step > 0 else 1)
+        self.last_step, self.last_t = step, now
+        return bool(every[:, 0].max() > 0)
