@@ -25,6 +25,7 @@ import time
 import uuid
 import warnings
 
+import multihost
 import utils
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +41,8 @@ _PROCESS_INDEX = 0
 
 
 def set_up_devices(cfg):
-    """Environment for JAX, which must happen before `import jax`; then multi-host init. Returns jax."""
+    """Environment for JAX, which must happen before `import jax`; then multi-host init, which exits
+    with one line when not every process joins within $JAXFORMER_INIT_TIMEOUT s. Returns jax."""
     if cfg.run.cpu_devices > 0:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={cfg.run.cpu_devices}"])
@@ -52,14 +54,14 @@ def set_up_devices(cfg):
         # GPU/CPU clusters (and launcher.sh): the coordinator and this host's rank come from the environment.
         if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-                                   num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                                   process_id=int(os.environ["JAX_PROCESS_ID"]))
+        multihost.initialize(jax, coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                             process_id=int(os.environ["JAX_PROCESS_ID"]))
     elif os.environ.get("SLURM_NTASKS", "1") != "1":
-        jax.distributed.initialize()      # SLURM: everything is auto-detected
+        multihost.initialize(jax)         # SLURM: everything is auto-detected
     elif _on_tpu_vm():
         try:                              # TPU pod slices: auto-detected from the TPU metadata
-            jax.distributed.initialize()
+            multihost.initialize(jax)
         except Exception as e:            # a single-host TPU VM needs no coordination
             if _tpu_multihost():
                 raise
@@ -439,11 +441,8 @@ def _train(cfg, jax, mesh):
     test_signal = os.environ.get("JAXFORMER_TEST_SIGNAL")
     test_signal = (int(test_signal.split(":")[0]), test_signal.split(":")[1]) if test_signal else None
 
-    def stop_agreed():
-        if jax.process_count() == 1:
-            return stop["requested"]
-        from jax.experimental import multihost_utils
-        return bool(np.max(multihost_utils.process_allgather(np.int32(stop["requested"]))))
+    # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
+    stop_agreed = multihost.StopAgreement(jax, lambda: stop["requested"])
 
     # --- the loop
     tokens_per_step = G * global_batch * mc.T
@@ -486,8 +485,10 @@ def _train(cfg, jax, mesh):
         state = {"params": params, "opt_state": opt_state, "key": key}
         step += 1
         pending.append((step, metrics))
+        if step == start_step + 1:
+            print(multihost.started_line(jax), flush=True)     # every process; launcher.sh waits for it
         fetch(upto_all=timer["t"] is None)      # block on the first step, so the timer starts after compilation
-        stopping = stop_agreed()
+        stopping = stop_agreed(step, synced=step % rc.checkpoint_steps == 0 or step == oc.training_steps)
         if step % rc.checkpoint_steps == 0 or step == oc.training_steps or stopping:
             fetch(upto_all=True)
             now = time.perf_counter()
