@@ -122,6 +122,37 @@ def _dot_category(rhs):
     return part, phase
 
 
+def _conv_flops(rhs, shapes):
+    """FLOPs of an HLO convolution, which is how TPU HLO writes matmuls (batch dimensions become
+    strided, dilated or padded windows): 2 x batch x output features x input features per group x,
+    for each spatial dimension, the (output position, window tap) pairs that land on a real input
+    element rather than padding or a dilation hole (as XLA's own cost analysis counts them)."""
+    out = _SHAPE.match(rhs.strip())
+    operands = re.search(r"\bconvolution\(([^)]*)\)", rhs)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rhs)
+    if not (out and operands and labels):
+        return 0.0
+    names = [o.strip().split(" ")[-1].lstrip("%") for o in operands.group(1).split(",")]
+    lhs_shape, rhs_shape = (shapes.get(n) for n in names[:2])
+    if lhs_shape is None or rhs_shape is None:
+        return 0.0
+    out_shape = _dims(out.group(2))
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = dict(re.findall(r"(\w+)=([\dx_]+)", (re.search(r"window=\{([^}]*)\}", rhs) or [None, ""])[1]))
+    per_dim = lambda key, default: ([tuple(map(int, v.split("_"))) if "_" in v else int(v)
+                                     for v in window[key].split("x")] if key in window else None) or default
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    n = len(spatial)
+    size, stride, pad = per_dim("size", [1] * n), per_dim("stride", [1] * n), per_dim("pad", [(0, 0)] * n)
+    lhs_dilate, rhs_dilate = per_dim("lhs_dilate", [1] * n), per_dim("rhs_dilate", [1] * n)
+    taps = 1
+    for i, d in enumerate(spatial):
+        extent = (lhs_shape[lhs_l.index(d)] - 1) * lhs_dilate[i] + 1
+        taps *= sum(1 for o in range(out_shape[out_l.index(d)]) for k in range(size[i])
+                    if 0 <= (p := o * stride[i] + k * rhs_dilate[i] - pad[i][0]) < extent and p % lhs_dilate[i] == 0)
+    return 2.0 * out_shape[out_l.index("b")] * out_shape[out_l.index("f")] * rhs_shape[rhs_l.index("i")] * taps
+
+
 def hlo_flops(hlo_text):
     """Matmul FLOPs (2 x output elements x contracted size per dot) of an optimized, SPMD-partitioned
     HLO module (so: per device), counting every while body times its known trip count, every fusion
@@ -171,6 +202,22 @@ def hlo_flops(hlo_text):
             return 0.0
         return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_shape[d] for d in _dims(contract.group(1)))
 
+    def trip_count(rhs):
+        """XLA:CPU writes known_trip_count; TPU HLO does not, but its loop conditions compare the
+        counter (from 0) with a constant: `compare(counter, constant(N)), direction=LT`."""
+        trip = _TRIP.search(rhs)
+        if trip:
+            return int(trip.group(1))
+        cond = re.search(r"condition=%?([\w.\-]+)", rhs)
+        lines = comps.get(cond.group(1), []) if cond else []
+        constants = {ins.partition(" = ")[0].strip().lstrip("%"): int(c.group(1)) for ins in lines
+                     if (c := re.search(r"\bconstant\((-?\d+)\)", ins))}
+        root = next((ins for ins in lines if ins.startswith("ROOT") and "direction=LT" in ins), "")
+        operands = re.search(r"compare\(([^)]*)\)", root)
+        bound = [constants[o.strip().lstrip("%")] for o in operands.group(1).split(",")
+                 if o.strip().lstrip("%") in constants] if operands else []
+        return bound[0] if bound else 1
+
     memo = {}
     add = lambda acc, other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
 
@@ -181,14 +228,15 @@ def hlo_flops(hlo_text):
         total = {}
         for ins in comps.get(name, []):
             rhs = ins.partition(" = ")[2]
-            if re.search(r"\bdot\(", rhs):
+            matmul = dot_flops(rhs) if re.search(r"\bdot\(", rhs) else (
+                _conv_flops(rhs, shapes) if re.search(r"\bconvolution\(", rhs) else None)
+            if matmul is not None:
                 part, phase = _dot_category(rhs)
-                f = dot_flops(rhs)
-                add(total, {"total": f, part: f, phase: f})
+                add(total, {"total": matmul, part: matmul, phase: matmul})
             if re.search(r"\bwhile\(", rhs):
-                body, trip = re.search(r"body=%?([\w.\-]+)", rhs), _TRIP.search(rhs)
+                body = re.search(r"body=%?([\w.\-]+)", rhs)
                 if body:
-                    add(total, cost(body.group(1)), int(trip.group(1)) if trip else 1)
+                    add(total, cost(body.group(1)), trip_count(rhs))
             elif re.search(r"\bconditional\(", rhs):
                 branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
                 names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []

@@ -19,6 +19,7 @@ Test hooks (environment, used by tests/test_main.py only):
 import dataclasses
 import json
 import os
+import posixpath
 import signal
 import sys
 import time
@@ -86,20 +87,96 @@ def _tpu_multihost():
 # Metrics sinks: stdout (process 0), metrics.jsonl, wandb
 
 
+def is_url(path):
+    """True for an fsspec URL (gs://bucket/x, memory://x); such a path is never touched with os.*."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def make_run_dir(run_dir):
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(run_dir)
+    fs.makedirs(path, exist_ok=True)           # a no-op under a bucket, where directories are prefixes
+
+
+class RunFile:
+    """One growing text file of the run directory (metrics.jsonl, samples.txt), written by process 0.
+
+    A local directory gets every record appended at once. An object store cannot append, and rewriting a
+    growing object on every line would cost O(lines^2): records wait in memory and go out as whole
+    numbered objects, NAME.parts/000001, 000002, ... at flush() (each checkpoint, at most every FLUSH_S
+    seconds otherwise, and at close). `read_run_file` puts either layout back together."""
+    FLUSH_S = 60.0
+
+    def __init__(self, run_dir, name):
+        self.run_dir, self.name = run_dir, name
+        self.remote = is_url(run_dir)
+        self.path = f"{run_dir.rstrip('/')}/{name}" if self.remote else os.path.join(run_dir, name)
+        self._buf, self._last = [], time.monotonic()
+        if self.remote:
+            import fsspec
+            self.fs, parts = fsspec.core.url_to_fs(f"{self.path}.parts")
+            self.parts = parts.rstrip("/")
+            self._next = 1 + max([int(p) for p in _part_names(self.fs, self.parts)] or [0])
+
+    def write(self, text):
+        if not self.remote:
+            with open(self.path, "a") as f:
+                f.write(text)
+            return
+        self._buf.append(text)
+        if time.monotonic() - self._last >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self):
+        """Write what is buffered as the next part object (an object store only; never fatal)."""
+        if not self.remote or not self._buf:
+            return
+        name = f"{self.parts}/{self._next:06d}"
+        try:
+            self.fs.pipe_file(name, "".join(self._buf).encode("utf-8"))
+        except Exception as e:                 # metrics never stop training; kept for the next flush
+            warnings.warn(f"could not write {self.fs.unstrip_protocol(name)} ({type(e).__name__}: {e}); "
+                          f"keeping {len(self._buf)} record(s) in memory for the next try")
+            return
+        self._buf, self._last, self._next = [], time.monotonic(), self._next + 1
+
+
+def _part_names(fs, parts):
+    try:
+        names = [posixpath.basename(str(p).rstrip("/")) for p in fs.ls(parts, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.isdigit())
+
+
+def read_run_file(run_dir, name):
+    """The whole text of a run file: the local file, or its part objects in order on an object store."""
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(f"{run_dir.rstrip('/')}/{name}")
+    text = fs.cat_file(path).decode("utf-8") if fs.exists(path) else ""
+    return text + "".join(fs.cat_file(f"{path}.parts/{p}").decode("utf-8") for p in _part_names(fs, f"{path}.parts"))
+
+
 class Logger:
+    """metrics.jsonl and samples.txt in the run directory (local or any fsspec URL), and wandb."""
+
     def __init__(self, cfg, run_dir, run_id, enabled):
         self.enabled = enabled
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.samples_path = os.path.join(run_dir, "samples.txt")
+        self.metrics_file = RunFile(run_dir, "metrics.jsonl")
+        self.samples_file = RunFile(run_dir, "samples.txt")
         self.wandb = None
         if enabled and cfg.run.wandb:
             self.wandb = _init_wandb(cfg, run_dir, run_id)
 
+    def flush(self):
+        if self.enabled:
+            self.metrics_file.flush()
+            self.samples_file.flush()
+
     def metrics(self, record):
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.metrics_file.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             flat = {}
             for k, v in record.items():
@@ -118,8 +195,7 @@ class Logger:
     def sample(self, step, prompt, text):
         if not self.enabled:
             return
-        with open(self.samples_path, "a") as f:
-            f.write(f"=== step {step}\n{prompt}{text}\n\n")
+        self.samples_file.write(f"=== step {step}\n{prompt}{text}\n\n")
         if self.wandb is not None:
             try:
                 import wandb
@@ -128,6 +204,7 @@ class Logger:
                 warnings.warn(f"wandb sample logging failed ({e})")
 
     def close(self):
+        self.flush()
         if self.wandb is not None:
             try:
                 self.wandb.finish()
@@ -139,6 +216,10 @@ def _init_wandb(cfg, run_dir, run_id):
     """Online when WANDB_API_KEY is set, otherwise offline files under the run dir; never fatal."""
     try:
         import wandb
+        if is_url(run_dir):                   # wandb writes a local directory: keep it in the cache
+            import dataset
+            run_dir = os.path.join(dataset.default_cache_dir(), "wandb", run_id)
+            os.makedirs(run_dir, exist_ok=True)
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxformer"), name=cfg.run.name, id=run_id,
                          resume="allow", dir=run_dir, mode=mode, config=dataclasses.asdict(cfg),
@@ -155,46 +236,280 @@ def _init_wandb(cfg, run_dir, run_id):
 # Checkpoints
 
 
-def checkpoint_manager(run_dir):
+class RunRefused(Exception):
+    """Starting would lose or mix work (a changed model, another run live in the directory, no readable
+    checkpoint, a prompt that does not fit): main() prints the message and exits 2, nothing touched."""
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written: one line naming the path and the OS error; main() exits 1."""
+
+
+def checkpoint_manager(run_dir, read_only=False):
     import orbax.checkpoint as ocp
-    options = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True, create=True)
-    return ocp.CheckpointManager(os.path.join(os.path.abspath(run_dir), "checkpoints"), options=options,
+    options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
+               ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True, create=True))
+    # a URL goes to Orbax as it is (every host writes its shards there); only a local path is made absolute
+    directory = f"{run_dir.rstrip('/')}/checkpoints" if is_url(run_dir) else os.path.join(os.path.abspath(run_dir),
+                                                                                             "checkpoints")
+    return ocp.CheckpointManager(directory, options=options,
                                  item_names=("state", "meta"))
 
 
 def save(mngr, step, state, meta, force=False):
+    """Start an async save; SaveFailed when the directory cannot take it. The directory is probed first:
+    on a read-only one Orbax fails to create the step directory and then its commit threads wait 5
+    minutes for it before failing in a flood of tracebacks."""
     import orbax.checkpoint as ocp
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-              force=force)
+    try:
+        _check_writable(str(mngr.directory), state)
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                  force=force)
+    except Exception as e:
+        raise SaveFailed(f"could not save the checkpoint of step {step} in {mngr.directory}: {_os_error(e)}") from e
 
 
-def restore_latest(mngr, abstract_state, run_dir):
+def wait_for_save(mngr):
+    """Wait for the async save in flight (a full disk fails there); SaveFailed naming the path and cause."""
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:
+        raise SaveFailed(f"could not save a checkpoint in {mngr.directory}: {_os_error(e)}") from e
+
+
+def _check_writable(directory, state):
+    """OSError when a local checkpoint directory cannot take a save of `state`: not writable, or less free
+    space than this process' share of the state's bytes (uncompressed: a safe bound). Object stores
+    are left to Orbax."""
+    import errno
+    import shutil
+
+    import jax
+    if is_url(directory):
+        return
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f".write-test-{os.getpid()}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+    need = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) // jax.process_count()
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free, the checkpoint "
+                                    f"needs about {need / 2**20:.1f} MiB)", directory)
+
+
+def _os_error(e):
+    """The OS-level cause of a failed save, in one line (Orbax wraps it several layers deep)."""
+    import re
+    cause = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code:
+        return f"[Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+def restore_latest(mngr, abstract_state, run_dir, mc):
     """(state, meta) from the newest readable checkpoint, restored straight onto the current mesh's
     shardings (so a checkpoint saved on any mesh restores on this one); None when there is none.
-    An unreadable checkpoint is moved aside to run_dir/unreadable_checkpoints with a warning."""
+
+    The newest readable metadata is compared with the model config first (`check_model`): a change of
+    shape raises RunRefused before anything is touched. A checkpoint that then fails to read is moved to
+    run_dir/unreadable_checkpoints with a warning naming the cause, once an older one has restored
+    (run_dir None: left in place). When none restores: RunRefused, nothing moved."""
     import jax
+    steps = sorted(mngr.all_steps(), reverse=True)
+    newest = newest_meta(mngr)         # an unreadable checkpoint is skipped here, reported below
+    if newest is not None:
+        check_model(newest[1].get("model") or {}, mc, f"{mngr.directory}/{newest[0]}")
+    failed = []
+    for step in steps:
+        try:
+            state, meta = _restore(mngr, step, abstract_state)
+        except Exception as e:
+            failed.append((step, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"))
+            continue
+        for bad, cause in failed:
+            dst = f"{run_dir.rstrip('/')}/unreadable_checkpoints/{bad}-{int(time.time())}" if run_dir else None
+            log(f"WARNING: checkpoint {mngr.directory}/{bad} is unreadable ({cause}); "
+                + (f"moved to {dst}; " if dst else "") + f"resuming from step {step}")
+            if dst and jax.process_index() == 0:
+                _move_aside(f"{str(mngr.directory).rstrip('/')}/{bad}", dst)
+        if failed and run_dir:
+            mngr.reload()
+        return state, meta
+    if failed:
+        raise RunRefused(f"no checkpoint in {mngr.directory} can be read; nothing was moved:\n"
+                         + "\n".join(f"  step {s}: {cause}" for s, cause in failed)
+                         + "\nfix the cause (storage, permissions) and rerun, or add --restart to start over "
+                           "(the old run is moved aside, not deleted)")
+    return None
+
+
+def newest_meta(mngr):
+    """(step, metadata) of the newest checkpoint whose metadata (step, data position, run id, model config)
+    reads, without its arrays; None when there is none."""
     import orbax.checkpoint as ocp
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
-            restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                                    meta=ocp.args.JsonRestore()))
-            state, meta = restored["state"], restored["meta"]
-            if int(meta["step"]) != step:
-                raise ValueError(f"metadata says step {meta['step']}")
-            return state, meta
-        except Exception as e:
-            msg = str(e).strip().splitlines()
-            warnings.warn(f"checkpoint at step {step} is unreadable ({type(e).__name__}: "
-                          f"{msg[0][:300] if msg else ''}); falling back to the previous one", stacklevel=2)
-            log(f"WARNING: checkpoint at step {step} is unreadable; falling back to the previous one")
-            if jax.process_index() == 0:
-                src = os.path.join(str(mngr.directory), str(step))
-                dst_dir = os.path.join(run_dir, "unreadable_checkpoints")
-                os.makedirs(dst_dir, exist_ok=True)
-                if os.path.exists(src):
-                    os.replace(src, os.path.join(dst_dir, f"{step}-{int(time.time())}"))
-            mngr.reload()
+            return step, mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:
+            continue
     return None
+
+
+def _restore(mngr, step, abstract_state):
+    import orbax.checkpoint as ocp
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                            meta=ocp.args.JsonRestore()))
+    if int(restored["meta"]["step"]) != step:
+        raise ValueError(f"metadata says step {restored['meta']['step']}")
+    return restored["state"], restored["meta"]
+
+
+def check_model(saved, mc, where):
+    """RunRefused naming every model field that differs from the checkpoint's (both values) when the
+    difference changes a parameter's shape; otherwise a note (dropout, capacity, remat, ... may change)."""
+    now = dataclasses.asdict(mc)
+    diffs = [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]]
+    if not diffs:
+        return
+    lines = "\n".join(f"  --{k}: {old} in the checkpoint, {new} now" for k, old, new in diffs)
+    if _param_shapes(dataclasses.replace(mc, **{k: old for k, old, _ in diffs})) != _param_shapes(mc):
+        raise RunRefused(f"{where} holds a different model, so this run cannot resume from it; nothing was "
+                         f"changed. Differing flags:\n{lines}\nrerun with the checkpoint's values (its --preset "
+                         f"and flags) to resume, or add --restart to start over (the old run is moved aside, "
+                         f"not deleted)")
+    log(f"note: {where} was saved with other settings that keep every shape; resuming with the new ones:\n{lines}")
+
+
+def _param_shapes(mc):
+    import jax
+
+    import model
+    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0)))
+    return str(tree), [leaf.shape for leaf in leaves]
+
+
+def _move_aside(src, dst):
+    """Rename a checkpoint directory, locally or on any fsspec store (there: copy + delete)."""
+    import fsspec
+    fs, src_path = fsspec.core.url_to_fs(src)
+    if fs.exists(src_path):
+        dst_path = fsspec.core.url_to_fs(dst)[1]
+        fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
+        fs.mv(src_path, dst_path, recursive=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run directory: one run at a time; --restart
+
+RUN_FILES = ("checkpoints", "unreadable_checkpoints", "metrics.jsonl", "metrics.jsonl.parts", "samples.txt",
+             "samples.txt.parts", "wandb")
+
+
+def set_aside_previous_run(run_dir):
+    """--restart: move the run's checkpoints and logs to RUN_DIR/replaced/TIME (kept, never deleted)."""
+    import fsspec
+    fs, path = fsspec.core.url_to_fs(run_dir)
+    names = [n for n in RUN_FILES if fs.exists(f"{path.rstrip('/')}/{n}")]
+    if names:
+        dst = f"{run_dir.rstrip('/')}/replaced/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        for name in names:
+            _move_aside(f"{run_dir.rstrip('/')}/{name}", f"{dst}/{name}")
+        log(f"--restart: moved {', '.join(names)} to {dst}")
+
+
+def lock_run_dir(run_dir):
+    """Take RUN_DIR/lock for this process (host, pid, start time) and release it at exit. RunRefused when
+    a live run holds it; a lock whose process is gone (killed, host rebooted) is taken over with a
+    warning. Local directories only: on an object store the lock is skipped."""
+    import atexit
+    if is_url(run_dir):
+        return None
+    path = os.path.join(run_dir, "lock")
+    mine = dict(_process_identity(os.getpid()), host=_hostname(),
+                started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(mine, f)
+    try:
+        for _ in range(3):
+            try:
+                os.link(tmp, path)      # atomic, and fails when the lock exists: the file appears whole
+                atexit.register(_unlock, path, mine)
+                return path
+            except FileExistsError:
+                holder = _read_lock(path)
+            if holder is None and not os.path.exists(path):
+                continue                # released meanwhile
+            if holder is not None and _alive(holder):
+                raise RunRefused(f"{run_dir} is in use by another run: pid {holder.get('pid')} on "
+                                 f"{holder.get('host')}, started {holder.get('started')} (lock {path}); stop it or "
+                                 f"use another --name; if that run is gone, delete {path}")
+            log(f"WARNING: taking over {path}: pid {holder and holder.get('pid')} on "
+                f"{holder and holder.get('host')} that held it is gone")
+            _remove(path)
+        raise RunRefused(f"could not take the lock {path}: other runs keep taking it")
+    finally:
+        _remove(tmp)
+
+
+def _process_identity(pid):
+    """pid plus what tells it from a later process with the same pid: boot id and start time (Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]      # field 22, starttime in clock ticks
+        return {"pid": pid, "boot_id": boot, "proc_start": started}
+    except (OSError, IndexError):
+        return {"pid": pid}
+
+
+def _alive(holder):
+    """False only when the lock's process is provably gone: same host, and no process with its identity."""
+    if holder.get("host") != _hostname():
+        return True
+    if "proc_start" not in holder:  # no /proc: whether any process has that pid
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (OSError, KeyError, ValueError):
+            pass
+        return True
+    return _process_identity(holder["pid"]) == {k: holder.get(k) for k in ("pid", "boot_id", "proc_start")}
+
+
+def _hostname():
+    import socket
+    return socket.gethostname()
+
+
+def _read_lock(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlock(path, mine):
+    if _read_lock(path) == mine:
+        _remove(path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -208,56 +523,29 @@ def data_dir_for(cfg):
     return dataset.ensure_bundled_shards(dataset.default_cache_dir())
 
 
-def unigram_entropy(data_dir, train_ds, vocab_size):
-    """Entropy (nats) of the training tokens' unigram distribution: the loss of the best model that
-    ignores context. Cached next to the shards when the directory is local."""
-    import numpy as np
-    cache = os.path.join(data_dir, "unigram_entropy.json") if "://" not in data_dir else None
-    if cache and os.path.exists(cache):
-        with open(cache) as f:
-            return json.load(f)["nats"]
-    counts = np.zeros(vocab_size, np.int64)
-    for chunk in _token_chunks(train_ds):
-        counts += np.bincount(np.asarray(chunk, np.int64), minlength=vocab_size)[:vocab_size]
-    p = counts[counts > 0] / counts.sum()
-    nats = float(-(p * np.log(p)).sum())
-    if cache and _PROCESS_INDEX == 0:
-        try:
-            with open(cache, "w") as f:
-                json.dump({"nats": nats, "tokens": int(counts.sum())}, f)
-        except OSError:
-            pass
-    return nats
-
-
-def _token_chunks(ds):
-    """The token arrays behind a TokenDataset, whatever it calls them."""
-    for name in ("tokens", "shards", "arrays"):
-        value = getattr(ds, name, None)
-        if value is None:
-            continue
-        if hasattr(value, "shape"):
-            yield value
-        else:
-            yield from value
-        return
-    raise AttributeError("TokenDataset exposes no token arrays (tokens/shards/arrays)")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The run
 
 
 def main(argv=None):
     cfg = utils.config_from_args(argv)
+    if cfg.run.compile_for:                 # a pod rehearsal on this machine: no devices, no run directory
+        import pod
+        return pod.main(cfg)
     jax = set_up_devices(cfg)
     n_devices = jax.device_count()
     try:
         utils.validate(cfg, n_devices)
+        return sample_from_checkpoint(cfg, jax) if cfg.run.sample else train(cfg, jax)
     except utils.ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    return train(cfg, jax)
+    except RunRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def build_trainer(cfg, mesh):
@@ -336,13 +624,98 @@ def build_trainer(cfg, mesh):
     train_step = jax.jit(train_step, in_shardings=(p_shard, o_shard, replicated, data_shards, data_shards),
                          out_shardings=(p_shard, o_shard, replicated, replicated), donate_argnums=(0, 1, 2))
 
-    return types.SimpleNamespace(step=train_step, fresh_state=fresh_state, abstract_state=abstract_state,
-                                 schedule=schedule, data_sharding=data_sharding)
+    def eval_step(params, x, y):
+        _, metrics = model.loss_and_metrics(params, x, y, jax.random.key(0), mc, mesh, M, False)
+        return metrics["ce"], metrics["balance"]
+    eval_step = jax.jit(eval_step, in_shardings=(p_shard, data_sharding, data_sharding))
+
+    return types.SimpleNamespace(step=train_step, eval_step=eval_step, fresh_state=fresh_state,
+                                 abstract_state=abstract_state, schedule=schedule, data_sharding=data_sharding)
 
 
 def train(cfg, jax):
     import model
     return _train(cfg, jax, model.make_mesh(cfg.run.n_device_axis))
+
+
+def sample_from_checkpoint(cfg, jax):
+    """--sample: restore the run's newest readable checkpoint on this mesh (whatever mesh saved it, with
+    the model config it recorded), print one sample for --prompt, write nothing. The key is the one
+    training samples with at that step, so on the same mesh the text is the one samples.txt holds."""
+    import model
+    mngr = checkpoint_manager(run_dir_of(cfg.run), read_only=True)
+    newest = newest_meta(mngr)
+    if newest is None:
+        raise RunRefused(f"--sample: no readable checkpoint in {mngr.directory}; train the run first")
+    fields = {f.name for f in dataclasses.fields(utils.ModelConfig)}
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, **{k: v for k, v in (newest[1].get("model") or {}).items() if k in fields}))
+    utils.validate(cfg, jax.device_count())
+    ids = prompt_ids(cfg.inference, cfg.model.T)
+    trainer = build_trainer(cfg, model.make_mesh(cfg.run.n_device_axis))
+    state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
+    mngr.close()
+    text = sample_text(state["params"], cfg, ids, int(meta["step"]))
+    log(f"sample @ {meta['step']} of {mngr.directory}: {cfg.inference.prompt}{text}")
+    return 0
+
+
+def run_dir_of(rc):
+    return f"{rc.output_dir.rstrip('/')}/{rc.name}" if is_url(rc.output_dir) else os.path.join(rc.output_dir, rc.name)
+
+
+def prompt_ids(ic, T):
+    """The prompt's token ids, checked at start: an empty prompt is <|endoftext|> alone (every document
+    starts with it, as the guide samples); RunRefused when prompt + --max_tokens do not fit in --T."""
+    from data.tokenizer import get_tokenizer
+    enc = get_tokenizer()
+    ids = enc.encode_ordinary(ic.prompt) or [enc.eot_token]
+    if len(ids) + ic.max_tokens > T:
+        raise RunRefused(f"--prompt is {len(ids)} tokens and --max_tokens {ic.max_tokens} asks for that many more: "
+                         f"{len(ids) + ic.max_tokens} positions, more than --T {T}; shorten --prompt, lower "
+                         f"--max_tokens (to at most {T - len(ids)}) or raise --T")
+    return ids
+
+
+def sample_text(params, cfg, ids, step):
+    """--max_tokens new tokens after `ids` (top-k, temperature), decoded; the key depends on the seed and
+    the step only, never on the training key."""
+    import model
+    from data.tokenizer import get_tokenizer
+    import jax
+    ic, enc = cfg.inference, get_tokenizer()
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), step)
+    new = model.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
+    return enc.decode([t for t in new if t < enc.n_vocab])
+
+
+def handle_stop_signals(stop):
+    """SIGTERM and a first Ctrl-C set stop["requested"] (and stop["signal"]): the loop finishes its step,
+    saves, says where, exits 0. A second Ctrl-C gets the default action, which ends the process at once,
+    even inside a long XLA call (a Python handler would wait for it to return)."""
+    def on_signal(signum, frame):
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # os.write, not print: the handler may interrupt a print, and print is not reentrant
+            os.write(2, b"\nCtrl-C: finishing this step, then saving and exiting; Ctrl-C again to exit now "
+                        b"without saving\n")
+        stop["requested"] = True
+        stop.setdefault("signal", signal.Signals(signum).name)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def load_spread(load):
+    """(max/min tokens per expert over the worst MoE layer, a note naming idle experts or None); inf when
+    an expert got no tokens."""
+    import numpy as np
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spread = float(np.max(load.max(-1) / load.min(-1)))
+    idle = [f"{layer}.{e}" for layer, e in zip(*np.nonzero(load == 0))]
+    if not idle:
+        return spread, None
+    more = f" and {len(idle) - 8} more" if len(idle) > 8 else ""
+    return spread, f" (no tokens: expert {', '.join(idle[:8])}{more}, as layer.expert)"
 
 
 def _train(cfg, jax, mesh):
@@ -351,15 +724,21 @@ def _train(cfg, jax, mesh):
 
     import dataset
     import model
-    from data.tokenizer import get_tokenizer
 
     mc, oc, rc, ic = cfg.model, cfg.optim, cfg.run, cfg.inference
     proc0 = jax.process_index() == 0
     dp, pp, tp = rc.n_device_axis
     n_mesh = dp * pp * tp
-    run_dir = os.path.join(rc.output_dir, rc.name)
+    run_dir = run_dir_of(rc)
+    sample_ids = prompt_ids(ic, mc.T)           # a prompt that cannot be sampled stops the run before it starts
     if proc0:
-        os.makedirs(run_dir, exist_ok=True)
+        make_run_dir(run_dir)
+        lock_run_dir(run_dir)
+        if rc.restart:
+            set_aside_previous_run(run_dir)
+    if rc.restart and jax.process_count() > 1:  # every host opens the checkpoints after they moved
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("restart")
 
     log(utils.describe(cfg))
     counts = model.count_params(mc)
@@ -385,59 +764,49 @@ def _train(cfg, jax, mesh):
             f"evaluating on {len(val_batches)}")
 
     mngr = checkpoint_manager(run_dir)
-    restored = restore_latest(mngr, abstract_state, run_dir) if mngr.all_steps() else None
+    restored = restore_latest(mngr, abstract_state, run_dir, mc)
     if restored is None:
         state, start_step, run_id = trainer.fresh_state(rc.seed), 0, uuid.uuid4().hex[:8]
+        start_seq = 0
     else:
         state, meta = restored
         start_step, run_id = int(meta["step"]), meta.get("run_id") or uuid.uuid4().hex[:8]
-        log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position "
-            f"{meta['data_step']}, run id {run_id}")
-        if meta.get("model") and meta["model"] != dataclasses.asdict(mc):
-            log("WARNING: the checkpoint was written with a different model config")
+        # sequences consumed, whatever batch layout consumed them (checkpoints before it: data_step batches)
+        start_seq = int(meta.get("sequences", meta.get("data_step", start_step * G) * global_batch))
+        log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position {start_seq} "
+            f"sequences, run id {run_id}")
 
     logger = Logger(cfg, run_dir, run_id, proc0)
     if restored is not None:
         logger.metrics({"event": "resume", "step": start_step})
 
-    @jax.jit
-    def eval_step(params, x, y):
-        _, metrics = model.loss_and_metrics(params, x, y, jax.random.key(0), mc, mesh, M, False)
-        return metrics["ce"], metrics["balance"]
-
     def evaluate(params):
-        results = [eval_step(params, x, y) for x, y in val_batches]
+        results = [trainer.eval_step(params, x, y) for x, y in val_batches]
         ce, bal = np.mean([float(r[0]) for r in results]), np.mean([float(r[1]) for r in results])
         return float(ce), float(bal)
 
-    enc = get_tokenizer()
-    prompt_ids = enc.encode_ordinary(ic.prompt)
     samples_on = os.environ.get("JAXFORMER_NO_SAMPLES") != "1"
-    max_new = min(ic.max_tokens, mc.T - len(prompt_ids))
-    if samples_on and max_new < ic.max_tokens:
-        log(f"note: prompt ({len(prompt_ids)} tokens) + --max_tokens {ic.max_tokens} exceed --T {mc.T}; "
-            f"sampling {max_new} tokens")
-    samples_on = samples_on and max_new > 0
 
     def sample(params, step):
+        """A failed sample is a warning: it never costs the run (the checkpoint is written before it)."""
         if not samples_on:
             return
-        key = jax.random.fold_in(jax.random.key(rc.seed + 1), step)   # never touches the training key
-        new = model.generate(params, mc, prompt_ids, key, max_new, ic.top_k, ic.temperature, ic.use_cache)
-        text = enc.decode([t for t in new if t < enc.n_vocab])
-        logger.sample(step, ic.prompt, text)
-        log(f"sample @ {step}: {ic.prompt}{text!r}")
+        try:
+            text = sample_text(params, cfg, sample_ids, step)
+            log(f"sample @ {step}: {ic.prompt}{text!r}")
+            logger.sample(step, ic.prompt, text)
+        except Exception as e:
+            log(f"WARNING: sampling at step {step} failed ({type(e).__name__}: {e}); training goes on")
 
     def checkpoint(step, state, force=False):
-        meta = {"step": step, "data_step": step * G, "run_id": run_id, "model": dataclasses.asdict(mc)}
+        meta = {"step": step, "sequences": start_seq + (step - start_step) * G * global_batch, "run_id": run_id,
+                "model": dataclasses.asdict(mc)}
         save(mngr, step, state, meta, force=force)
+        logger.flush()                 # on an object store: metrics and samples up to this checkpoint
 
-    # --- SIGTERM: finish the current step, save, wait, exit 0
+    # --- SIGTERM, Ctrl-C: finish the current step, save, wait, exit 0
     stop = {"requested": False}
-
-    def on_term(signum, frame):
-        stop["requested"] = True
-    signal.signal(signal.SIGTERM, on_term)
+    handle_stop_signals(stop)
     test_signal = os.environ.get("JAXFORMER_TEST_SIGNAL")
     test_signal = (int(test_signal.split(":")[0]), test_signal.split(":")[1]) if test_signal else None
 
@@ -449,8 +818,8 @@ def _train(cfg, jax, mesh):
     flops_per_token = model.flops_per_token(mc)
     peak = utils.peak_flops(jax.devices()[0].device_kind)
     step = start_step
-    loader = dataset.BatchLoader(train_ds, mc.T, global_batch, data_sharding, rc.seed)
-    batches = loader.iterate(start_step * G)
+    loader = dataset.BatchLoader(train_ds, mc.T, global_batch, data_sharding, rc.seed, consumed=start_seq)
+    batches = loader.iterate(0)
     pending = []                       # (step, device metrics) not yet fetched: keeps dispatch one step ahead
     interval = []                      # fetched metrics of the current log interval
     timer = {"t": None, "steps": 0, "first_step_s": None}
@@ -458,7 +827,7 @@ def _train(cfg, jax, mesh):
                desc="train", unit="step", file=sys.stdout,
                mininterval=0.5 if sys.stdout.isatty() else 60)    # a log file gets a line a minute
     last_saved = start_step if restored is not None else None
-    val_ce = None
+    val_ce, stopping = None, False
 
     def fetch(upto_all):
         while pending and (upto_all or len(pending) > 1):
@@ -499,12 +868,12 @@ def _train(cfg, jax, mesh):
             val_ce, val_bal = evaluate(state["params"])
             recs, loads = [r for r, _ in interval], np.stack([l for _, l in interval])
             load = loads.mean(0)                                     # [n_moe_layers, n_experts]
-            spread = float(np.max(load.max(-1) / np.maximum(load.min(-1), 1e-12)))
+            spread, idle = load_spread(load)
             util = utils.mfu(tok_s, flops_per_token, n_mesh, peak) if tok_s else None
             rec = {"step": step, "val_loss": val_ce, "val_balance": val_bal,
                    "train_loss": float(np.mean([r["loss"] for r in recs])), "lr": recs[-1]["lr"],
                    "grad_norm": recs[-1]["grad_norm"], "tokens_per_s": tok_s, "step_time_s": step_time,
-                   "mfu": util, "expert_load": load.tolist(), "expert_load_spread": spread,
+                   "mfu": util, "expert_load": load.tolist(), "expert_load_spread": spread if idle is None else None,
                    "drop_rate": float(np.mean([r["drop_rate"] for r in recs])),
                    "balance": float(np.mean([r["balance"] for r in recs]))}
             logger.metrics(rec)
@@ -512,12 +881,12 @@ def _train(cfg, jax, mesh):
                       f"grad {rec['grad_norm']:.3f} | "
                       f"{(f'{tok_s:,.0f}' if tok_s else 'n/a'):>8} tok/s | step {step_time * 1e3:.0f} ms | "
                       f"MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
-                      f"load max/min {spread:.2f} | drop {100 * rec['drop_rate']:.2f}%") if proc0 else None
-            sample(state["params"], step)
+                      f"load max/min {spread:.2f}{idle or ''} | drop {100 * rec['drop_rate']:.2f}%") if proc0 else None
             interval.clear()
             if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping:
                 checkpoint(step, state, force=stopping)
                 last_saved = step
+            sample(state["params"], step)
             timer["t"], timer["steps"] = time.perf_counter(), 0
         if test_signal and step == test_signal[0]:
             mngr.wait_until_finished()
@@ -529,10 +898,11 @@ def _train(cfg, jax, mesh):
             break
     fetch(upto_all=True)
     bar.close()
-    if stop["requested"] and step < oc.training_steps:
-        mngr.wait_until_finished()
+    if stopping and step < oc.training_steps:
+        wait_for_save(mngr)
         mngr.close()
-        log(f"SIGTERM: checkpoint written at step {step}; exiting")
+        log(f"{stop.get('signal', 'stop requested on another host')}: checkpoint of step {step} written to "
+            f"{mngr.directory}/{step}; exiting (the same command resumes it)")
         logger.close()
         loader.close()
         return 0
@@ -542,11 +912,13 @@ def _train(cfg, jax, mesh):
         sample(state["params"], step)
     if last_saved != step:
         checkpoint(step, state)
-    mngr.wait_until_finished()
+    wait_for_save(mngr)
     mngr.close()
-    entropy = unigram_entropy(data_dir, train_ds, mc.vocab_size)
-    log(f"final: val cross-entropy {val_ce:.4f} nats | unigram entropy of the training tokens {entropy:.4f} nats "
-        f"| {entropy - val_ce:+.4f} nats below it | {time.perf_counter() - t_start:.0f} s")
+    entropy = train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
+    log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
+        f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
+        if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
+        + f" | {time.perf_counter() - t_start:.0f} s")
     logger.metrics({"step": step, "final_val_loss": val_ce, "unigram_entropy": entropy})
     logger.close()
     loader.close()

@@ -6,8 +6,9 @@ usage() {
   cat <<'EOF'
 usage: setup_tpu.sh [options]
 
-Creates (or reuses) a virtualenv and installs requirements.txt into it, plus the accelerator build of
-jax at the pinned version: jax[tpu] on a TPU VM, jax[cuda12] with an NVIDIA GPU, nothing extra on CPU.
+Creates (or reuses) a virtualenv and installs the pinned requirements into it: requirements-tpu.txt
+(requirements.txt plus libtpu) on a TPU VM, requirements.txt plus jax[cuda12] at the pinned version with
+an NVIDIA GPU, requirements.txt alone on CPU.
 Idempotent: a second run with the same requirements and accelerator installs nothing and edits no
 file. Non-interactive. Run it on every host, e.g. with debug_tpu.sh or
 `gcloud compute tpus tpu-vm ssh NAME --zone Z --worker=all --command "cd JAXformer && ./setup_tpu.sh"`.
@@ -45,6 +46,7 @@ done
 [[ $accel =~ ^(auto|tpu|cuda|cpu)$ ]] || die "--accelerator must be auto, tpu, cuda or cpu, got '$accel'"
 requirements="$here/requirements.txt"
 [[ -f $requirements ]] || die "no requirements.txt next to this script ($requirements)"
+tpu_requirements="$here/requirements-tpu.txt"
 ((wandb_login == 0)) || [[ -n ${WANDB_API_KEY:-} ]] || die "--wandb-login needs WANDB_API_KEY in the environment"
 
 if [[ $accel == auto ]]; then
@@ -54,15 +56,16 @@ if [[ $accel == auto ]]; then
 fi
 jax_version=$(sed -n 's/^jax==\([^[:space:]#]*\).*/\1/p' "$requirements")
 [[ -n $jax_version ]] || die "requirements.txt pins no jax==VERSION"
-extra=() find_links=()
+extra=()
 case $accel in
-  tpu) extra=("jax[tpu]==$jax_version"); find_links=(-f https://storage.googleapis.com/jax-releases/libtpu_releases.html) ;;
+  tpu) [[ -f $tpu_requirements ]] || die "no requirements-tpu.txt next to this script ($tpu_requirements)"
+       requirements=$tpu_requirements ;;     # includes requirements.txt; libtpu is pinned there
   cuda) extra=("jax[cuda12]==$jax_version") ;;
 esac
 
 # what is installed is recorded in the venv; the same requirements + extra again means nothing to do
 stamp_file="$venv/.jaxformer-installed"
-stamp="$( { cat "$requirements"; echo "extra: ${extra[*]:-none}"; } | sha256sum | cut -d' ' -f1)"
+stamp="$( { cat "$here/requirements.txt" "$requirements"; echo "extra: ${extra[*]:-none}"; } | sha256sum | cut -d' ' -f1)"
 run() { echo "+ $*"; ((dry_run)) || "$@"; }
 
 echo "setup_tpu.sh: accelerator $accel, virtualenv $venv"
@@ -78,7 +81,7 @@ else
   run "$venv/bin/python" -m pip install --quiet --upgrade pip
   run "$venv/bin/python" -m pip install --quiet -r "$requirements"
   if ((${#extra[@]})); then
-    run "$venv/bin/python" -m pip install --quiet "${extra[@]}" ${find_links[@]+"${find_links[@]}"}
+    run "$venv/bin/python" -m pip install --quiet "${extra[@]}"
   fi
   if ((dry_run)); then echo "+ record $stamp in $stamp_file"; else echo "$stamp" > "$stamp_file"; fi
 fi

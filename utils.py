@@ -82,6 +82,9 @@ class RunConfig:
     wandb: bool = False
     n_device_axis: tuple = (1, 1, 1)   # dp pp tp
     cpu_devices: int = 0               # >0: simulate this many CPU devices (to try a mesh on a laptop)
+    compile_for: str = ""              # a TPU slice (v4-64, ...): compile the step for it here and report; no training
+    restart: bool = False              # start over: move the run's checkpoints and logs aside first
+    sample: bool = False               # no training: sample from the run's newest checkpoint and exit
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ PRESETS = {
         run=RunConfig(name="tiny", train_batch_size=16, val_batch_size=16, micro_batch_size=2,
                       checkpoint_steps=40, eval_steps=4),
         inference=InferenceConfig(max_tokens=48)),
-    # The guide's headline run on 32 TPU-v4 chips.
+    # The guide's headline run: a v4-64 slice (32 v4 chips on 8 hosts; v4 names count TensorCores),
+    # mesh (8, 2, 2), each host's 2 x 2 chips one pp x tp plane. See `python main.py --compile_for`.
     "moe1B": Config(
         model=ModelConfig(model_dimension=768, n_head=12, blocks=8, layers_per_block=6, T=1024, latent_dim=128,
                           q_latent_dim=128, dhR=128, n_experts=16, k=2, n_shared=2, capacity_factor=1.5),
@@ -124,6 +128,12 @@ PRESETS = {
         run=RunConfig(name="moe1B", train_batch_size=32, val_batch_size=32, micro_batch_size=4,
                       checkpoint_steps=100, eval_steps=20, n_device_axis=(8, 2, 2))),
 }
+# The same model and global batch (256 sequences a step) on a v4-32 (16 chips, 4 hosts): half the
+# replicas, each with twice the sequences, in 8 micro-batches (a smaller pipeline bubble, 1/9 vs 1/5).
+PRESETS["moe1B-v4-32"] = dataclasses.replace(PRESETS["moe1B"], run=dataclasses.replace(
+    PRESETS["moe1B"].run, name="moe1B-v4-32", n_device_axis=(4, 2, 2), train_batch_size=64, val_batch_size=64,
+    micro_batch_size=8))
+PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
 
@@ -141,13 +151,20 @@ HELP = {
     "micro_batch_size": "NUMBER of pipeline micro-batches per step (not their size)",
     "grad_step": "gradient-accumulation steps per optimizer step",
     "checkpoint_steps": "eval/log interval in steps; a checkpoint is saved every 10 intervals, at the end "
-                        "and on SIGTERM",
+                        "and on SIGTERM or Ctrl-C",
     "eval_steps": "validation batches per evaluation", "warmup_steps": "linear warmup from min_lr to max_lr",
     "end_steps": "step at which the cosine reaches end_lr", "n_device_axis": "mesh sizes DP PP TP",
     "data_dir": "token shards (dir or gs:// URL) with a manifest; empty = bundled corpus",
     "cpu_devices": "simulate N CPU devices (try a 3-D mesh on one machine)",
     "wandb": "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)",
     "use_cache": "KV-cached generation (true/false)",
+    "compile_for": "do not train: compile this run's training and eval steps for a TPU slice (v4-64, v5p-8, "
+                   "v5litepod-16, v6e-8, ...) on this machine with libtpu's ahead-of-time compiler and print "
+                   "the per-chip memory plan, FLOPs and compile time (pip install -r requirements-tpu.txt)",
+    "restart": "start the run over: its checkpoints and logs are moved to NAME/replaced/TIME first, never "
+               "deleted (without it, a changed model flag is an error and nothing is touched)",
+    "sample": "do not train: load the newest checkpoint of --name (saved on any mesh), print a sample for "
+              "--prompt and exit; writes nothing",
 }
 
 
@@ -164,7 +181,8 @@ def build_parser():
         description="Train, evaluate and sample a sharded MoE + MLA transformer. With no flags: the tiny "
                     "preset on the bundled corpus.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="starting configuration; every other flag overrides one of its fields")
+                        help="starting configuration; every other flag overrides one of its fields. Pod presets "
+                             "and their TPU slices: " + ", ".join(f"{p} on {s}" for p, s in PRESET_SLICES.items()))
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
@@ -271,8 +289,11 @@ def validate(cfg, n_devices=None):
         errors.append(f"--max_tokens ({i.max_tokens}) must be < --T ({m.T}): the KV cache holds T positions")
     n_mesh = dp * pp * tp
     if n_devices is not None and (n_mesh > n_devices or n_devices % n_mesh):
-        errors.append(f"--n_device_axis {dp} {pp} {tp} needs {n_mesh} devices, which must divide the "
-                      f"{n_devices} available; valid meshes have DP x PP x TP dividing {n_devices}")
+        slices = [t.name for t in tpu_slices() if t.chips == n_mesh]
+        errors.append(f"--n_device_axis {dp} {pp} {tp} needs {n_mesh} devices"
+                      + (f" (a TPU {' or '.join(slices)})" if slices else "")
+                      + f", which must divide the {n_devices} available; valid meshes have DP x PP x TP "
+                        f"dividing {n_devices}")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return cfg
@@ -298,6 +319,60 @@ def lr_schedule(o):
         cosine = o.end_lr + 0.5 * (o.max_lr - o.end_lr) * (1 + jnp.cos(math.pi * progress))
         return jnp.where(step < o.warmup_steps, warm, cosine)
     return schedule
+
+
+# ----------------------------------------------------------------------------------------------------------
+# TPU slices, for --compile_for and for naming the slice a mesh needs
+
+
+@dataclass(frozen=True)
+class TpuSlice:
+    name: str                 # as Google names it: v4-64 (v4 and v5p count TensorCores, 2 a chip), v6e-16 (chips)
+    generation: str           # libtpu's topology prefix: v4, v5p, v5e, v6e
+    chip_grid: tuple          # chips along x, y(, z)
+    host_grid: tuple          # one host's chips along x, y, z
+    hbm_bytes: float          # usable HBM per chip, as libtpu's compiler reports it when a program exceeds it
+
+    @property
+    def chips(self):
+        return math.prod(self.chip_grid)
+
+    @property
+    def hosts(self):
+        return self.chips // math.prod(self.host_grid)
+
+    @property
+    def topology_name(self):
+        return f"{self.generation}:" + "x".join(map(str, self.chip_grid))
+
+    @property
+    def chip_config(self):
+        return "megacore" if self.generation in ("v4", "v5p") else "default"   # one JAX device per chip
+
+
+_CUBE_GRIDS = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
+               256: (4, 8, 8)}                                      # v4 and v5p: chips -> 3-D torus shape
+_PLANE_GRIDS = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
+                256: (16, 16)}                                      # v5e and v6e: chips -> 2-D shape
+_HBM_GIB = {"v4": 30.75, "v5p": 95.74, "v5e": 15.75, "v6e": 31.25}   # measured from libtpu 0.0.42.1's errors
+
+
+def tpu_slices():
+    """Every slice --compile_for knows, smallest first within each generation."""
+    out = []
+    for gen, prefix in (("v4", "v4"), ("v5p", "v5p")):
+        out += [TpuSlice(f"{prefix}-{2 * chips}", gen, grid, (2, 2, 1), _HBM_GIB[gen] * 2**30)
+                for chips, grid in _CUBE_GRIDS.items()]
+    for gen, prefix in (("v5e", "v5litepod"), ("v6e", "v6e")):
+        out += [TpuSlice(f"{prefix}-{chips}", gen, grid, (*grid, 1) if chips <= 8 else (2, 2, 1),
+                         _HBM_GIB[gen] * 2**30) for chips, grid in _PLANE_GRIDS.items()]
+    return out
+
+
+def tpu_slice(name):
+    """The TpuSlice called `name` (v5e-N is accepted for v5litepod-N), or None."""
+    name = name.strip().lower().replace("v5e-", "v5litepod-")
+    return next((t for t in tpu_slices() if t.name == name), None)
 
 
 # Dense bf16 peaks per chip, for MFU when the device kind is known (bench.py also measures one).

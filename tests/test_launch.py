@@ -286,7 +286,7 @@ def test_setup_is_idempotent(fake_setup):
     p = sh("setup_tpu.sh", *args, env=env, check=0)
     calls = log.read_text()
     assert f"-m venv {venv}" in calls and "-m pip install --quiet -r" in calls
-    assert "jax[tpu]==0.10.2" in calls and "libtpu_releases" in calls
+    assert "-r " + os.path.join(ROOT, "requirements-tpu.txt") in calls     # requirements.txt + the pinned libtpu
     bashrc = (home / ".bashrc").read_text()
     assert bashrc.startswith("# user's own bashrc\n") and bashrc.count("setup_tpu.sh") == 1
     p = sh("setup_tpu.sh", *args, env=env, check=0)
@@ -294,7 +294,7 @@ def test_setup_is_idempotent(fake_setup):
     assert (home / ".bashrc").read_text() == bashrc
     assert "reusing virtualenv" in p.stdout and "already installed" in p.stdout
     sh("setup_tpu.sh", *args[:4], "--accelerator", "cpu", env=env, check=0)   # other extra: reinstall
-    assert "jax[tpu]" not in log.read_text()[len(calls):] and "-r" in log.read_text()[len(calls):]
+    assert "requirements-tpu" not in log.read_text()[len(calls):] and "-r" in log.read_text()[len(calls):]
 
 
 def test_setup_dry_run_changes_nothing(fake_setup):

@@ -1,0 +1,233 @@
+"""Pod rehearsal: compile main.py's training and eval steps for a TPU slice on this machine.
+
+`python main.py --preset moe1B --compile_for v4-64` needs no TPU: libtpu's ahead-of-time compiler
+(`pip install -r requirements-tpu.txt`) compiles for a TPU topology on a CPU (as MaxText's
+train_compile does), so a config's per-chip memory plan, FLOPs and compile time are known before a
+pod is rented. The mesh comes from `model.make_mesh` over the topology's devices, the same function
+and device order a real run on that slice uses; the steps are `main.build_trainer`'s, the ones
+main.py runs. Nothing is trained and nothing is written.
+
+Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by how much),
+2 the request is unusable (unknown slice, invalid config, libtpu missing).
+"""
+import math
+import os
+import re
+import sys
+import time
+
+import utils
+
+PIP_COMMAND = "pip install -r requirements-tpu.txt"
+GiB = 2**30
+MFU_ASSUMED = 0.4                   # a good MoE run's MFU, for the second step-time estimate
+
+
+def main(cfg):
+    tpu = utils.tpu_slice(cfg.run.compile_for)
+    if tpu is None:
+        return _usage(f"--compile_for {cfg.run.compile_for!r} is not a TPU slice this knows. Known slices: "
+                      + ", ".join(t.name for t in utils.tpu_slices()))
+    if not _has_libtpu():
+        return _usage(f"--compile_for needs libtpu's ahead-of-time compiler, which is not installed; run: "
+                      f"{PIP_COMMAND}")
+    try:
+        utils.validate(cfg, tpu.chips)
+    except utils.ConfigError as e:
+        return _usage(f"{e}\n(compiling for {tpu.name}: {tpu.chips} chips on {tpu.hosts} host(s))")
+    jax = _jax_for_topologies(tpu)
+    return rehearse(cfg, tpu, jax)
+
+
+def _has_libtpu():
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _usage(message):
+    print(message, file=sys.stderr)
+    return 2
+
+
+def _jax_for_topologies(tpu):
+    """jax on the CPU backend with libtpu loaded only as a compiler. Set before `import jax`: no TPU
+    runtime starts, several processes may load libtpu at once, and libtpu is told what it would
+    otherwise look up on a TPU VM (it prints warnings without them; nothing here queries a server)."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
+                        ("TPU_ACCELERATOR_TYPE", tpu.name), ("TPU_WORKER_HOSTNAMES", "localhost")):
+        os.environ.setdefault(name, value)
+    import jax
+    return jax
+
+
+def topology_devices(tpu):
+    """The slice's devices as libtpu describes them: ids, host (process_index), chip coords."""
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(
+        platform="tpu", topology_name=tpu.topology_name, chip_config_name=tpu.chip_config,
+        chips_per_host_bounds=tpu.host_grid, num_slices=1, wrap=(False,) * 3).devices
+
+
+def rehearse(cfg, tpu, jax):
+    import main
+    import model
+
+    mesh = model.make_mesh(cfg.run.n_device_axis, topology_devices(tpu))
+    trainer = main.build_trainer(cfg, mesh)
+    report = Report(cfg, tpu, mesh, jax)
+    report.header()
+    try:
+        train = _compile(trainer.step, _train_args(cfg, trainer, jax))
+        report.step("train step", *train, trainer.abstract_state)
+        evaluate = _compile(trainer.eval_step, _eval_args(cfg, trainer, jax))
+        report.step("eval step", *evaluate, {"params": trainer.abstract_state["params"]})
+    except Exception as e:                   # noqa: BLE001 - libtpu reports "does not fit" as an exception
+        shortfall = _hbm_shortfall(str(e))
+        if shortfall is None:
+            raise
+        needed, available = shortfall
+        print(f"does not fit: needs {needed:.2f} GiB per chip, {tpu.name}'s chips have {available:.2f} GiB "
+              f"usable ({needed - available:.2f} GiB short); see README 'Before you rent a pod'")
+        return 1
+    return report.finish()
+
+
+def _train_args(cfg, trainer, jax):
+    import numpy as np
+    batch = jax.ShapeDtypeStruct((cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T), np.int32,
+                                 sharding=trainer.data_sharding)
+    state = trainer.abstract_state
+    micro_steps = (batch,) * cfg.optim.grad_step
+    return state["params"], state["opt_state"], state["key"], micro_steps, micro_steps
+
+
+def _eval_args(cfg, trainer, jax):
+    import numpy as np
+    batch = jax.ShapeDtypeStruct((cfg.run.n_device_axis[0] * cfg.run.val_batch_size, cfg.model.T), np.int32,
+                                 sharding=trainer.data_sharding)
+    return trainer.abstract_state["params"], batch, batch
+
+
+def _compile(jitted, args):
+    """(compiled executable, seconds to lower and compile)."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _hbm_shortfall(message):
+    """(GiB needed, GiB available) from libtpu's out-of-HBM error, or None for any other error."""
+    m = re.search(r"\(([\d.]+)([GMK])\) exceeds available HBM \(([\d.]+)([GMK])\)", message)
+    if not m or "RESOURCE_EXHAUSTED" not in message:
+        return None
+    unit = {"G": 1.0, "M": 2.0**-10, "K": 2.0**-20}
+    return float(m.group(1)) * unit[m.group(2)], float(m.group(3)) * unit[m.group(4)]
+
+
+def _gib(n):
+    return f"{n / GiB:6.2f} GiB"
+
+
+class Report:
+    """The printed report; `finish` returns the exit status."""
+
+    def __init__(self, cfg, tpu, mesh, jax):
+        self.cfg, self.tpu, self.mesh, self.jax = cfg, tpu, mesh, jax
+        self.fits = True
+
+    def header(self):
+        import model
+        tpu, mesh = self.tpu, self.mesh
+        dp, pp, tp = self.cfg.run.n_device_axis
+        kind = mesh.devices.flat[0].device_kind
+        crossing = model.axes_across_hosts(mesh)
+        print(f"slice: {tpu.name} = {tpu.chips} {kind} chips ({tpu.topology_name}) on {tpu.hosts} host(s) of "
+              f"{math.prod(tpu.host_grid)} chips; usable HBM {tpu.hbm_bytes / GiB:.2f} GiB per chip")
+        print(f"mesh: dp={dp} pp={pp} tp={tp}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
+        for i, plane in enumerate(mesh.devices[:min(dp, 4)]):
+            hosts = sorted({d.process_index for d in plane.flat})
+            coords = " ".join("(" + ",".join(map(str, d.coords)) + ")" for d in plane.flat)
+            print(f"  dp {i}: host(s) {','.join(map(str, hosts))}, chips {coords}")
+        if dp > 4:
+            print(f"  ... {dp - 4} more dp rows")
+
+    def step(self, name, compiled, seconds, abstract_state):
+        mem = compiled.memory_analysis()
+        state_bytes = sum(_shard_bytes(a) for a in self.jax.tree.leaves(abstract_state))
+        inputs = mem.argument_size_in_bytes - state_bytes
+        total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                 + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+        self.fits &= total <= self.tpu.hbm_bytes
+        print(f"{name}: compiled in {seconds:.1f} s")
+        print(f"  HBM per chip: state {_gib(state_bytes)} | batch {_gib(inputs)} | temporaries "
+              f"{_gib(mem.temp_size_in_bytes)} | outputs not aliased {_gib(mem.output_size_in_bytes - mem.alias_size_in_bytes)}"
+              f" | code {_gib(mem.generated_code_size_in_bytes)} | total {_gib(total)} of "
+              f"{self.tpu.hbm_bytes / GiB:.2f} GiB ({100 * total / self.tpu.hbm_bytes:.0f}%)")
+        print("  largest buffers: " + "; ".join(f"{what} {_gib(size).strip()}"
+                                                for what, size in _largest_buffers(compiled.as_text(), 4)))
+        if name == "train step":
+            self._flops(compiled)
+
+    def _flops(self, compiled):
+        import bench
+        import model
+        cfg, tpu = self.cfg, self.tpu
+        counted = bench.hlo_flops(compiled.as_text())
+        peak = utils.peak_flops(self.mesh.devices.flat[0].device_kind)
+        tokens = cfg.optim.grad_step * cfg.run.n_device_axis[0] * cfg.run.train_batch_size * cfg.model.T
+        useful = model.flops_per_token(cfg.model) * tokens / tpu.chips
+        flops = counted["total"]
+        print(f"  FLOPs per chip per step (compiled HLO, loops x trip counts): {flops:.3e} (output layer "
+              f"{counted['output_layer']:.2e}, blocks {counted['blocks'] + counted['unattributed']:.2e}); "
+              f"model FLOPs {useful:.3e} ({100 * useful / flops:.0f}% of the compiled work)")
+        for util in (1.0, MFU_ASSUMED):
+            seconds = flops / (util * peak)
+            print(f"  at {100 * util:.0f}% of the {peak / 1e12:.0f} TFLOP/s bf16 peak: step {seconds * 1e3:.3g} ms, "
+                  f"{tokens / seconds:,.0f} tokens/s ({tokens:,} tokens a step)")
+
+    def finish(self):
+        if self.fits:
+            print(f"fits on {self.tpu.name}")
+            return 0
+        print(f"does not fit on {self.tpu.name}: the plan above exceeds {self.tpu.hbm_bytes / GiB:.2f} GiB per chip")
+        return 1
+
+
+def _shard_bytes(abstract):
+    """Bytes one device holds of a sharded ShapeDtypeStruct."""
+    shape = abstract.sharding.shard_shape(abstract.shape)
+    return math.prod(shape) * abstract.dtype.itemsize
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _largest_buffers(hlo_text, n):
+    """The n largest distinct array shapes the per-chip program materialises (values inside a fusion
+    never reach HBM, so fused computations are skipped), each with the JAX operation that first makes
+    one."""
+    sizes, fused = {}, False
+    for line in hlo_text.splitlines():
+        if line.startswith(("%", "ENTRY")):
+            fused = line.startswith("%fused")
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]+)\]", line)
+        op = re.search(r'op_name="([^"]+)"', line)
+        if fused or not (m and op) or m.group(1) not in _DTYPE_BYTES:
+            continue
+        (dtype, dims), op = m.groups(), op.group(1)
+        shape = f"{dtype}[{dims}]"
+        if shape not in sizes:
+            size = math.prod(int(d) for d in dims.split(",")) * _DTYPE_BYTES[dtype]
+            sizes[shape] = (size, f"{shape} {op.split('/')[-1].replace(chr(92), '')} ({_short_scope(op)})")
+    return [(what, size) for size, what in sorted(sizes.values(), key=lambda v: -v[0])[:n]]
+
+
+def _short_scope(op_name):
+    """A readable place for an op_name: the forward/backward pass and the named scope, if any."""
+    scope = "output layer" if "output_layer" in op_name else "blocks" if "while" in op_name else "step"
+    return ("backward, " if "transpose(" in op_name else "") + scope

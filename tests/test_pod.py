@@ -1,0 +1,130 @@
+"""Pod rehearsal (`--compile_for`) and the mesh's placement on a TPU slice's physical layout.
+
+libtpu (requirements-tpu.txt, installed by CI) compiles for a TPU topology on this CPU; the
+topology's devices carry the host (process_index) and chip coordinates a real slice would have.
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import model
+import utils
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("libtpu", reason="pip install -r requirements-tpu.txt")
+
+
+def compile_for(*args, cwd, env=None):
+    env = dict(os.environ if env is None else env)
+    env.pop("JAX_PLATFORMS", None)            # main.py must choose the CPU backend itself
+    return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def topology():
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
+    import pod
+    return lambda name: pod.topology_devices(utils.tpu_slice(name))
+
+
+@pytest.mark.parametrize("slice_name, shape", [("v4-64", (8, 2, 2)), ("v4-32", (4, 2, 2)), ("v4-16", (2, 2, 2))])
+def test_each_dp_row_is_one_hosts_pp_by_tp_plane_of_neighbouring_chips(topology, slice_name, shape):
+    devices = topology(slice_name)
+    tpu = utils.tpu_slice(slice_name)
+    assert len(devices) == tpu.chips and len({d.process_index for d in devices}) == tpu.hosts
+    mesh = model.make_mesh(shape, devices)
+    grid = mesh.devices
+    hosts = [{d.process_index for d in plane.flat} for plane in grid]
+    assert all(len(h) == 1 for h in hosts), f"a pp x tp plane spans hosts: {hosts}"
+    assert len(set.union(*hosts)) == shape[0], "two dp rows share a host"
+    assert model.axes_across_hosts(mesh) == ["dp"]
+    distance = lambda a, b: sum(abs(x - y) for x, y in zip(a.coords, b.coords))
+    for plane in grid:                             # tp and pp neighbours are direct links on the host
+        assert all(distance(plane[p, 0], plane[p, 1]) == 1 for p in range(shape[1]))
+        assert all(distance(plane[0, t], plane[1, t]) == 1 for t in range(shape[2]))
+
+
+def test_jax_make_mesh_cannot_place_the_guides_mesh_on_v4_64(topology):
+    import jax
+    with pytest.raises(Exception):
+        jax.make_mesh((8, 2, 2), model.MESH_AXES, devices=topology("v4-64"))
+    assert model.make_mesh((8, 2, 2), topology("v4-64")).devices.shape == (8, 2, 2)
+
+
+def test_real_devices_keep_their_order():
+    import jax
+    mesh = model.make_mesh((2, 2, 2))
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[:8]]
+    assert model.axes_across_hosts(mesh) == []
+
+
+def test_compile_for_reports_the_plan_and_fits(tmp_path):
+    p = compile_for("--preset", "tiny", "--n_device_axis", "2", "2", "1", "--compile_for", "v4-8", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout
+    assert "slice: v4-8 = 4 TPU v4 chips (v4:2x2x1) on 1 host(s)" in out
+    assert "mesh: dp=2 pp=2 tp=1; crossing hosts: none" in out
+    assert re.search(r"train step: compiled in [\d.]+ s", out) and re.search(r"eval step: compiled in", out)
+    assert re.search(r"HBM per chip: state .* total +[\d.]+ GiB of 30.75 GiB", out)
+    assert "fits on v4-8" in out and not os.listdir(tmp_path), "a rehearsal writes nothing"
+    # The loop-aware count: each chip runs the output layer for its stage's half of the batch, four
+    # times (forward, its recomputation in the backward, and the two gradients), over the padded vocab.
+    cfg = utils.config_from_args(["--preset", "tiny"])
+    tokens = cfg.run.train_batch_size * cfg.model.T // 2
+    expected = 4 * 2 * tokens * cfg.model.padded_vocab * cfg.model.model_dimension
+    counted = float(re.search(r"\(output layer ([\d.e+]+),", out).group(1))
+    assert counted == pytest.approx(expected, rel=1e-2)
+    assert re.search(r"at 40% of the 275 TFLOP/s bf16 peak: step [\d.]+ ms", out)
+
+
+def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall(tmp_path):
+    # Attention scores of 16 sequences x 4 heads x 8192^2 positions in fp32: 17 GiB, twice over.
+    p = compile_for("--preset", "tiny", "--T", "8192", "--micro_batch_size", "1", "--compile_for", "v4-8",
+                    cwd=tmp_path)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    line = p.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"does not fit: needs ([\d.]+) GiB per chip, v4-8's chips have 30.75 GiB usable "
+                     r"\(([\d.]+) GiB short\); .*", line)
+    assert m and float(m.group(2)) == pytest.approx(float(m.group(1)) - 30.75, abs=0.02)
+
+
+def test_compile_for_an_unknown_slice_exits_2_listing_the_known_ones(tmp_path):
+    p = compile_for("--compile_for", "v9-1", cwd=tmp_path)
+    assert p.returncode == 2
+    assert "'v9-1' is not a TPU slice" in p.stderr
+    for name in ("v4-8", "v4-64", "v4-512", "v5p-8", "v5litepod-16", "v6e-8"):
+        assert name in p.stderr
+
+
+def test_compile_for_a_mesh_the_slice_cannot_hold_names_the_slice_it_needs(tmp_path):
+    p = compile_for("--preset", "moe1B", "--compile_for", "v4-32", cwd=tmp_path)
+    assert p.returncode == 2 and "--n_device_axis 8 2 2 needs 32 devices (a TPU v4-64" in p.stderr
+    assert "compiling for v4-32: 16 chips on 4 host(s)" in p.stderr
+
+
+def test_compile_for_without_libtpu_says_what_to_install(tmp_path):
+    blocker = tmp_path / "site"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['libtpu'] = None   # not installed\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker))
+    p = compile_for("--compile_for", "v4-8", cwd=tmp_path, env=env)
+    assert p.returncode == 2 and "pip install -r requirements-tpu.txt" in p.stderr
+
+
+def test_slice_table():
+    names = {t.name: t for t in utils.tpu_slices()}
+    assert [n for n in names if n.startswith("v4-")] == [f"v4-{2 ** i}" for i in range(3, 10)]
+    v4_64 = names["v4-64"]
+    assert (v4_64.chips, v4_64.hosts, v4_64.topology_name) == (32, 8, "v4:2x4x4")
+    assert utils.tpu_slice("v5e-16") == names["v5litepod-16"] and names["v5litepod-16"].hosts == 4
+    assert names["v6e-8"].hosts == 1 and math.isclose(names["v6e-8"].hbm_bytes, 31.25 * 2**30)
+    assert utils.PRESET_SLICES == {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}
+    for preset, slice_name in utils.PRESET_SLICES.items():
+        cfg = utils.config_from_args(["--preset", preset])
+        assert math.prod(cfg.run.n_device_axis) == names[slice_name].chips
+        utils.validate(cfg, names[slice_name].chips)
