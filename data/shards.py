@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import fsspec
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from data import corpus
 from data import tokenizer as tok
@@ -231,12 +232,13 @@ def serial_map(batches):
 # ----------------------------------------------------------------------------------------------------
 
 class Output:
-    """A directory on any fsspec filesystem, with atomic whole-file writes (temp + rename)."""
+    """A directory on any fsspec filesystem, with atomic whole-file writes."""
 
     def __init__(self, url):
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.root = self.root.rstrip("/")
+        self.local = isinstance(self.fs, LocalFileSystem)
 
     def path(self, name):
         return f"{self.root}/{name}"
@@ -249,7 +251,10 @@ class Output:
             return f.read().decode("utf-8")
 
     def write_atomic(self, name, data, kill_event=None, kill_n=None):
-        tmp = self.path(name + ".tmp")
+        """A file system: temp file + rename. An object store: one upload to the final name, since an
+        object appears only whole, when its upload completes (and a "rename" there is copy + delete)."""
+        target = self.path(name)
+        tmp = self.path(name + ".tmp") if self.local else target
         self.fs.makedirs(self.root, exist_ok=True)
         with self.fs.open(tmp, "wb") as f:
             if kill_event is not None:
@@ -259,7 +264,8 @@ class Output:
                 f.write(data[len(data) // 2:])
             else:
                 f.write(data)
-        self.fs.mv(tmp, self.path(name))
+        if tmp != target:
+            self.fs.mv(tmp, target)
 
     def remove_temps(self):
         if not self.fs.exists(self.root):
