@@ -307,39 +307,64 @@ def _assemble(dataset, T, window_ids, sharding):
             jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(ys, devs)))
 
 
-class BatchLoader:
-    """Deterministic shuffled (x, y) batches: batch(step) is a pure function of (step, seed, manifest)."""
+def _mix64(x):
+    """splitmix64's finalizer: a well-mixed 64-bit hash of every element (uint64 arithmetic wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
-    def __init__(self, dataset, T: int, global_batch: int, sharding, seed: int, prefetch: int = 2):
+
+def shuffled_positions(pos, n, seed, epoch, rounds=6):
+    """perm[pos] for the permutation of range(n) seeded by (seed, epoch), without materialising perm
+    (at the guide's scale an epoch has ~3e8 windows: 2.7 GB and seconds per permutation array).
+
+    A balanced Feistel network on the smallest even bit width covering n is a bijection of [0, 4^h);
+    cycle-walking (apply it again while the value is >= n) restricts it to a bijection of [0, n), in
+    fewer than 4 walks on average. Time and memory are O(len(pos)) whatever n is."""
+    n = int(n)
+    h = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask, shift = np.uint64((1 << h) - 1), np.uint64(h)
+    keys = np.random.SeedSequence([int(seed), int(epoch)]).generate_state(rounds, dtype=np.uint64)
+
+    def feistel(v):
+        left, right = v >> shift, v & mask
+        for k in keys:
+            left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << shift) | right
+
+    out = feistel(np.asarray(pos, dtype=np.uint64))
+    walk = out >= n
+    while walk.any():
+        out[walk] = feistel(out[walk])
+        walk = out >= n
+    return out.astype(np.int64)
+
+
+class BatchLoader:
+    """Deterministic shuffled (x, y) batches: batch(step) is a pure function of (step, seed, manifest).
+
+    `consumed`: sequences (windows of the endless shuffled order) already trained on, so step 0 starts
+    right after them; a resume passes the count its checkpoint recorded, whatever batch layout made it."""
+
+    def __init__(self, dataset, T: int, global_batch: int, sharding, seed: int, prefetch: int = 2, consumed: int = 0):
         self.dataset, self.T, self.global_batch = dataset, int(T), int(global_batch)
+        self.consumed = int(consumed)
         self.sharding, self.seed, self.prefetch = sharding, int(seed), max(1, int(prefetch))
         self.n_windows = _require_windows(dataset, self.T, self.global_batch)
-        self._perms = {}
-        self._lock = threading.Lock()
         self._workers = []
-
-    def _perm(self, epoch):
-        with self._lock:
-            p = self._perms.get(epoch)
-            if p is None:
-                rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
-                p = rng.permutation(self.n_windows)
-                self._perms = {k: v for k, v in self._perms.items() if k >= epoch - 1}
-                self._perms[epoch] = p
-            return p
 
     def window_ids(self, step):
         """The global batch's window indices for this step (row r -> window)."""
-        g = int(step) * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
+        g = self.consumed + int(step) * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
         epoch, pos = g // self.n_windows, g % self.n_windows
         out = np.empty(self.global_batch, dtype=np.int64)
         for e in np.unique(epoch):
             sel = epoch == e
-            out[sel] = self._perm(int(e))[pos[sel]]
+            out[sel] = shuffled_positions(pos[sel], self.n_windows, self.seed, int(e))
         return out
 
     def epoch(self, step):
-        return int(step) * self.global_batch // self.n_windows
+        return (self.consumed + int(step) * self.global_batch) // self.n_windows
 
     def local_rows(self, devices=None):
         """Global row indices the given devices hold (default: this process' addressable devices)."""

@@ -1,0 +1,276 @@
+"""A run never loses work (issue 13), driven as a user would: main.py as a subprocess, faults made from
+outside it (signals, a read-only mount, a full tmpfs, a second run in the same directory).
+
+- a changed model flag exits 2 touching nothing; --restart moves the old run aside; unreadable
+  checkpoints everywhere stop the run instead of training from 0
+- Ctrl-C saves and exits 0, a second Ctrl-C exits at once; one run per directory (a lock)
+- an empty prompt samples from <|endoftext|>; a prompt too long is refused at start; a sample that fails
+  is a warning after the checkpoint; an expert with no tokens prints inf
+- a checkpoint directory that is read-only or full: one line, non-zero exit, within 30 s
+- the data position is in sequences: a new batch layout resumes right after the last sequence
+- --sample on (1,1,1) from a run trained on (2,2,2), writing nothing
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from test_main import MESH1, MESH8, REPO, TINY, env, run  # noqa: F401  (env: the fixture)
+
+
+def snapshot(path):
+    """Every file under path with its size and mtime: equal snapshots mean nothing was touched."""
+    return {os.path.join(root, n): (os.stat(os.path.join(root, n)).st_size, os.stat(os.path.join(root, n)).st_mtime_ns)
+            for root, _, names in os.walk(path) for n in names}
+
+
+def records(out, name="run"):
+    with open(os.path.join(out, name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def meta(out, step, name="run"):
+    with open(os.path.join(out, name, "checkpoints", str(step), "meta", "metadata")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def trained(env, tmp_path_factory):
+    """A finished 2-step run on (1,1,1): checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("trained")
+    run(env, out, *MESH1, steps=2)
+    return out
+
+
+def start(env, out, log, *args, steps=100_000):
+    """main.py in the background, its stdout and stderr in the files LOG.out and LOG.err."""
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(out), "--name", "run",
+           "--training_steps", str(steps), *args]
+    with open(f"{log}.out", "w") as stdout, open(f"{log}.err", "w") as stderr:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+
+
+def wait_for(proc, log, condition, what, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"exit {proc.returncode} before {what}:\n{open(f'{log}.err').read()[-3000:]}"
+        if condition():
+            return
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"no {what} in {timeout} s")
+
+
+def wait_for_step(proc, out, log, step):
+    """Until metrics.jsonl shows `step` (the process is then inside the training loop)."""
+    path = os.path.join(out, "run", "metrics.jsonl")
+    wait_for(proc, log, lambda: os.path.exists(path) and any(r.get("step", 0) >= step and "loss" in r
+                                                             for r in records(out)), f"step {step}")
+
+
+def newest_checkpoint(out):
+    return max(int(d) for d in os.listdir(os.path.join(out, "run", "checkpoints")) if d.isdigit())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. a changed model flag
+
+
+def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_run_aside(env, trained, tmp_path):
+    shutil.copytree(trained / "run", tmp_path / "run")
+    before = snapshot(tmp_path)
+    proc = run(env, tmp_path, *MESH1, "--model_dimension", "64", "--n_head", "4", "--dropout_rate", "0.1",
+               steps=4, expect=2, timeout=300)
+    assert "--model_dimension: 32 in the checkpoint, 64 now" in proc.stderr
+    assert "--n_head: 2 in the checkpoint, 4 now" in proc.stderr
+    assert "--dropout_rate: 0.0 in the checkpoint, 0.1 now" in proc.stderr
+    assert "--restart" in proc.stderr
+    assert snapshot(tmp_path) == before
+
+    # A change that keeps every shape is a note, not an error (dropout may change on resume) -- here with
+    # --restart, which sets the old run aside and starts from step 0.
+    proc = run(env, tmp_path, *MESH1, "--restart", "--dropout_rate", "0.1", steps=1, timeout=300)
+    replaced = os.listdir(tmp_path / "run" / "replaced")
+    assert len(replaced) == 1
+    old = tmp_path / "run" / "replaced" / replaced[0]
+    assert sorted(os.listdir(old)) == ["checkpoints", "metrics.jsonl"]
+    assert os.listdir(old / "checkpoints") == ["2"]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["1"]
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1]       # no mix with the old run
+
+    # Every checkpoint unreadable: an error naming each, nothing moved, no training from step 0.
+    for root, _, names in os.walk(tmp_path / "run" / "checkpoints" / "1" / "state"):
+        for name in names:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"\x00garbage")
+    before = snapshot(tmp_path)
+    proc = run(env, tmp_path, *MESH1, "--dropout_rate", "0.1", steps=2, expect=2, timeout=300)
+    assert "no checkpoint in" in proc.stderr and "step 1:" in proc.stderr and "--restart" in proc.stderr
+    assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2 and 5. Ctrl-C, and one run per directory
+
+
+def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_refused(env, tmp_path):
+    log = tmp_path / "first"
+    first = start(env, tmp_path, log, *MESH1)
+    wait_for_step(first, tmp_path, log, 2)
+    # 5: a second run in the same directory is refused at start, naming the holder.
+    proc = run(env, tmp_path, *MESH1, expect=2, timeout=300)
+    assert f"pid {first.pid} on {socket.gethostname()}" in proc.stderr
+    # 2: Ctrl-C finishes the step, saves, says where, exits 0.
+    first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=300) == 0, open(f"{log}.err").read()[-3000:]
+    stdout, stderr = open(f"{log}.out").read(), open(f"{log}.err").read()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    saved = max(r["step"] for r in records(tmp_path) if "loss" in r)
+    assert f"SIGINT: checkpoint of step {saved} written to {tmp_path}/run/checkpoints/{saved}" in stdout
+    assert newest_checkpoint(tmp_path) == saved
+    assert not os.path.exists(tmp_path / "run" / "lock")
+
+    # A second Ctrl-C while the first is being handled ends the process at once, without saving.
+    log = tmp_path / "second"
+    second = start(env, tmp_path, log, *MESH1)
+    wait_for_step(second, tmp_path, log, saved + 2)
+    second.send_signal(signal.SIGINT)
+    wait_for(second, log, lambda: "Ctrl-C again to exit now" in open(f"{log}.err").read(), "Ctrl-C message")
+    second.send_signal(signal.SIGINT)
+    assert second.wait(timeout=30) == -signal.SIGINT
+
+    # Its lock is left behind by a process that is gone: the next run takes it over and resumes.
+    assert json.load(open(tmp_path / "run" / "lock"))["pid"] == second.pid
+    latest = newest_checkpoint(tmp_path)
+    proc = run(env, tmp_path, *MESH1, steps=latest + 1, timeout=300)
+    assert f"taking over {tmp_path}/run/lock" in proc.stdout
+    assert f"resumed from {tmp_path}/run/checkpoints/{latest}: step {latest}," in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. the prompt, a failed sample, and the expert-load line
+
+
+def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpoint(env, tmp_path):
+    e = {k: v for k, v in env.items() if k != "JAXFORMER_NO_SAMPLES"}
+    os.makedirs(tmp_path / "run" / "samples.txt")           # writing a sample fails: it is a directory
+    # 64 experts, one per token, and 32 tokens a step: at least 32 experts get no token.
+    proc = run(e, tmp_path, *MESH1, "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
+               "--micro_batch_size", "1", steps=2, timeout=300)
+    assert "sample @ 2: " in proc.stdout                     # sampled from <|endoftext|>
+    assert "WARNING: sampling at step 2 failed (IsADirectoryError" in proc.stdout
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+    assert "load max/min inf (no tokens: expert 0." in proc.stdout
+    assert all(r["expert_load_spread"] is None for r in records(tmp_path) if "val_loss" in r)
+
+
+def test_prompt_too_long_for_T_is_refused_at_start(env, tmp_path):
+    proc = run(env, tmp_path, *MESH1, "--prompt", "And God said, " * 8, steps=2, expect=2, timeout=300)
+    assert "--prompt is " in proc.stderr and "--max_tokens 4" in proc.stderr and "--T 32" in proc.stderr
+    assert not os.path.exists(tmp_path / "run")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. save errors
+
+
+def _mount(*args):
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount here ({proc.stderr.strip()}): a read-only or full directory needs a mount")
+
+
+def _save_fails_fast(env, out, expected):
+    proc = run(env, out, *MESH1, steps=4, expect=1, timeout=300)
+    last_metric = os.stat(out / "run" / "metrics.jsonl").st_mtime
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: could not save the checkpoint of step 4 in {out}/run/checkpoints: {expected}")
+    assert "Traceback" not in proc.stderr
+    assert time.time() - last_metric < 30            # from the last record before the save to the exit
+
+
+def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_last_checkpoint(env, trained,
+                                                                                               tmp_path):
+    shutil.copytree(trained / "run", tmp_path / "ro" / "run")
+    ckpts = tmp_path / "ro" / "run" / "checkpoints"
+    _mount("--bind", "-o", "ro", str(ckpts), str(ckpts))
+    try:
+        _save_fails_fast(env, tmp_path / "ro", f"[Errno 30] Read-only file system: '{ckpts}/.write-test-")
+    finally:
+        subprocess.run(["umount", str(ckpts)], check=True)
+
+    full = tmp_path / "full"
+    os.makedirs(full)
+    used = sum(s for s, _ in snapshot(trained).values())
+    _mount("-t", "tmpfs", "-o", f"size={used + (2 << 20)}", "tmpfs", str(full))
+    try:
+        shutil.copytree(trained / "run", full / "run")
+        _save_fails_fast(env, full, "[Errno 28] No space left on device")
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+
+    proc = run(env, tmp_path / "ro", *MESH1, steps=3, timeout=300)
+    assert f"resumed from {ckpts}/2: step 2," in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. the data position
+
+
+# The resumed runs do not learn (lr 1e-30: the parameters stay those of step 2, bit for bit), and the MoE is
+# dropless, so a step's cross-entropy is the mean of its sequences' and depends only on which sequences it
+# saw. Step 2 itself trained with a large lr, so that sequences differ clearly.
+FROZEN = "--max_lr 1e-30 --min_lr 0 --end_lr 0 --weight_decay 0 --checkpoint_steps 100".split()
+DROPLESS = ["--capacity_factor", "0"]
+
+
+def ce(out, after):
+    """Per-step training cross-entropy of the steps after `after` (the resumed ones)."""
+    return {r["step"]: r["ce"] for r in records(out) if "ce" in r and r["step"] > after}
+
+
+def test_new_batch_layout_resumes_after_the_last_sequence_consumed(env, tmp_path):
+    run(env, tmp_path / "first", *MESH1, *DROPLESS, "--train_batch_size", "4", "--max_lr", "0.02",
+        "--warmup_steps", "0", steps=2, timeout=300)
+    assert meta(tmp_path / "first", 2)["sequences"] == 8
+    for name in ("one", "six"):
+        shutil.copytree(tmp_path / "first" / "run", tmp_path / name / "run")
+    # One sequence per step: the cross-entropy of each of sequences 8..19 in turn.
+    run(env, tmp_path / "one", *DROPLESS, *FROZEN, "--train_batch_size", "1", "--micro_batch_size", "1",
+        steps=14, timeout=300)
+    # dp 2 x 1 sequence x 3 accumulation steps: 6 sequences a step, 8..13 and 14..19.
+    run(env, tmp_path / "six", *DROPLESS, *FROZEN, "--n_device_axis", "2", "1", "1", "--cpu_devices", "2",
+        "--train_batch_size", "1", "--micro_batch_size", "1", "--grad_step", "3", steps=4, timeout=300)
+    one, six = ce(tmp_path / "one", after=2), ce(tmp_path / "six", after=2)
+    assert sorted(one) == list(range(3, 15)) and sorted(six) == [3, 4]
+    per_sequence = np.array([one[s] for s in range(3, 15)])
+    assert np.ptp(per_sequence) > 0.05                          # the test can tell sequences apart
+    np.testing.assert_allclose([six[3], six[4]], [per_sequence[:6].mean(), per_sequence[6:].mean()], rtol=1e-4)
+    assert meta(tmp_path / "one", 14)["sequences"] == meta(tmp_path / "six", 4)["sequences"] == 20
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. --sample
+
+
+def test_sample_from_a_run_trained_on_222_on_111_writes_nothing(env, tmp_path):
+    run(env, tmp_path, *MESH8, steps=1, timeout=400)
+    before = snapshot(tmp_path)
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), "--output_dir", str(tmp_path), "--name", "run", "--sample",
+           "--prompt", "And God said,", "--max_tokens", "6"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"sample @ 1 of {tmp_path}/run/checkpoints: And God said," in proc.stdout
+    assert snapshot(tmp_path) == before
+    proc = subprocess.run(cmd[:5] + ["nothing", "--sample"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "--sample: no readable checkpoint in" in proc.stderr
+    assert not os.path.exists(tmp_path / "nothing")
