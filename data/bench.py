@@ -1,10 +1,14 @@
-"""Data throughput benchmark: `python -m data.bench [--loader_batches 300]`.
+"""Data throughput benchmark: `python -m data.bench [--loader_batches 300] [--pod_only]`.
 
 1. Tokenizer: the bundled corpus 4 times over (~4M tokens) through the multiprocessing driver with 1 and 2 workers,
    end to end (read with `datasets`, encode, pack, write shards + manifest), tokens/s.
 2. Loader: BatchLoader over the bundled train shards, global batch 16 x T=128 on 8 (simulated CPU)
    devices, meshes dp=8 and (2,2,2), through the prefetching iterator; tokens/s delivered, to compare
    with the tiny training config's consumption (32 sequences x 128 tokens per step).
+3. Pod scale: a train split of 2,000 shards, local (sparse files of the guide's 1e8 tokens: 800 GB that
+   take no disk) and on a local GCS server (data/emulator.py; 32 KB objects): loader start-up time
+   (manifest + one listing with every shard's size checked) and the bytes one host of the guide's
+   8 reads per step (moe1B: 32 of 256 rows, T = 1024), against rows x (T + 1) x 4.
 """
 import argparse
 import os
@@ -16,6 +20,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TINY_TOKENS_PER_STEP = 32 * 128
+
+
+def _eight_cpu_devices():
+    """Before JAX is imported: 8 simulated CPU devices (a mesh like a small pod's)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
 
 
 def bench_tokenizer(workers_list, tmp, repeat):
@@ -44,9 +55,6 @@ def bench_tokenizer(workers_list, tmp, repeat):
 
 
 def bench_loader(tmp, n_batches, B=16, T=128):
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -80,15 +88,97 @@ def bench_loader(tmp, n_batches, B=16, T=128):
     return res
 
 
+def _proc_rchar():
+    """Bytes this process has read through any read()-like system call (files and sockets)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def make_split(url, n_shards, shard_tokens, sparse):
+    """A complete shard directory: n_shards train shards (+1 val) of shard_tokens zeros; sparse local files
+    take no disk. The sha256 fields are placeholders (the loader never hashes; data.verify would flag them)."""
+    import fsspec
+    from data import shards
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.makedirs(root, exist_ok=True)
+    entries, blobs = [], {}
+    for split, n in (("val", 1), ("train", n_shards)):
+        for i in range(n):
+            name = f"{split}_{i:06d}.bin"
+            entries.append({"file": name, "split": split, "tokens": shard_tokens, "sha256": "0" * 64})
+            if sparse:
+                with open(f"{root}/{name}", "wb") as f:
+                    f.truncate(4 * shard_tokens)
+            else:
+                blobs[f"{root}/{name}"] = bytes(4 * shard_tokens)
+    if blobs:
+        fs.pipe(blobs)                  # concurrent uploads
+    w = shards.Writer(shards.Output(url), plan=[], shard_size=shard_tokens, shards=entries, complete=True, counts=None)
+    w._write_manifest()
+
+
+def bench_pod_scale(url, n_shards, shard_tokens, steps=20, T=1024, global_batch=256, n_hosts=8):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import dataset
+    from data import tokenizer as tok
+    t = time.perf_counter()
+    make_split(url, n_shards, shard_tokens, sparse="://" not in url)
+    made = time.perf_counter() - t
+    mesh = Mesh(np.array(jax.devices()[:n_hosts]).reshape(n_hosts, 1, 1), ("dp", "pp", "tp"))
+    t = time.perf_counter()
+    ds = dataset.TokenDataset(url, "train", tok.VOCAB_SIZE)
+    loader = dataset.BatchLoader(ds, T, global_batch, NamedSharding(mesh, P("dp", None)), seed=0)
+    startup = time.perf_counter() - t
+    rows = loader.local_rows(jax.devices()[:1])            # one host's devices: here 1 of the 8 dp rows
+    want = len(rows) * (T + 1) * 4
+    rchar, t = _proc_rchar(), time.perf_counter()
+    for step in range(steps):
+        loader.read_rows(step, rows)
+    per_step_s = (time.perf_counter() - t) / steps
+    wire, payload = (_proc_rchar() - rchar) / steps, ds.bytes_read / steps
+    where = "gcs emulator" if "://" in url else "local"
+    print(f"pod-scale  {where}: {n_shards:,} train shards of {shard_tokens:,} tokens "
+          f"({n_shards * shard_tokens * 4 / 1e9:,.1f} GB; made in {made:.1f} s): start-up {startup:.3f} s; "
+          f"one host's {len(rows)} of {global_batch} rows x T+1={T + 1}: {payload:,.0f} bytes/step from storage "
+          f"= {payload / want:.3f} x rows x (T+1) x 4 ({want:,})"
+          # rchar counts read()/pread() (the local files), not socket receives: no figure for the emulator
+          + (f"; {wire:,.0f} bytes/step through read calls ({wire / want:.3f} x)" if "://" not in url else "")
+          + f"; {per_step_s * 1e3:.1f} ms/step", flush=True)
+    return {"startup_s": startup, "payload_ratio": payload / want, "wire_ratio": wire / want}
+
+
+def bench_pod(tmp, n_shards):
+    from data import emulator
+    res = {"local": bench_pod_scale(os.path.join(tmp, "pod"), n_shards, 100_000_000)}
+    proc, url = emulator.start()
+    try:
+        emulator.point_this_process_at(url)
+        res["emulator"] = bench_pod_scale(f"gs://{emulator.DEFAULT_BUCKET}/pod", n_shards, 8_192)
+    finally:
+        proc.terminate()
+        proc.wait()
+    return res
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--loader_batches", type=int, default=300)
     p.add_argument("--repeat", type=int, default=4, help="tokenize the bundled corpus this many times over")
+    p.add_argument("--pod_shards", type=int, default=2000, help="shards of the pod-scale loader split")
+    p.add_argument("--pod_only", action="store_true", help="only the pod-scale loader figures")
     a = p.parse_args(argv)
+    # gcsfs picks its plain GCSFileSystem (no gRPC bucket-type probe) only if this is set before its import
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    _eight_cpu_devices()
     with tempfile.TemporaryDirectory() as tmp:
-        bench_tokenizer(a.workers, tmp, a.repeat)               # before JAX starts threads, so the pool forks
-        bench_loader(tmp, a.loader_batches)
+        if not a.pod_only:
+            bench_tokenizer(a.workers, tmp, a.repeat)           # before JAX starts threads, so the pool forks
+            bench_loader(tmp, a.loader_batches)
+        bench_pod(tmp, a.pod_shards)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ checkpoints cannot be written there; gcsfs alone works with it.
 """
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -41,6 +42,28 @@ def emulator_env(url):
     """Environment that points gcsfs and tensorstore at the emulator at `url` (http://127.0.0.1:PORT)."""
     return {"STORAGE_EMULATOR_HOST": url, "FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
             "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
+
+
+def point_this_process_at(url):
+    """Point this (already running) process at the emulator: the environment above, plus what gcsfs and
+    fsspec read only at import (the plain GCSFileSystem for gs://, anonymous). Returns a function that
+    restores the environment."""
+    import fsspec
+    import gcsfs.core
+    env = emulator_env(url)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    for proto in ("gs", "gcs"):
+        fsspec.register_implementation(proto, gcsfs.core.GCSFileSystem, clobber=True)
+        fsspec.config.conf.setdefault(proto, {})["token"] = "anon"
+
+    def restore():
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return restore
 
 
 def start(port=None, bucket=DEFAULT_BUCKET, data_dir=None, quiet=True, timeout=30.0):

@@ -25,23 +25,12 @@ BUCKET = "jaxformer"
 @pytest.fixture(scope="module")
 def gcs():
     """The emulator, and this process pointed at it (gcsfs' plain GCSFileSystem, anonymous; tensorstore)."""
-    import gcsfs.core
     proc, url = emulator.start(bucket=BUCKET)
-    env = emulator.emulator_env(url)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    for proto in ("gs", "gcs"):        # gcsfs may have been imported before the variables were set
-        fsspec.register_implementation(proto, gcsfs.core.GCSFileSystem, clobber=True)
-    fsspec.config.conf.setdefault("gcs", {})["token"] = "anon"
-    fsspec.config.conf.setdefault("gs", {})["token"] = "anon"
-    yield env
+    restore = emulator.point_this_process_at(url)
+    yield emulator.emulator_env(url)
     proc.terminate()
     proc.wait(timeout=30)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore()
 
 
 def test_tokenize_to_gcs_kill_9_resume_is_byte_identical(gcs, src, reference_run):
