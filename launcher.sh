@@ -88,6 +88,8 @@ if [[ $mode == start && $n -gt 1 && -z $coordinator && -z $tpu ]]; then
   die "$n hosts and no --coordinator: off a TPU pod each host would start its own independent run;" \
       "give --coordinator FIRST_HOST:PORT (or --coordinator auto for TPU pod workers, or --tpu NAME)"
 fi
+[[ -z $coordinator || $coordinator == auto || $coordinator =~ ^[^:[:space:]]+:[0-9]+$ ]] ||
+  die "--coordinator must be HOST:PORT or auto, got '$coordinator'"
 [[ -z $coordinator || $coordinator == auto ]] || pass+=(--coordinator "$coordinator")
 local_logs=${local_logs:-logs/launch/$name}
 host_log() { echo "$local_logs/$1-${hosts[$1]//\//_}.log"; }

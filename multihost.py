@@ -103,6 +103,8 @@ class StopAgreement:
     last one, and all derive the next check step from those same gathered numbers, so every
     process checks at the same steps. A single process needs no agreement and answers at once."""
 
+    PROBE_STEPS = 4     # steps to the second check, the first that measures the step time
+
     def __init__(self, jax, requested):
         self.jax, self.requested = jax, requested
         self.check_s = seconds_from_env(STOP_CHECK_ENV, STOP_CHECK_S)
@@ -120,6 +122,7 @@ class StopAgreement:
         every = np.asarray(multihost_utils.process_allgather(np.array(mine, np.float32)))   # [processes, 2]
         steps = step - self.last_step if self.last_step is not None else 0
         per_step = float(every[:, 1].max()) / steps if steps else 0.0
-        self.next_check = step + (max(1, int(self.check_s / per_step)) if per_step > 0 else 1)
+        # the step after a check is dispatched at once (the check synced): measure over a few steps
+        self.next_check = step + (max(1, int(self.check_s / per_step)) if per_step > 0 else self.PROBE_STEPS)
         self.last_step, self.last_t = step, now
         return bool(every[:, 0].max() > 0)

@@ -190,6 +190,7 @@ if [ $ready = 1 ]; then
 fi
 EOF
 )
+no_step="no step logged"; [[ ${index:-0} == 0 ]] || no_step+=" (process 0 logs the steps)"
 status=$(cat <<EOF
 if tmux has-session -t $S 2>/dev/null; then state=running
 elif [ -f $STATUS ]; then state="ended, exit status \$(cat $STATUS)"
@@ -198,7 +199,7 @@ if [ -f $LOG ]; then
   last=\$(tr '\r' '\n' < $LOG | grep -a -o -E 'step +[0-9]+ \| loss [^ |]+' | tail -n 1 | tr -s ' ' || true)
   age=\$((\$(date +%s) - \$(stat -c %Y $LOG)))
   if [ \$age -lt 120 ]; then age="\$age s"; elif [ \$age -lt 7200 ]; then age="\$((age / 60)) min"; else age="\$((age / 3600)) h"; fi
-  echo "\$state | \${last:-no step logged} | log changed \$age ago"
+  echo "\$state | \${last:-$no_step} | log changed \$age ago"
 else
   echo "\$state | no log at $LOG"
 fi

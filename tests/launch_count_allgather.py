@@ -1,6 +1,7 @@
-"""main.py, with jax.experimental.multihost_utils.process_allgather counted: how often the processes
-synchronise. Writes {"process": I, "allgather_calls": N} to $COUNT_OUT ("{pid}" replaced by I) when
-main.py exits.
+"""main.py, with the calls of jax.experimental.multihost_utils.process_allgather made by main.py and
+multihost.py counted (how often the training driver synchronises the processes; not orbax's own
+barriers). Writes {"process": I, "driver_allgather_calls": N} to $COUNT_OUT ("{pid}" replaced by I)
+when main.py exits.
 
 usage: python tests/launch_count_allgather.py MAIN_ARGS...
 """
@@ -18,7 +19,8 @@ allgather = multihost_utils.process_allgather
 
 
 def counted(*args, **kwargs):
-    calls[0] += 1
+    if os.path.basename(sys._getframe(1).f_code.co_filename) in ("main.py", "multihost.py"):
+        calls[0] += 1
     return allgather(*args, **kwargs)
 
 
@@ -29,4 +31,4 @@ try:
 finally:
     pid = os.environ.get("JAX_PROCESS_ID", "0")
     with open(os.environ["COUNT_OUT"].replace("{pid}", pid), "w") as f:
-        json.dump({"process": int(pid), "allgather_calls": calls[0]}, f)
+        json.dump({"process": int(pid), "driver_allgather_calls": calls[0]}, f)

@@ -3,8 +3,10 @@ stand-in tests/launch_local_ssh.sh runs each host's command locally in a clean e
 jax process with 4 CPU devices, joined by jax.distributed over gloo into one (2, 2, 2) mesh."""
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -74,3 +76,70 @@ def test_two_host_training_matches_single_process(env, two_hosts, tmp_path):
     assert multi and sorted(multi) == sorted(single)
     steps = sorted(single)
     np.testing.assert_allclose([multi[k] for k in steps], [single[k] for k in steps], rtol=1e-5, atol=1e-6)
+
+
+# a small model on the (2, 2, 2) mesh: quick to compile and to step on a loaded 2-core machine
+SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32",
+         "--train_batch_size", "2", "--val_batch_size", "2", "--eval_steps", "1", "--max_tokens", "8"]
+
+
+def status(env, where, name):
+    return sh("launcher.sh", "--status", name, *where, env=env, check=0).stdout
+
+
+def wait_for(env, where, name, pattern, timeout):
+    deadline = time.time() + timeout
+    while not re.search(pattern, shown := status(env, where, name)):
+        assert time.time() < deadline, f"no {pattern!r} within {timeout} s:\n{shown}"
+        time.sleep(2)
+    return shown
+
+
+def test_stop_on_one_host_is_agreed_without_a_per_step_sync(env, two_hosts, tmp_path):
+    """SIGTERM to process 1 only: both processes stop and save at the same step and exit 0, and the
+    training driver synchronised the processes far less often than once a step (it used to gather
+    the stop flag every step, which waits for the device and undoes the one-step-ahead dispatch)."""
+    where = ["--hosts", two_hosts, "--log-dir", tmp_path / "host-logs"]
+    count = tmp_path / "count-{pid}.json"
+    p = sh("launcher.sh", *where, "--name", "agree", "--coordinator", f"127.0.0.1:{free_port()}",
+           "--python", sys.executable, "--main", "tests/launch_count_allgather.py",
+           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=20",
+           "--env", f"COUNT_OUT={count}", "--env", "JAXFORMER_NO_SAMPLES=1",
+           "--", *SMALL, "--training_steps", "100000", "--checkpoint_steps", "1000",
+           "--output_dir", tmp_path / "runs", "--name", "agree", env=env, timeout=600)
+    assert p.returncode == 0, p.out
+    assert p.stdout.count("main.py passed start-up") == 2
+    time.sleep(10)                                     # a few steps, then SIGTERM to process 1 alone
+    p = sh("run.sh", "127.0.0.1", "--name", "agree", "--index", "1", "--log-dir", tmp_path / "host-logs",
+           "--stop", "--timeout", "300", env=env, check=0, timeout=330)
+    assert "exit status 0" in p.stdout, p.out
+    shown = wait_for(env, where, "agree", r"host 0 127\.0\.0\.1: ended", 120)
+    assert "host 0 127.0.0.1: ended, exit status 0 |" in shown, shown
+    ckpt = tmp_path / "runs" / "agree" / "checkpoints"
+    steps = sorted(int(d) for d in os.listdir(ckpt) if d.isdigit())
+    assert len(steps) == 1 and 4 < steps[0] < 100000, steps       # one save, at the agreed step
+    for pid in (0, 1):
+        calls = json.loads((tmp_path / f"count-{pid}.json").read_text())["driver_allgather_calls"]
+        assert 1 <= calls and 2 * calls <= steps[0], (pid, calls, steps)
+    assert SECRET not in all_text(tmp_path / "host-logs", tmp_path / "local-logs")
+
+
+def test_missing_host_times_out_with_one_line(env, tmp_path):
+    """One of two processes never starts: main.py on the other one used to wait in
+    jax.distributed.initialize with no message; now it exits after JAXFORMER_INIT_TIMEOUT with one
+    line naming the coordinator and how many processes joined."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\nunreachable-1\n")
+    port = free_port()
+    p = sh("launcher.sh", "--hosts", hosts, "--name", "lonely", "--coordinator", f"127.0.0.1:{port}",
+           "--keep-going", "--python", sys.executable, "--log-dir", tmp_path / "host-logs",
+           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_INIT_TIMEOUT=5", "--", "--preset", "tiny",
+           env=env, timeout=180, check=1)
+    assert "host 1 unreachable-1: FAILED, unreachable over SSH" in p.stderr
+    assert "host 0 127.0.0.1: FAILED, exit status 1" in p.stderr, p.out
+    log = (tmp_path / "host-logs" / "lonely-0.log").read_text()
+    errors = [line for line in log.splitlines() if "error" in line.lower()]
+    assert errors == [f"error: jax.distributed: not every process joined within 5 s (JAXFORMER_INIT_TIMEOUT): "
+                      f"1 of 2 processes joined the coordinator at 127.0.0.1:{port} (this process); start the "
+                      f"missing host(s), or check JAX_NUM_PROCESSES"], log
+    assert errors[0] in p.stderr                                      # the launcher shows it
