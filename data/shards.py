@@ -7,8 +7,13 @@ A *plan* is an ordered list of segments, each a document source and the split it
   its source ends, so every shard holds one split only. The bundled corpus (`--source bundled`) is the
   plan [val: the KJV val books, train: the KJV train books].
 
-Documents come from `datasets` in every case: a Hugging Face dataset name, streamed, or local
-text/json/jsonl(.gz)/parquet files loaded through the same `load_dataset(..., streaming=True)` path.
+Documents come from a Hugging Face dataset name (streamed with `datasets`) or local / fsspec files
+recognised by extension (.txt, .json, .jsonl, .parquet, .csv, optionally compressed; a missing file is
+an error, never a Hub lookup). Parquet goes through `datasets` too; text, JSON and CSV are read here,
+since pyarrow rejects a whole file for one bad byte or lone-surrogate escape. A bad document (undecodable
+bytes, lone surrogates: repaired to U+FFFD; null or non-string text, a line that is not a JSON object:
+skipped) is counted and named (source, row) in a warning, with a summary at the end; a skipped document
+still counts for the cursor, so resuming stays exact.
 Each document is encoded as [<|endoftext|>] + encode_ordinary(text) and the token stream is packed
 contiguously into shards of exactly `shard_size` uint32 tokens (little-endian, `<split>_<NNNNNN>.bin`;
 a segment's last shard may be shorter).
@@ -40,10 +45,14 @@ N counts from 1 within one process run.
 """
 import base64
 import collections
+import csv
 import hashlib
+import io
 import json
 import os
+import re
 import signal
+import sys
 import zlib
 from dataclasses import dataclass, field
 
@@ -62,7 +71,11 @@ DEFAULT_HF_NAME = "HuggingFaceFW/fineweb-edu"
 DEFAULT_HF_CONFIG = "sample-350BT"
 BUNDLED = "bundled"
 KILL_ENV = "JAXFORMER_TOKENIZE_KILL_AT"
-_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
+                  ".csv": "csv"}
+# a missing path with one of these endings is a file the user meant, never a Hugging Face dataset name
+_DATA_FILE_ENDINGS = tuple(_FILE_BUILDERS) + (".tsv", ".gz", ".bz2", ".zst", ".xz", ".arrow", ".md")
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -88,11 +101,7 @@ def _file_sha256(path):
 
 
 def _looks_like_file(p):
-    try:
-        _builder_for(p)
-        return True
-    except ValueError:
-        return False
+    return p.lower().endswith(_DATA_FILE_ENDINGS)
 
 
 def source_spec(source, hf_config=None, hf_split="train", text_field="text", max_docs=None):
@@ -132,31 +141,135 @@ def source_spec(source, hf_config=None, hf_split="train", text_field="text", max
     return spec
 
 
-def iter_documents(spec, start=0):
-    """Texts of a source from document index `start` on, in a fixed order."""
-    import datasets  # heavy import, only where documents are read
+class DocProblems:
+    """Bad documents met while reading: each one counted and (the first `show`) warned about with its
+    source and row; `summary()` at the end."""
 
+    def __init__(self, show=20):
+        self.counts, self.show, self.shown = collections.Counter(), show, 0
+
+    def note(self, source, row, what):
+        self.counts[what] += 1
+        if self.shown < self.show:
+            print(f"warning: {source} row {row}: {what}", file=sys.stderr, flush=True)
+        elif self.shown == self.show:
+            print("warning: more bad documents: counted, not shown", file=sys.stderr, flush=True)
+        self.shown += 1
+
+    def summary(self):
+        if not self.counts:
+            return ""
+        return (f"{sum(self.counts.values()):,} bad document(s): "
+                + "; ".join(f"{n:,} {what}" for what, n in self.counts.most_common()))
+
+
+def clean_text(value):
+    """(text or None, problem or None): a str the tokenizer accepts, or None for a document to skip.
+    Undecodable bytes (read as surrogate escapes) and lone surrogates become U+FFFD."""
+    if value is None:
+        return None, "skipped: null text"
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "surrogateescape")
+    if not isinstance(value, str):
+        return None, f"skipped: text of type {type(value).__name__}, not a string"
+    if _SURROGATES.search(value):
+        return _SURROGATES.sub("\ufffd", value), "repaired: undecodable bytes or lone surrogates -> U+FFFD"
+    return value, None
+
+
+def _open_bytes(path):
+    return fsspec.open(path, "rb", compression="infer")
+
+
+def _text_rows(path):
+    with _open_bytes(path) as f:
+        yield 0, {"text": f.read().decode("utf-8", "surrogateescape")}
+
+
+def _json_rows(path):
+    """Rows of a JSON Lines file (one object per line), or of a JSON array of objects or strings. Read here
+    rather than by pyarrow, which rejects a whole file for one lone-surrogate escape or bad byte."""
+    with _open_bytes(path) as f:
+        data = f.read().decode("utf-8", "surrogateescape")
+    if data.lstrip().startswith("["):
+        try:
+            rows = json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"source file {path}: not valid JSON ({e})") from None
+        for j, r in enumerate(rows):
+            yield j, (r if isinstance(r, dict) else {"text": r})
+        return
+    j = 0
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = _Bad("skipped: not valid JSON")
+        yield j, (r if isinstance(r, (dict, _Bad)) else _Bad("skipped: a JSON line that is not an object"))
+        j += 1
+
+
+def _csv_rows(path):
+    csv.field_size_limit(2**31 - 1)            # documents are longer than csv's 128 KiB default
+    with _open_bytes(path) as fb:
+        reader = csv.reader(io.TextIOWrapper(fb, encoding="utf-8", errors="surrogateescape", newline=""))
+        header = next(reader, [])
+        for j, rec in enumerate(reader):
+            yield j, dict(zip(header, rec))
+
+
+class _Bad:
+    def __init__(self, what):
+        self.what = what
+
+
+def _rows(spec):
+    """(source name, row number, row dict) of a source, in a fixed order."""
     if spec["kind"] == "hf":
+        import datasets  # heavy import, only where documents are read
         ds = datasets.load_dataset(spec["name"], spec["config"], split=spec["split"], streaming=True)
-    else:
-        builder = "json" if spec["kind"] == BUNDLED else spec["builder"]
-        files = [corpus.PATH] if spec["kind"] == BUNDLED else list(spec["files"])
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
-    if spec["kind"] == BUNDLED:
-        want_val = spec["split"] == "val"
-        ds = ds.filter(lambda r: (r["book"] in corpus.VAL_BOOKS) == want_val)
-    field_ = spec["text_field"]
-    limit = spec.get("max_docs")
-    i = 0
-    for row in ds:
+        for j, row in enumerate(ds):
+            yield spec["name"], j, row
+        return
+    builder = "json" if spec["kind"] == BUNDLED else spec["builder"]
+    for path in ([corpus.PATH] if spec["kind"] == BUNDLED else spec["files"]):
+        if builder == "parquet":
+            import datasets
+            rows = enumerate(datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True))
+        else:
+            rows = {"text": _text_rows, "json": _json_rows, "csv": _csv_rows}[builder](path)
+        for j, row in rows:
+            yield path, j, row
+
+
+def iter_documents(spec, start=0, problems=None):
+    """Texts of a source from document index `start` on, in a fixed order; None for a document that is
+    skipped (it still counts as a document, so the resume cursor is unchanged). Bad documents before
+    `start` were reported by the run that read them."""
+    problems = problems if problems is not None else DocProblems()
+    field_, limit = spec["text_field"], spec.get("max_docs")
+    want_val = spec.get("split") == "val"
+    i, seen_field = 0, False
+    for source, row_no, row in _rows(spec):
+        if spec["kind"] == BUNDLED and (row["book"] in corpus.VAL_BOOKS) != want_val:
+            continue
         if limit is not None and i >= limit:
             return
+        if isinstance(row, dict) and field_ not in row and not seen_field:
+            raise KeyError(f"source {source}: no field {field_!r} (fields: {sorted(row)}); pass --text_field")
         if i >= start:
-            if field_ not in row:
-                raise KeyError(f"source {spec.get('name') or spec.get('files')}: no field {field_!r} "
-                               f"(fields: {sorted(row)}); pass --text_field")
-            yield row[field_]
+            if isinstance(row, _Bad):
+                text, what = None, row.what
+            else:
+                seen_field = seen_field or field_ in row
+                text, what = clean_text(row.get(field_)) if field_ in row else (None, f"skipped: no field {field_!r}")
+            if what:
+                problems.note(source, row_no, what)
+            yield text
+        elif isinstance(row, dict) and field_ in row:
+            seen_field = True
         i += 1
 
 
@@ -186,13 +299,16 @@ def make_plan(source=None, train_source=None, val_source=None, val_shards=1, **s
 # ----------------------------------------------------------------------------------------------------
 
 def encode_batch(texts):
-    """[EOT] + encode_ordinary(text) for each text -> (flat uint32 tokens, int64 per-document lengths)."""
+    """[EOT] + encode_ordinary(text) for each text (none for None) -> (flat uint32 tokens, int64
+    per-document lengths)."""
     enc = tok.get_tokenizer()
-    arrays = [np.asarray(enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
-    lengths = np.fromiter((len(a) + 1 for a in arrays), dtype=np.int64, count=len(arrays))
+    arrays = [None if t is None else np.asarray(enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
+    lengths = np.fromiter((0 if a is None else len(a) + 1 for a in arrays), dtype=np.int64, count=len(arrays))
     flat = np.empty(int(lengths.sum()), dtype=np.uint32)
     pos = 0
     for a in arrays:
+        if a is None:                 # a skipped document: no tokens, but it counts for the cursor
+            continue
         flat[pos] = tok.EOT_ID
         flat[pos + 1: pos + 1 + len(a)] = a
         pos += 1 + len(a)
@@ -204,7 +320,7 @@ def batched(iterable, max_docs, max_chars):
     batch, chars = [], 0
     for t in iterable:
         batch.append(t)
-        chars += len(t)
+        chars += len(t or "")
         if len(batch) >= max_docs or chars >= max_chars:
             yield batch
             batch, chars = [], 0
@@ -324,6 +440,7 @@ class Writer:
     def __post_init__(self):
         self._n_written = 0           # shards written by this process (kill-hook counter)
         self._n_docs = 0              # documents packed by this process (kill-hook counter)
+        self.problems = DocProblems()  # bad documents this process met
         self._buf = np.empty(self.shard_size, dtype=np.uint32)
         self._fill = 0
 
@@ -399,7 +516,7 @@ class Writer:
                 docs, carry = 0, 0
             self._fill = 0
             start = docs - 1 if carry else docs
-            texts = iter_documents(seg["source"], start=start)
+            texts = iter_documents(seg["source"], start=start, problems=self.problems)
             doc_index = start
             first = bool(carry)
             for flat, lengths in encode_map(batched(texts, batch_docs, batch_chars)):
@@ -413,6 +530,8 @@ class Writer:
                 for j in range(len(lengths)):
                     doc_index += 1
                     self._pack(seg, si, flat[offs[j]:offs[j + 1]], doc_index, progress)
+            if seg["split"] == "auto":
+                self._check_train_shard(seg)
             if self._fill:
                 self._close_shard(seg, self._buf[: self._fill])
                 self._fill = 0
@@ -420,7 +539,21 @@ class Writer:
             self.complete = si + 1 == len(self.plan)
             self._write_manifest()
             _maybe_kill("manifest", self._n_written)
+        if self.problems.counts:
+            print(f"tokenize: {self.problems.summary()}", file=sys.stderr, flush=True)
         return self
+
+    def _check_train_shard(self, seg):
+        """With one source split by --val_shards, refuse to end with no training shard at all."""
+        if self._split_of_next(seg) == "train" and (self._fill or any(s["split"] == "train" for s in self.shards)):
+            return
+        n = sum(s["tokens"] for s in self.shards) + self._fill
+        fit = n // (seg["val_shards"] + 1)
+        raise ValueError(f"the source has only {n:,} tokens: --val_shards {seg['val_shards']} shards of --shard_size "
+                         f"{self.shard_size:,} leave nothing for training. "
+                         + (f"Use --shard_size {fit:,} or less (or fewer --val_shards, or more data); "
+                            if fit else "Use more data; ")
+                         + f"remove {self.out.url} first (it holds this run's partial output)")
 
     def _pack(self, seg, si, toks, docs_after, progress, count=True):
         """Append one document's tokens; close every shard it fills. docs_after = documents consumed."""

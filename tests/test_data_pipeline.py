@@ -272,8 +272,12 @@ def test_source_spec_kinds(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         shards.source_spec(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="unknown type"):
-        (tmp_path / "a.csv").write_text("x")
-        shards.source_spec(str(tmp_path / "a.csv"))
+        (tmp_path / "a.xyz").write_text("x")
+        shards.source_spec(str(tmp_path / "a.xyz"))
+    (tmp_path / "a.csv").write_text("text\nx\n")
+    assert shards.source_spec(str(tmp_path / "a.csv"))["builder"] == "csv"
+    with pytest.raises(FileNotFoundError, match="b.csv"):         # a missing local file never goes to the Hub
+        shards.source_spec("b.csv")
     with pytest.raises(ValueError, match="already provides both splits"):
         shards.make_plan("bundled", train_source="x")
     with pytest.raises(ValueError, match="either --source or"):
