@@ -48,6 +48,7 @@ import collections
 import csv
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -190,25 +191,25 @@ def _json_rows(path):
     """Rows of a JSON Lines file (one object per line), or of a JSON array of objects or strings. Read here
     rather than by pyarrow, which rejects a whole file for one lone-surrogate escape or bad byte."""
     with _open_bytes(path) as f:
-        data = f.read().decode("utf-8", "surrogateescape")
-    if data.lstrip().startswith("["):
-        try:
-            rows = json.loads(data)
-        except ValueError as e:
-            raise ValueError(f"source file {path}: not valid JSON ({e})") from None
-        for j, r in enumerate(rows):
-            yield j, (r if isinstance(r, dict) else {"text": r})
-        return
-    j = 0
-    for line in data.splitlines():
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except ValueError:
-            r = _Bad("skipped: not valid JSON")
-        yield j, (r if isinstance(r, (dict, _Bad)) else _Bad("skipped: a JSON line that is not an object"))
-        j += 1
+        head = f.read(1 << 16)
+        if head.lstrip().startswith(b"["):
+            try:
+                rows = json.loads((head + f.read()).decode("utf-8", "surrogateescape"))
+            except ValueError as e:
+                raise ValueError(f"source file {path}: not valid JSON ({e})") from None
+            for j, r in enumerate(rows):
+                yield j, (r if isinstance(r, dict) else {"text": r})
+            return
+        j = 0                          # JSON Lines, streamed: the first chunk completed to its line end
+        for line in itertools.chain(io.BytesIO(head + f.readline()), f):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line.decode("utf-8", "surrogateescape"))
+            except ValueError:
+                r = _Bad("skipped: not valid JSON")
+            yield j, (r if isinstance(r, (dict, _Bad)) else _Bad("skipped: a JSON line that is not an object"))
+            j += 1
 
 
 def _csv_rows(path):
