@@ -3,13 +3,17 @@
 `python main.py` with no flags trains the `tiny` preset on the bundled corpus (tokenized once into
 $JAXFORMER_CACHE, default ~/.cache/jaxformer) on whatever devices exist; every field of the config is a flag (`python main.py --help`).
 A run lives in OUTPUT_DIR/NAME (`--output_dir`, `--name`): checkpoints/, metrics.jsonl, samples.txt
-and, with `--wandb`, the wandb files. Starting the same command again resumes from the newest
-readable checkpoint, exactly: the data loader is a pure function of the step, and the RNG key, the
-optimizer state and the step are in the checkpoint.
+and, with `--wandb`, the wandb files, plus `lock` while a run holds the directory. Starting the same
+command again resumes from the newest readable checkpoint, exactly: the data loader is a pure function
+of the sequences consumed, and they, the RNG key, the optimizer state, the step and the model config
+are in the checkpoint (a model of another shape is refused before anything is touched; `--restart`
+moves the old run aside). SIGTERM or Ctrl-C: finish the step, save, exit 0. `--sample`: sample from
+the newest checkpoint, train nothing, write nothing.
 
 Steps are counted in optimizer updates; "step k" is the k-th update, and its loss is the loss of the
 batch that update was computed from. Each update averages the gradients of `--grad_step`
-micro-steps of DP x `--train_batch_size` sequences each (loader index = step * grad_step + i).
+micro-steps of DP x `--train_batch_size` sequences each (loader batch = step * grad_step + i after
+the sequences consumed before this process started).
 
 Test hooks (environment, used by tests/test_main.py only):
   JAXFORMER_TEST_SIGNAL=STEP:SIG   send signal SIG (KILL or TERM) to this process after step STEP
