@@ -72,14 +72,19 @@ def _losses(text):
     return {r["step"]: r["loss"] for r in map(json.loads, text.splitlines()) if "loss" in r}
 
 
-def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, env, gs_shards, reference_run,
-                                                                     tmp_path):
+@pytest.fixture(scope="module")
+def local_losses(env, reference_run, tmp_path_factory):
+    """The reference: the same shards from a local directory, run dir local, one process."""
+    out = tmp_path_factory.mktemp("local")
+    p = _main(env, str(out), reference_run, 14)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return _losses((out / "run" / "metrics.jsonl").read_text())
+
+
+def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, env, gs_shards, local_losses):
     """Same shards, local vs gs://: the same losses; on gs:// a kill -9 after step 12 (last checkpoint
     10) and a restart continue bit-for-bit. Nothing is written to a local 'gs:' directory."""
-    env = dict(env, **gcs)
-    local = _main(env, str(tmp_path / "runs"), reference_run, 14)
-    assert local.returncode == 0, local.stderr[-4000:]
-    want = _losses((tmp_path / "runs" / "run" / "metrics.jsonl").read_text())
+    env, want = dict(env, **gcs), local_losses
     out = f"gs://{BUCKET}/runs"
     killed = _main(env, out, gs_shards, 14, hook="12:KILL")
     assert killed.returncode == -9, killed.stderr[-4000:]
@@ -95,3 +100,28 @@ def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, env, gs_
     assert len(parts) >= 2 and not fs.exists(f"{BUCKET}/runs/run/metrics.jsonl")   # whole objects, no appends
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/runs/run/checkpoints", detail=False)) == ["10", "14"]
     assert not os.path.exists(os.path.join(REPO, "gs:")) and not os.path.exists(os.path.join(REPO, "gs"))
+
+
+def test_two_processes_share_one_gcs_run_dir(gcs, env, gs_shards, local_losses):
+    """Two jax processes (4 CPU devices each, gloo) on one (2, 2, 2) mesh, reading gs:// shards and
+    writing one gs:// run directory: each writes its own part of every checkpoint (Orbax, through
+    tensorstore), process 0 the metrics; the losses are the one-process run's."""
+    from launch_util import free_port
+    out, steps = f"gs://{BUCKET}/two", 6
+    e = dict(env, **gcs, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--n_device_axis", "2", "2", "2",
+           "--train_batch_size", "4", "--output_dir", out, "--name", "run", "--training_steps", str(steps),
+           "--data_dir", gs_shards]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=dict(e, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    results = [p.communicate(timeout=900) for p in procs]
+    for p, (o, err) in zip(procs, results):
+        assert p.returncode == 0, o[-2000:] + err[-4000:]
+    fs = fsspec.filesystem("gs")
+    fs.invalidate_cache()
+    got = _losses(jmain.read_run_file(f"{out}/run", "metrics.jsonl"))
+    assert sorted(got) == list(range(1, steps + 1))
+    np.testing.assert_allclose([got[k] for k in got], [local_losses[k] for k in got], rtol=1e-5, atol=1e-6)
+    written = fs.find(f"{BUCKET}/two/run/checkpoints/{steps}")
+    assert any("ocdbt.process_0" in w for w in written) and any("ocdbt.process_1" in w for w in written)
