@@ -193,26 +193,27 @@ class TokenDataset:
 
     def _pread(self, pieces):
         res = []
-        for i, off, take in pieces:
-            data = os.pread(self._fd(i), 4 * take, 4 * off)
-            if len(data) != 4 * take:
-                raise DataError(f"shard {self.files[i]} is shorter than the manifest says; re-tokenize it")
-            res.append(data)
+        with self._lock:               # an fd is never closed (evicted) by another thread while read here
+            for i, off, take in pieces:
+                data = os.pread(self._fd(i), 4 * take, 4 * off)
+                if len(data) != 4 * take:
+                    raise DataError(f"shard {self.files[i]} is shorter than the manifest says; re-tokenize it")
+                res.append(data)
         return res
 
     def _fd(self, i):
-        """An open file descriptor for shard i from a small LRU (memory and fds stay flat with the shard count)."""
-        with self._lock:
-            fd = self._fds.pop(i, None)
-            if fd is None:
-                try:
-                    fd = os.open(self.fs._strip_protocol(self.paths[i]), os.O_RDONLY)
-                except FileNotFoundError:
-                    raise DataError(f"shard {self.files[i]} listed in the manifest is missing") from None
-                if len(self._fds) >= _OPEN_FILES:
-                    os.close(self._fds.popitem(last=False)[1])
-            self._fds[i] = fd
-            return fd
+        """An open file descriptor for shard i from a small LRU (memory and fds stay flat with the shard
+        count). Called with self._lock held."""
+        fd = self._fds.pop(i, None)
+        if fd is None:
+            try:
+                fd = os.open(self.fs._strip_protocol(self.paths[i]), os.O_RDONLY)
+            except FileNotFoundError:
+                raise DataError(f"shard {self.files[i]} listed in the manifest is missing") from None
+            if len(self._fds) >= _OPEN_FILES:
+                os.close(self._fds.popitem(last=False)[1])
+        self._fds[i] = fd
+        return fd
 
     def _cat_ranges(self, pieces):
         try:

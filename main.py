@@ -3,7 +3,9 @@
 `python main.py` with no flags trains the `tiny` preset on the bundled corpus (tokenized once into
 $JAXFORMER_CACHE, default ~/.cache/jaxformer) on whatever devices exist; every field of the config is a flag (`python main.py --help`).
 A run lives in OUTPUT_DIR/NAME (`--output_dir`, `--name`): checkpoints/, metrics.jsonl, samples.txt
-and, with `--wandb`, the wandb files, plus `lock` while a run holds the directory. Starting the same
+and, with `--wandb`, the wandb files, plus `lock` while a run holds the directory. OUTPUT_DIR may be any
+fsspec URL (gs://bucket/runs): there metrics and samples go out as whole numbered objects
+(metrics.jsonl.parts/000001, ...) at each checkpoint, since object stores cannot append. Starting the same
 command again resumes from the newest readable checkpoint, exactly: the data loader is a pure function
 of the sequences consumed, and they, the RNG key, the optimizer state, the step and the model config
 are in the checkpoint (a model of another shape is refused before anything is touched; `--restart`

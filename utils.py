@@ -155,6 +155,8 @@ HELP = {
     "eval_steps": "validation batches per evaluation", "warmup_steps": "linear warmup from min_lr to max_lr",
     "end_steps": "step at which the cosine reaches end_lr", "n_device_axis": "mesh sizes DP PP TP",
     "data_dir": "token shards (dir or gs:// URL) with a manifest; empty = bundled corpus",
+    "output_dir": "runs live in OUTPUT_DIR/NAME: a local dir or any fsspec URL (gs://bucket/runs), where every "
+                  "host writes its checkpoint parts and process 0 the metrics and samples",
     "cpu_devices": "simulate N CPU devices (try a 3-D mesh on one machine)",
     "wandb": "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)",
     "use_cache": "KV-cached generation (true/false)",
