@@ -343,7 +343,7 @@ def restore_latest(mngr, abstract_state, run_dir, mc):
         for bad, cause in failed:
             dst = f"{run_dir.rstrip('/')}/unreadable_checkpoints/{bad}-{int(time.time())}" if run_dir else None
             log(f"WARNING: checkpoint {mngr.directory}/{bad} is unreadable ({cause}); "
-                + (f"moved to {dst}; " if dst else "") + f"resuming from step {step}")
+                + (f"moved to {dst}; " if dst else "") + f"using step {step}")
             if dst and jax.process_index() == 0:
                 _move_aside(f"{str(mngr.directory).rstrip('/')}/{bad}", dst)
         if failed and run_dir:
@@ -541,8 +541,10 @@ def main(argv=None):
     jax = set_up_devices(cfg)
     n_devices = jax.device_count()
     try:
+        if cfg.run.sample:                 # validated with the model config the checkpoint recorded
+            return sample_from_checkpoint(cfg, jax)
         utils.validate(cfg, n_devices)
-        return sample_from_checkpoint(cfg, jax) if cfg.run.sample else train(cfg, jax)
+        return train(cfg, jax)
     except utils.ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -695,6 +697,23 @@ def sample_text(params, cfg, ids, step):
     return enc.decode([t for t in new if t < enc.n_vocab])
 
 
+def on_process_0(jax, fn):
+    """fn() on process 0 while the others wait for it; a RunRefused there stops every process."""
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            fn()
+        except RunRefused as e:
+            refused = e
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        if multihost_utils.broadcast_one_to_all(np.int32(refused is not None)) and refused is None:
+            refused = RunRefused("process 0 refused to start this run; its log says why")
+    if refused is not None:
+        raise refused
+
+
 def handle_stop_signals(stop):
     """SIGTERM and a first Ctrl-C set stop["requested"] (and stop["signal"]): the loop finishes its step,
     saves, says where, exits 0. A second Ctrl-C gets the default action, which ends the process at once,
@@ -739,12 +758,9 @@ def _train(cfg, jax, mesh):
     sample_ids = prompt_ids(ic, mc.T)           # a prompt that cannot be sampled stops the run before it starts
     if proc0:
         make_run_dir(run_dir)
-        lock_run_dir(run_dir)
-        if rc.restart:
-            set_aside_previous_run(run_dir)
-    if rc.restart and jax.process_count() > 1:  # every host opens the checkpoints after they moved
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices("restart")
+    on_process_0(jax, lambda: lock_run_dir(run_dir))
+    if rc.restart:                              # every host opens the checkpoints after they moved
+        on_process_0(jax, lambda: set_aside_previous_run(run_dir))
 
     log(utils.describe(cfg))
     counts = model.count_params(mc)
