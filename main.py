@@ -460,7 +460,7 @@ def lock_run_dir(run_dir):
                                  f"use another --name; if that run is gone, delete {path}")
             log(f"WARNING: taking over {path}: pid {holder and holder.get('pid')} on "
                 f"{holder and holder.get('host')} that held it is gone")
-            _remove(path)
+            _remove(path)               # not atomic with the read: two runs taking over at once can both win
         raise RunRefused(f"could not take the lock {path}: other runs keep taking it")
     finally:
         _remove(tmp)
