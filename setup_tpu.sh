@@ -28,14 +28,16 @@ EOF
 
 die() { echo "setup_tpu.sh: error: $*" >&2; exit 2; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=launch_lib.sh
+. "$here/launch_lib.sh"
 
 venv="$here/.venv" python=python3 accel=auto bashrc=0 wandb_login=0 reinstall=0 dry_run=0
 while (($#)); do
   case $1 in
     -h|--help) usage; exit 0 ;;
-    --venv) venv=${2?--venv needs a DIR}; shift 2 ;;
-    --python) python=${2?--python needs a value}; shift 2 ;;
-    --accelerator) accel=${2?--accelerator needs a value}; shift 2 ;;
+    --venv) venv=$(value "$@"); shift 2 ;;
+    --python) python=$(value "$@"); shift 2 ;;
+    --accelerator) accel=$(value "$@"); shift 2 ;;
     --bashrc) bashrc=1; shift ;;
     --wandb-login) wandb_login=1; shift ;;
     --reinstall) reinstall=1; shift ;;

@@ -308,3 +308,5 @@ def test_setup_dry_run_changes_nothing(fake_setup):
     assert "needs WANDB_API_KEY" in p.stderr
     p = sh("setup_tpu.sh", "--accelerator", "abacus", env=env, check=2)
     assert "--accelerator must be" in p.stderr
+    p = sh("setup_tpu.sh", "--venv", env=env, check=2)           # a missing value: one line, exit 2
+    assert p.stderr.strip() == "setup_tpu.sh: error: --venv needs a value (see --help)"
