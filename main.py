@@ -568,16 +568,19 @@ def build_trainer(cfg, mesh):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import model
+    import spikes
 
     mc, oc, rc = cfg.model, cfg.optim, cfg.run
     abstract_params = jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0))
     p_shard = model.param_shardings(abstract_params, mesh)
     replicated = NamedSharding(mesh, P())
     schedule = utils.lr_schedule(oc)
-    optimizer = optax.chain(
+    # skip_spikes keeps the running grad-norm median in the optimizer state (checkpointed with it) and,
+    # with --skip_spikes F > 0, leaves params and moments untouched on a step whose norm is > F x it.
+    optimizer = spikes.skip_spikes(optax.chain(
         optax.clip_by_global_norm(oc.grad_clip_norm),
         optax.adamw(schedule, b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay,
-                    mask=model.decay_mask(abstract_params)))
+                    mask=model.decay_mask(abstract_params))), oc.skip_spikes)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     o_shard = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shard,
                                     transform_non_params=lambda _: replicated)
@@ -625,6 +628,7 @@ def build_trainer(cfg, mesh):
         stats["grad_norm"] = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
+        stats["grad_norm_ratio"], stats["skipped"] = opt_state.ratio, opt_state.skipped
         return params, opt_state, jax.random.key_data(key), stats
 
     data_sharding = NamedSharding(mesh, P("dp", None))          # sequences over dp, whole rows
@@ -749,6 +753,7 @@ def _train(cfg, jax, mesh):
 
     import dataset
     import model
+    import spikes
 
     mc, oc, rc, ic = cfg.model, cfg.optim, cfg.run, cfg.inference
     proc0 = jax.process_index() == 0
@@ -844,6 +849,8 @@ def _train(cfg, jax, mesh):
     batches = loader.iterate(0)
     pending = []                       # (step, device metrics) not yet fetched: keeps dispatch one step ahead
     interval = []                      # fetched metrics of the current log interval
+    watch = spikes.SpikeWatch(oc.skip_spikes or spikes.RATIO_WARN)
+    skipped_before = {"n": int(jax.device_get(state["opt_state"].skipped))}   # count before the next fetched step
     timer = {"t": None, "steps": 0, "first_step_s": None}
     bar = tqdm(total=oc.training_steps, initial=start_step, disable=not proc0, dynamic_ncols=True,
                desc="train", unit="step", file=sys.stdout,
@@ -857,7 +864,13 @@ def _train(cfg, jax, mesh):
             m = jax.device_get(m)
             rec = {"step": s, "loss": float(m["loss"]), "ce": float(m["ce"]), "balance": float(m["balance"]),
                    "grad_norm": float(m["grad_norm"]), "lr": float(schedule(s - 1)),
-                   "drop_rate": float(m["drop_rate"])}
+                   "drop_rate": float(m["drop_rate"]), "skipped_steps": int(m["skipped"]),
+                   "grad_norm_ratio": float(m["grad_norm_ratio"]) if np.isfinite(m["grad_norm_ratio"]) else None}
+            rec["update_skipped"] = rec["skipped_steps"] > skipped_before["n"]
+            skipped_before["n"] = rec["skipped_steps"]
+            warning = watch.step(rec)                   # adds rec["loss_jump"]
+            if warning:
+                bar.write(warning) if proc0 else None
             logger.metrics(rec)
             interval.append((rec, np.asarray(m["expert_load"])))
             now = time.perf_counter()
@@ -897,7 +910,8 @@ def _train(cfg, jax, mesh):
                    "grad_norm": recs[-1]["grad_norm"], "tokens_per_s": tok_s, "step_time_s": step_time,
                    "mfu": util, "expert_load": load.tolist(), "expert_load_spread": spread if idle is None else None,
                    "drop_rate": float(np.mean([r["drop_rate"] for r in recs])),
-                   "balance": float(np.mean([r["balance"] for r in recs]))}
+                   "balance": float(np.mean([r["balance"] for r in recs])),
+                   "skipped_steps": recs[-1]["skipped_steps"], **watch.interval()}
             logger.metrics(rec)
             bar.write(f"step {step:>6} | loss {recs[-1]['loss']:.4f} | val {val_ce:.4f} | lr {rec['lr']:.2e} | "
                       f"grad {rec['grad_norm']:.3f} | "

@@ -63,6 +63,7 @@ class OptimConfig:
     training_steps: int = 300
     grad_step: int = 1                 # gradient-accumulation steps per optimizer step
     grad_clip_norm: float = 1.0
+    skip_spikes: float = 0.0           # >0: skip the update of a step whose grad norm > this x its running median
     weight_decay: float = 0.1          # matrices only
     b1: float = 0.9
     b2: float = 0.95
@@ -160,6 +161,8 @@ HELP = {
     "cpu_devices": "simulate N CPU devices (try a 3-D mesh on one machine)",
     "wandb": "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)",
     "use_cache": "KV-cached generation (true/false)",
+    "skip_spikes": "skip the optimizer update of a step whose grad norm exceeds this multiple of the median of "
+                   "the previous 20 steps' (0 = off; e.g. 5); skipped steps are counted in the metrics",
     "compile_for": "do not train: compile this run's training and eval steps for a TPU slice (v4-64, v5p-8, "
                    "v5litepod-16, v6e-8, ...) on this machine with libtpu's ahead-of-time compiler and print "
                    "the per-chip memory plan, FLOPs and compile time (pip install -r requirements-tpu.txt)",
@@ -259,6 +262,8 @@ def validate(cfg, n_devices=None):
                         ("--temperature", i.temperature), ("--rope_base", m.rope_base)]:
         if not value > 0:
             errors.append(f"{flag} must be > 0, got {value}")
+    if o.skip_spikes != 0 and not o.skip_spikes > 1:
+        errors.append(f"--skip_spikes must be 0 (off) or a factor > 1 (e.g. 5), got {o.skip_spikes}")
     if not 0 <= m.dropout_rate < 1:
         errors.append(f"--dropout_rate must be in [0, 1), got {m.dropout_rate}")
     if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
