@@ -52,12 +52,14 @@ def point_this_process_at(url):
     import gcsfs.core
     env = emulator_env(url)
     saved = {k: os.environ.get(k) for k in env}
+    saved_conf = {p: dict(fsspec.config.conf.get(p, {})) for p in ("gs", "gcs")}
     os.environ.update(env)
     for proto in ("gs", "gcs"):
         fsspec.register_implementation(proto, gcsfs.core.GCSFileSystem, clobber=True)
         fsspec.config.conf.setdefault(proto, {})["token"] = "anon"
 
     def restore():
+        fsspec.config.conf.update(saved_conf)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
