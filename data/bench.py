@@ -12,8 +12,10 @@
 """
 import argparse
 import os
+import socket
 import sys
 import tempfile
+import threading
 import time
 
 if __package__ in (None, ""):
@@ -117,7 +119,42 @@ def make_split(url, n_shards, shard_tokens, sparse):
     w._write_manifest()
 
 
-def bench_pod_scale(url, n_shards, shard_tokens, steps=20, T=1024, global_batch=256, n_hosts=8):
+class CountingProxy:
+    """A TCP relay on 127.0.0.1 to a local server that counts the bytes sent back to the client (HTTP
+    headers included): what a host really receives per step from the GCS emulator."""
+
+    def __init__(self, target_port):
+        self.target, self.received, self._lock = target_port, 0, threading.Lock()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            client, _ = self.sock.accept()
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._relay, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._relay, args=(upstream, client, True), daemon=True).start()
+
+    def _relay(self, src, dst, count):
+        try:
+            while data := src.recv(1 << 16):
+                if count:
+                    with self._lock:
+                        self.received += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+
+def bench_pod_scale(url, n_shards, shard_tokens, steps=20, T=1024, global_batch=256, n_hosts=8,
+                    received=_proc_rchar):
+    """received(): bytes this host has taken in so far (default: read/pread calls, i.e. local files)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -134,18 +171,18 @@ def bench_pod_scale(url, n_shards, shard_tokens, steps=20, T=1024, global_batch=
     startup = time.perf_counter() - t
     rows = loader.local_rows(jax.devices()[:1])            # one host's devices: here 1 of the 8 dp rows
     want = len(rows) * (T + 1) * 4
-    rchar, t = _proc_rchar(), time.perf_counter()
+    before, t = received(), time.perf_counter()
     for step in range(steps):
         loader.read_rows(step, rows)
     per_step_s = (time.perf_counter() - t) / steps
-    wire, payload = (_proc_rchar() - rchar) / steps, ds.bytes_read / steps
+    wire, payload = (received() - before) / steps, ds.bytes_read / steps
     where = "gcs emulator" if "://" in url else "local"
     print(f"pod-scale  {where}: {n_shards:,} train shards of {shard_tokens:,} tokens "
           f"({n_shards * shard_tokens * 4 / 1e9:,.1f} GB; made in {made:.1f} s): start-up {startup:.3f} s; "
           f"one host's {len(rows)} of {global_batch} rows x T+1={T + 1}: {payload:,.0f} bytes/step from storage "
           f"= {payload / want:.3f} x rows x (T+1) x 4 ({want:,})"
-          # rchar counts read()/pread() (the local files), not socket receives: no figure for the emulator
-          + (f"; {wire:,.0f} bytes/step through read calls ({wire / want:.3f} x)" if "://" not in url else "")
+          + f"; {wire:,.0f} bytes/step received ({wire / want:.3f} x"
+          + (", read/pread calls)" if "://" not in url else ", HTTP headers included)")
           + f"; {per_step_s * 1e3:.1f} ms/step", flush=True)
     return {"startup_s": startup, "payload_ratio": payload / want, "wire_ratio": wire / want}
 
@@ -155,8 +192,10 @@ def bench_pod(tmp, n_shards):
     res = {"local": bench_pod_scale(os.path.join(tmp, "pod"), n_shards, 100_000_000)}
     proc, url = emulator.start()
     try:
-        emulator.point_this_process_at(url)
-        res["emulator"] = bench_pod_scale(f"gs://{emulator.DEFAULT_BUCKET}/pod", n_shards, 8_192)
+        proxy = CountingProxy(int(url.rsplit(":", 1)[1]))
+        emulator.point_this_process_at(f"http://127.0.0.1:{proxy.port}")
+        res["emulator"] = bench_pod_scale(f"gs://{emulator.DEFAULT_BUCKET}/pod", n_shards, 8_192,
+                                          received=lambda: proxy.received)
     finally:
         proc.terminate()
         proc.wait()
