@@ -22,6 +22,7 @@ checkpoints cannot be written there; gcsfs alone works with it.
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -114,10 +115,14 @@ def main(argv=None):
     print(f"GCS emulator on {url}, bucket gs://{a.bucket}; in another shell:")
     for k, v in emulator_env(url).items():
         print(f"export {k}={v}")
-    print("Ctrl-C stops it.", flush=True)
+    print("Ctrl-C (or SIGTERM) stops it.", flush=True)
+    # the server is a child process: stop it with this one, on SIGTERM (`kill %1`) as on Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         proc.wait()
     except KeyboardInterrupt:
+        pass
+    finally:
         proc.terminate()
         proc.wait()
     return 0
