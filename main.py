@@ -777,7 +777,7 @@ def _train(cfg, jax, mesh):
 
     trainer = build_trainer(cfg, mesh)
     abstract_state, schedule, data_sharding = trainer.abstract_state, trainer.schedule, trainer.data_sharding
-    G, M = oc.grad_step, rc.micro_batch_size
+    G = oc.grad_step
 
     # --- data
     data_dir = data_dir_for(cfg)

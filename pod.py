@@ -10,6 +10,7 @@ main.py runs. Nothing is trained and nothing is written.
 Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by how much),
 2 the request is unusable (unknown slice, invalid config, libtpu missing).
 """
+import importlib
 import math
 import os
 import re
@@ -41,10 +42,9 @@ def main(cfg):
 
 def _has_libtpu():
     try:
-        import libtpu  # noqa: F401
+        return importlib.import_module("libtpu") is not None
     except ImportError:
         return False
-    return True
 
 
 def _usage(message):
