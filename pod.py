@@ -80,20 +80,23 @@ def rehearse(cfg, tpu, jax):
     trainer = main.build_trainer(cfg, mesh)
     report = Report(cfg, tpu, mesh, jax)
     report.header()
-    try:
-        train = _compile(trainer.step, _train_args(cfg, trainer, jax))
-        report.step("train step", *train, trainer.abstract_state)
-        evaluate = _compile(trainer.eval_step, _eval_args(cfg, trainer, jax))
-        report.step("eval step", *evaluate, {"params": trainer.abstract_state["params"]})
-    except Exception as e:                   # noqa: BLE001 - libtpu reports "does not fit" as an exception
-        shortfall = _hbm_shortfall(str(e))
-        if shortfall is None:
-            raise
-        needed, available = shortfall
-        print(f"does not fit: needs {needed:.2f} GiB per chip, {tpu.name}'s chips have {available:.2f} GiB "
-              f"usable ({needed - available:.2f} GiB short); see README 'Before you rent a pod'")
-        return 1
-    return report.finish()
+    steps = (("train step", trainer.step, _train_args(cfg, trainer, jax), trainer.abstract_state),
+             ("eval step", trainer.eval_step, _eval_args(cfg, trainer, jax),
+              {"params": trainer.abstract_state["params"]}))
+    for name, jitted, args, state in steps:
+        try:
+            needed = report.step(name, *_compile(jitted, args), state)
+        except Exception as e:               # noqa: BLE001 - libtpu reports some plans that do not fit so
+            needed = _hbm_shortfall(str(e))
+            if needed is None:
+                raise
+        if needed > tpu.hbm_bytes / GiB:
+            print(f"does not fit: {name} needs {needed:.2f} GiB per chip, {tpu.name}'s chips have "
+                  f"{tpu.hbm_bytes / GiB:.2f} GiB usable ({needed - tpu.hbm_bytes / GiB:.2f} GiB short); "
+                  f"see README 'Before you rent a pod'")
+            return 1
+    print(f"fits on {tpu.name}")
+    return 0
 
 
 def _train_args(cfg, trainer, jax):
@@ -122,12 +125,11 @@ def _compile(jitted, args):
 
 
 def _hbm_shortfall(message):
-    """(GiB needed, GiB available) from libtpu's out-of-HBM error, or None for any other error."""
-    m = re.search(r"\(([\d.]+)([GMK])\) exceeds available HBM \(([\d.]+)([GMK])\)", message)
+    """GiB needed per chip from libtpu's out-of-HBM error, or None for any other error."""
+    m = re.search(r"\(([\d.]+)([GMK])\) exceeds available HBM", message)
     if not m or "RESOURCE_EXHAUSTED" not in message:
         return None
-    unit = {"G": 1.0, "M": 2.0**-10, "K": 2.0**-20}
-    return float(m.group(1)) * unit[m.group(2)], float(m.group(3)) * unit[m.group(4)]
+    return float(m.group(1)) * {"G": 1.0, "M": 2.0**-10, "K": 2.0**-20}[m.group(2)]
 
 
 def _gib(n):
@@ -135,11 +137,10 @@ def _gib(n):
 
 
 class Report:
-    """The printed report; `finish` returns the exit status."""
+    """The printed report: the slice and mesh, then each compiled step."""
 
     def __init__(self, cfg, tpu, mesh, jax):
         self.cfg, self.tpu, self.mesh, self.jax = cfg, tpu, mesh, jax
-        self.fits = True
 
     def header(self):
         import model
@@ -158,12 +159,12 @@ class Report:
             print(f"  ... {dp - 4} more dp rows")
 
     def step(self, name, compiled, seconds, cpu_seconds, abstract_state):
+        """Print the step's plan; return the GiB it needs per chip."""
         mem = compiled.memory_analysis()
         state_bytes = sum(_shard_bytes(a) for a in self.jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
         total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                  + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
-        self.fits &= total <= self.tpu.hbm_bytes
         print(f"{name}: compiled in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU)")
         print(f"  HBM per chip: state {_gib(state_bytes)} | batch {_gib(inputs)} | temporaries "
               f"{_gib(mem.temp_size_in_bytes)} | outputs not aliased {_gib(mem.output_size_in_bytes - mem.alias_size_in_bytes)}"
@@ -173,6 +174,7 @@ class Report:
                                                 for what, size in _largest_buffers(compiled.as_text(), 4)))
         if name == "train step":
             self._flops(compiled)
+        return total / GiB
 
     def _flops(self, compiled):
         import bench
@@ -190,13 +192,6 @@ class Report:
             seconds = flops / (util * peak)
             print(f"  at {100 * util:.0f}% of the {peak / 1e12:.0f} TFLOP/s bf16 peak: step {seconds * 1e3:.3g} ms, "
                   f"{tokens / seconds:,.0f} tokens/s ({tokens:,} tokens a step)")
-
-    def finish(self):
-        if self.fits:
-            print(f"fits on {self.tpu.name}")
-            return 0
-        print(f"does not fit on {self.tpu.name}: the plan above exceeds {self.tpu.hbm_bytes / GiB:.2f} GiB per chip")
-        return 1
 
 
 def _shard_bytes(abstract):

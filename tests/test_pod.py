@@ -88,7 +88,7 @@ def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall(tmp_pat
                     cwd=tmp_path)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     line = p.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"does not fit: needs ([\d.]+) GiB per chip, v4-8's chips have 30.75 GiB usable "
+    m = re.fullmatch(r"does not fit: train step needs ([\d.]+) GiB per chip, v4-8's chips have 30.75 GiB usable "
                      r"\(([\d.]+) GiB short\); .*", line)
     assert m and float(m.group(2)) == pytest.approx(float(m.group(1)) - 30.75, abs=0.02)
 
