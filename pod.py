@@ -99,19 +99,21 @@ def rehearse(cfg, tpu, jax):
     return 0
 
 
-def _train_args(cfg, trainer, jax):
+def _batch(cfg, trainer, jax, per_replica):
+    """A global batch of token ids as main.py feeds it: dp x per_replica sequences, laid out over dp."""
     import numpy as np
-    batch = jax.ShapeDtypeStruct((cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T), np.int32,
-                                 sharding=trainer.data_sharding)
+    return jax.ShapeDtypeStruct((cfg.run.n_device_axis[0] * per_replica, cfg.model.T), np.int32,
+                                sharding=trainer.data_sharding)
+
+
+def _train_args(cfg, trainer, jax):
     state = trainer.abstract_state
-    micro_steps = (batch,) * cfg.optim.grad_step
+    micro_steps = (_batch(cfg, trainer, jax, cfg.run.train_batch_size),) * cfg.optim.grad_step
     return state["params"], state["opt_state"], state["key"], micro_steps, micro_steps
 
 
 def _eval_args(cfg, trainer, jax):
-    import numpy as np
-    batch = jax.ShapeDtypeStruct((cfg.run.n_device_axis[0] * cfg.run.val_batch_size, cfg.model.T), np.int32,
-                                 sharding=trainer.data_sharding)
+    batch = _batch(cfg, trainer, jax, cfg.run.val_batch_size)
     return trainer.abstract_state["params"], batch, batch
 
 
