@@ -49,6 +49,12 @@ def test_each_dp_row_is_one_hosts_pp_by_tp_plane_of_neighbouring_chips(topology,
         assert all(distance(plane[0, t], plane[1, t]) == 1 for t in range(shape[2]))
 
 
+def test_libtpu_builds_every_known_slice_with_its_chips_and_hosts(topology):
+    for tpu in utils.tpu_slices():
+        devices = topology(tpu.name)
+        assert (len(devices), len({d.process_index for d in devices})) == (tpu.chips, tpu.hosts), tpu.name
+
+
 def test_jax_make_mesh_cannot_place_the_guides_mesh_on_v4_64(topology):
     import jax
     with pytest.raises(Exception):
