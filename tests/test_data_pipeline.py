@@ -5,7 +5,6 @@ hook (data/shards.py). `fakegcs://` is a local stand-in for a GCS bucket whose r
 (not atomic), like gcsfs; memory:// cannot outlive a killed process, so it gets a plain write/read test.
 """
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ sys.path.insert(0, REPO)
 from data import corpus, shards  # noqa: E402
 from data import tokenizer as tok  # noqa: E402
 import dataset  # noqa: E402
+from data_util import reference_tokens, shard_tokens  # noqa: E402
 
 FAKEGCS_ROOT_ENV = "FAKEGCS_ROOT"
 
@@ -74,23 +74,6 @@ def src(tmp_path_factory):
     return str(path)
 
 
-def _reference(docs):
-    enc = tok.get_tokenizer()
-    return np.concatenate([np.array([tok.EOT_ID] + enc.encode_ordinary(t), dtype=np.uint32) for t in docs])
-
-
-def _concat(out_url):
-    out = shards.Output(out_url)
-    m = json.loads(out.read_text(shards.MANIFEST))
-    parts = []
-    for s in m["shards"]:
-        with out.fs.open(out.path(s["file"]), "rb") as f:
-            data = f.read()
-        assert len(data) == 4 * s["tokens"] and hashlib.sha256(data).hexdigest() == s["sha256"]
-        parts.append(np.frombuffer(data, dtype="<u4"))
-    return m, np.concatenate(parts)
-
-
 def _files(out_url):
     out = shards.Output(out_url)
     res = {}
@@ -110,8 +93,8 @@ def reference_run(src, tmp_path_factory):
 
 
 def test_shards_equal_tiktoken_encoding(reference_run):
-    m, toks = _concat(reference_run)
-    assert np.array_equal(toks, _reference(_docs()))
+    m, toks = shard_tokens(reference_run)
+    assert np.array_equal(toks, reference_tokens(_docs()))
     sizes = [s["tokens"] for s in m["shards"]]
     assert all(n == SHARD for n in sizes[:-1]) and 0 < sizes[-1] <= SHARD
     assert [s["split"] for s in m["shards"]] == ["val"] + ["train"] * (len(sizes) - 1)
@@ -127,23 +110,23 @@ def test_local_file_types_share_the_datasets_path(tmp_path):
     for i, t in enumerate(docs):
         (tmp_path / "txt").mkdir(exist_ok=True)
         (tmp_path / "txt" / f"{i:02d}.txt").write_text(t, encoding="utf-8")
-    want = _reference(docs)
+    want = reference_tokens(docs)
     for source, field in [(str(tmp_path / "a.parquet"), "body"), (str(tmp_path / "txt"), "text")]:
         out = str(tmp_path / f"out_{field}")
         shards.tokenize(out, shards.make_plan(train_source=source, text_field=field), 1_000)
-        m, toks = _concat(out)
+        m, toks = shard_tokens(out)
         assert np.array_equal(toks, want), source
 
 
 def test_bundled_split_is_the_corpus_split(tmp_path):
     d = dataset.ensure_bundled_shards(str(tmp_path / "cache"))
     assert dataset.ensure_bundled_shards(str(tmp_path / "cache")) == d    # cached
-    m, toks = _concat(d)
+    m, toks = shard_tokens(d)
     val = [s for s in m["shards"] if s["split"] == "val"]
     assert len(val) == 1
     n_val = val[0]["tokens"]
-    assert np.array_equal(toks[:n_val], _reference(corpus.documents("val")))
-    assert np.array_equal(toks[n_val:], _reference(corpus.documents("train")))
+    assert np.array_equal(toks[:n_val], reference_tokens(corpus.documents("val")))
+    assert np.array_equal(toks[n_val:], reference_tokens(corpus.documents("train")))
     assert not [p for p in os.listdir(tmp_path / "cache") if ".tmp" in p]
 
 
@@ -263,8 +246,8 @@ def test_multiprocessing_and_ray_drivers_are_byte_identical(local_ray, tmp_path)
     tokenize_ray.run(ray_out, plan, 100_000, progress=False, batch_docs=64)
     got = _files(ray_out)
     assert got == _files(mp_out) and len(got) == 12          # 11 shards + manifest
-    _, toks = _concat(ray_out)
-    assert np.array_equal(toks, _reference(corpus.documents("val") + corpus.documents("train")))
+    _, toks = shard_tokens(ray_out)
+    assert np.array_equal(toks, reference_tokens(corpus.documents("val") + corpus.documents("train")))
 
 
 def test_source_spec_kinds(tmp_path):

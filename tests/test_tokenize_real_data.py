@@ -8,20 +8,9 @@ import numpy as np
 import pytest
 
 from data import shards
-from data import tokenizer as tok
+from data_util import reference_tokens, shard_tokens
 
 FFFD = "\ufffd"
-
-
-def _ref(texts):
-    enc = tok.get_tokenizer()
-    return np.concatenate([np.array([tok.EOT_ID] + enc.encode_ordinary(t), dtype=np.uint32) for t in texts])
-
-
-def _tokens(out):
-    o = shards.Output(out)
-    m = json.loads(o.read_text(shards.MANIFEST))
-    return m, np.concatenate([np.fromfile(o.path(s["file"]), dtype="<u4") for s in m["shards"]])
 
 
 GOOD = ["In the beginning was the word. " * 20, "And the word was good. " * 30, "The end. " * 25]
@@ -53,7 +42,7 @@ WANT = [GOOD[0], f"bad {FFFD}{FFFD} bytes", f"lone {FFFD} surrogate", GOOD[1], G
 def test_bad_documents_are_repaired_or_skipped_counted_and_named(bad_jsonl, tmp_path, capsys):
     out = str(tmp_path / "out")
     m = shards.tokenize(out, shards.make_plan(train_source=bad_jsonl), 1_000)
-    assert np.array_equal(_tokens(out)[1], _ref(WANT))
+    assert np.array_equal(shard_tokens(out)[1], reference_tokens(WANT))
     err = capsys.readouterr().err
     for row, what in [(1, "repaired: undecodable bytes"), (2, "skipped: null text"), (3, "repaired: undecodable bytes "
                       "or lone surrogates"), (4, "skipped: text of type int, not a string"), (5, "skipped: not valid JSON"),
@@ -97,7 +86,7 @@ def test_csv_and_text_files_are_local_sources(tmp_path, capsys):
                          (str(tmp_path / "a.txt"), [GOOD[1] + FFFD])]:
         out = str(tmp_path / ("out_" + source.rsplit(".", 1)[1]))
         shards.tokenize(out, shards.make_plan(train_source=source), 1_000)
-        assert np.array_equal(_tokens(out)[1], _ref(want)), source
+        assert np.array_equal(shard_tokens(out)[1], reference_tokens(want)), source
     err = capsys.readouterr().err
     assert f"{tmp_path / 'docs.csv'} row 2: repaired" in err and f"{tmp_path / 'a.txt'} row 0: repaired" in err
 
@@ -105,7 +94,7 @@ def test_csv_and_text_files_are_local_sources(tmp_path, capsys):
 def test_source_too_small_for_val_shards_says_what_shard_size_works(tmp_path):
     src = tmp_path / "small.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in GOOD))
-    n = len(_ref(GOOD))
+    n = len(reference_tokens(GOOD))
     plan = shards.make_plan(str(src), val_shards=2)
     with pytest.raises(ValueError, match=rf"only {n:,} tokens: --val_shards 2 shards of --shard_size 1,000 leave "
                                          rf"nothing for training. Use --shard_size {n // 3:,} or less"):
