@@ -162,7 +162,7 @@ class Report:
 
     def step(self, name, compiled, seconds, cpu_seconds, abstract_state):
         """Print the step's plan; return the GiB it needs per chip."""
-        mem = compiled.memory_analysis()
+        mem, hlo = compiled.memory_analysis(), compiled.as_text()     # the text of a big step is megabytes
         state_bytes = sum(_shard_bytes(a) for a in self.jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
         total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
@@ -173,16 +173,16 @@ class Report:
               f" | code {_gib(mem.generated_code_size_in_bytes)} | total {_gib(total)} of "
               f"{self.tpu.hbm_bytes / GiB:.2f} GiB ({100 * total / self.tpu.hbm_bytes:.0f}%)")
         print("  largest buffers: " + "; ".join(f"{what} {_gib(size).strip()}"
-                                                for what, size in _largest_buffers(compiled.as_text(), 4)))
+                                                for what, size in _largest_buffers(hlo, 4)))
         if name == "train step":
-            self._flops(compiled)
+            self._flops(hlo)
         return total / GiB
 
-    def _flops(self, compiled):
+    def _flops(self, hlo):
         import bench
         import model
         cfg, tpu = self.cfg, self.tpu
-        counted = bench.hlo_flops(compiled.as_text())
+        counted = bench.hlo_flops(hlo)
         peak = utils.peak_flops(self.mesh.devices.flat[0].device_kind)
         tokens = cfg.optim.grad_step * cfg.run.n_device_axis[0] * cfg.run.train_batch_size * cfg.model.T
         useful = model.flops_per_token(cfg.model) * tokens / tpu.chips
