@@ -579,8 +579,8 @@ def build_trainer(cfg, mesh):
     # with --skip_spikes F > 0, leaves params and moments untouched on a step whose norm is > F x it.
     optimizer = spikes.skip_spikes(optax.chain(
         optax.clip_by_global_norm(oc.grad_clip_norm),
-        optax.adamw(schedule, b1=oc.b1, b2=oc.b2, weight_decay=oc.weight_decay,
-                    mask=model.decay_mask(abstract_params))), oc.skip_spikes)
+        spikes.adamw(schedule, oc, model.decay_mask(abstract_params), model.table_mask(abstract_params))),
+        oc.skip_spikes)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     o_shard = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shard,
                                     transform_non_params=lambda _: replicated)

@@ -67,6 +67,7 @@ class OptimConfig:
     weight_decay: float = 0.1          # matrices only
     b1: float = 0.9
     b2: float = 0.95
+    embed_eps: float = 1e-4            # Adam epsilon of the tied embedding table (the rest: 1e-8); spikes.py
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ HELP = {
     "cpu_devices": "simulate N CPU devices (try a 3-D mesh on one machine)",
     "wandb": "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)",
     "use_cache": "KV-cached generation (true/false)",
+    "embed_eps": "Adam epsilon of the tied embedding table (every other leaf: 1e-8): rows whose gradient is below "
+                 "it, i.e. tokens rarer than about this probability, move in proportion to it instead of at Adam's "
+                 "full step, which would collapse the rows of unseen tokens into one vector (spikes.py); > 0",
     "skip_spikes": "skip the optimizer update of a step whose grad norm exceeds this multiple of the median of "
                    "the previous 20 steps' (0 = off; e.g. 5); skipped steps are counted in the metrics",
     "compile_for": "do not train: compile this run's training and eval steps for a TPU slice (v4-64, v5p-8, "
@@ -258,6 +262,8 @@ def validate(cfg, n_devices=None):
                              ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 1),
                              ("--cpu_devices", r.cpu_devices, 0)]:
         _at_least(errors, value, flag, low)
+    if not o.embed_eps > 0:
+        errors.append(f"--embed_eps must be > 0 (the table's padding rows have zero gradient), got {o.embed_eps}")
     for flag, value in [("--max_lr", o.max_lr), ("--grad_clip_norm", o.grad_clip_norm),
                         ("--temperature", i.temperature), ("--rope_base", m.rope_base)]:
         if not value > 0:
