@@ -298,19 +298,20 @@ def ffn(w_up, w_down, x_BTD):
     return matmul(jax.nn.gelu(matmul(x_BTD, w_up, "btd,df->btf")), w_down, "btf,fd->btd")
 
 
-def expert_capacity(cfg, T):
-    """Slots per expert per sequence: ceil(capacity_factor * k * T / E), counting all k choices;
-    capacity_factor 0 means dropless (an expert can receive each token at most once: T slots)."""
+def expert_capacity(cfg):
+    """Slots per expert per sequence: ceil(capacity_factor * k * T / E), counting all k choices, with
+    T the padded length (cfg.T) whatever the length of one call (1 in cached decode); capacity_factor
+    0 means dropless (an expert can receive each token at most once: T slots)."""
     if cfg.capacity_factor == 0:
-        return T
-    return min(T, math.ceil(cfg.capacity_factor * cfg.k * T / cfg.n_experts))
+        return cfg.T
+    return min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
 
 
 def route(router_DE, x_BTD, cfg):
     """Sigmoid top-k routing of each sequence (the routing group, so drops do not depend on the mesh).
 
-    Returns expert ids and gates [B, T, k], each choice's slot in its expert's queue (tokens in
-    order, a token's k choices in rank order), and the sequence-wise balance loss terms."""
+    Returns expert ids and gates [B, T, k], each choice's place in its expert's queue of this call
+    (tokens in order, a token's k choices in rank order), and the sequence-wise balance loss terms."""
     E, k = cfg.n_experts, cfg.k
     scores_BTE = jax.nn.sigmoid(jnp.einsum("btd,de->bte", x_BTD, router_DE))
     top_scores_BTk, experts_BTk = lax.top_k(scores_BTE, k)
@@ -328,7 +329,8 @@ def route(router_DE, x_BTD, cfg):
 
 def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     """Each expert's output for each choice [B, T, k, D], computed on per-expert buffers of C slots
-    per sequence: kept choices are scattered into their slot, the rest fall off (mode="drop")."""
+    per sequence: kept choices are scattered into their slot, dropped ones (slot C) fall off
+    (mode="drop")."""
     B, T, k = experts_BTk.shape
     b_BTk = jnp.broadcast_to(jnp.arange(B)[:, None, None], experts_BTk.shape)
     x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, x_BTD.shape[-1]))
@@ -340,8 +342,8 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
 
 
 def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
-    """The same outputs from a grouped matmul: choices sorted by expert (dropped ones last, in no
-    group) and multiplied by their expert's weights with lax.ragged_dot; no capacity padding."""
+    """The same outputs from a grouped matmul: choices sorted by expert (dropped ones, slot C, last,
+    in no group) and multiplied by their expert's weights with lax.ragged_dot; no capacity padding."""
     B, T, k = experts_BTk.shape
     E = w["expert_up"].shape[0]
     expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                  # N = B T k choices
@@ -359,19 +361,27 @@ def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
 MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}
 
 
-def moe(w, x_BTD, cfg, axes):
+def moe(w, x_BTD, cfg, axes, fill_BE=None):
     """Routed experts plus shared experts, added. Under tp every rank routes the same tokens and holds
-    F/tp hidden units of every expert, so one psum completes routed and shared outputs together."""
-    C = expert_capacity(cfg, x_BTD.shape[1])
-    experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg)
-    kept_BTk = slot_BTk < C
-    y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C)
+    F/tp hidden units of every expert, so one psum completes routed and shared outputs together.
+
+    fill_BE: tokens each sequence queued per expert in earlier calls (cached decode); they come
+    first in the queue, so a token is kept or dropped as in one call over the whole sequence.
+    Returns the output, the stats and the fill counts after this call."""
+    experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg)
+    B, T, _ = x_BTD.shape
+    fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
+    kept_BTk = fill_BE[jnp.arange(B)[:, None, None], experts_BTk] + place_BTk < expert_capacity(cfg)
+    # A kept choice's place in this call's queue is below C and below T: buffers of min(C, T) slots
+    # hold every kept one, so a one-token decode step computes one slot per expert, not C.
+    n_slots = min(expert_capacity(cfg), T)
+    y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
     routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
     shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
     out_BTD = _psum(routed_BTD + shared_BTD, axes.tp)
     stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
              "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
-    return out_BTD, stats
+    return out_BTD, stats, fill_BE + tokens_per_expert_BE
 
 
 def dropout(x_BTD, rate, key, seq_ids_B):
@@ -384,18 +394,22 @@ def dropout(x_BTD, rate, key, seq_ids_B):
 
 
 def layer(w, x_BTD, positions_T, cfg, axes, ctx, cache=None):
-    """One pre-norm residual layer: attention, then FFN or MoE. Returns (x, MoE stats, new cache)."""
+    """One pre-norm residual layer: attention, then FFN or MoE. Returns (x, MoE stats, new cache).
+    cache (`init_caches`): {"attn": the latent KV cache, "expert_fill": MoE layers' fill counts}."""
     w = fetch(w, axes, jnp.dtype(cfg.model_dtype))
     residual = lambda x, branch, i: x + (dropout(branch, cfg.dropout_rate, jax.random.fold_in(ctx["key"], i),
                                                  ctx["seq_ids"]) if ctx["train"] and cfg.dropout_rate else branch)
-    attn_BTD, cache = attention(w["attn"], rms_norm(w["attn_norm"], x_BTD), positions_T, cfg, axes, cache)
+    attn_BTD, attn_cache = attention(w["attn"], rms_norm(w["attn_norm"], x_BTD), positions_T, cfg, axes,
+                                     None if cache is None else cache["attn"])
     x_BTD = residual(x_BTD, attn_BTD, 0)
     h_BTD = rms_norm(w["ffn_norm"], x_BTD)
+    new_cache = {"attn": attn_cache}
     if "moe" in w:
-        ffn_BTD, stats = moe(w["moe"], h_BTD, cfg, axes)
+        ffn_BTD, stats, new_cache["expert_fill"] = moe(w["moe"], h_BTD, cfg, axes,
+                                                       None if cache is None else cache["expert_fill"])
     else:
         ffn_BTD, stats = _psum(ffn(w["ffn"]["w_up"], w["ffn"]["w_down"], h_BTD), axes.tp), None
-    return residual(x_BTD, ffn_BTD, 1), stats, cache
+    return residual(x_BTD, ffn_BTD, 1), stats, None if cache is None else new_cache
 
 
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
@@ -682,11 +696,14 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
 
 
 def init_caches(cfg, batch, length, dtype=jnp.float32):
+    """Per layer, stacked like the params: the attention cache (the KV latent, plus the rotated
+    shared key in RoPE layers) and in MoE layers each sequence's tokens queued per expert so far."""
     n_dense = cfg.layers_per_block - 1
     latent = lambda *lead: jnp.zeros((*lead, batch, length, cfg.latent_dim), dtype)
-    return {"dense": {"c_kv": latent(cfg.blocks, n_dense),
-                      "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)},
-            "moe": {"c_kv": latent(cfg.blocks)}}
+    return {"dense": {"attn": {"c_kv": latent(cfg.blocks, n_dense),
+                               "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)}},
+            "moe": {"attn": {"c_kv": latent(cfg.blocks)},
+                    "expert_fill": jnp.zeros((cfg.blocks, batch, cfg.n_experts), jnp.int32)}}
 
 
 def _sample(logits_V, key, top_k, temperature):

@@ -172,7 +172,8 @@ LOGITS = np.array([[2, 1, 0], [2, 0, 1], [0, 2, 1], [1, 2, 0], [2, 1, 0], [0, 1,
 # e0 <- t0 t1 t3 t4, e1 <- t0 t2 t3 t4 t5, e2 <- t1 t2 t5.
 EXPERTS = [[0, 1], [0, 2], [1, 2], [1, 0], [0, 1], [2, 1]]
 SLOTS = [[0, 0], [1, 0], [1, 1], [2, 2], [3, 3], [2, 4]]
-MOE_CFG = utils.ModelConfig(model_dimension=3, n_experts=3, k=2, n_shared=1, capacity_factor=0.5, model_dtype="float32")
+MOE_CFG = utils.ModelConfig(model_dimension=3, n_experts=3, k=2, n_shared=1, capacity_factor=0.5, T=6,
+                            model_dtype="float32")
 
 
 def _moe_weights(seed=0):
@@ -196,7 +197,7 @@ def test_routing_by_hand():
     f = 3 / (2 * 6) * np.array([4, 5, 3])                  # E/(kT) x tokens routed to i
     p = (s / s.sum(1, keepdims=True)).mean(0)
     np.testing.assert_allclose(balance[0], (f * p).sum(), rtol=1e-6)
-    assert model.expert_capacity(MOE_CFG, 6) == 2           # ceil(0.5 * 2 * 6 / 3)
+    assert model.expert_capacity(MOE_CFG) == 2              # ceil(0.5 * 2 * 6 / 3)
 
 
 def _gelu(v):
@@ -220,11 +221,11 @@ def _moe_by_hand(w, capacity):
 def test_moe_output_drops_and_shared_expert_by_hand(impl):
     w = _moe_weights()
     cfg = with_model(MOE_CFG, moe_impl=impl)
-    out, stats = model.moe(w, jnp.asarray(LOGITS)[None], cfg, model.Axes())
+    out, stats, _ = model.moe(w, jnp.asarray(LOGITS)[None], cfg, model.Axes())
     np.testing.assert_allclose(out[0], _moe_by_hand(w, capacity=2), rtol=1e-5, atol=1e-5)
     assert float(stats["dropped"]) == 6                      # e0: t3 t4, e1: t3 t4 t5, e2: t5
     no_shared = dict(w, shared_up=w["shared_up"][:0], shared_down=w["shared_down"][:0])
-    out_routed, _ = model.moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), model.Axes())
+    out_routed, _, _ = model.moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), model.Axes())
     assert not np.allclose(out, out_routed), "the shared expert's output must be added"
 
 
@@ -233,9 +234,9 @@ def test_dropless_equals_capacity_mode_when_nothing_is_dropped():
     x = jnp.asarray(LOGITS)[None]
     roomy = with_model(MOE_CFG, capacity_factor=1.25)   # C = 5 >= the busiest expert's 5 tokens
     dropless = with_model(MOE_CFG, capacity_factor=0.0)  # C = T = 6
-    assert (model.expert_capacity(roomy, 6), model.expert_capacity(dropless, 6)) == (5, 6)
-    out_roomy, stats_roomy = model.moe(w, x, roomy, model.Axes())
-    out_dropless, stats_dropless = model.moe(w, x, dropless, model.Axes())
+    assert (model.expert_capacity(roomy), model.expert_capacity(dropless)) == (5, 6)
+    out_roomy, stats_roomy, _ = model.moe(w, x, roomy, model.Axes())
+    out_dropless, stats_dropless, _ = model.moe(w, x, dropless, model.Axes())
     assert float(stats_roomy["dropped"]) == float(stats_dropless["dropped"]) == 0
     np.testing.assert_allclose(out_roomy, out_dropless, rtol=1e-6)
     np.testing.assert_allclose(out_dropless[0], _moe_by_hand(w, capacity=6), rtol=1e-5, atol=1e-5)
@@ -255,8 +256,11 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not np.allclose(scores(0), jnp.einsum("bthr,bsr->bhts", q, k), atol=1e-3)
 
 
-def test_cached_and_uncached_generation_agree():
-    cfg = with_model(CFG, blocks=2, T=24, remat="full")
+@pytest.mark.parametrize("capacity_factor", [1.0, 0.25])   # 0.25: C = 3 of 12 fair-share slots, most drop
+def test_cached_and_uncached_generation_agree(capacity_factor):
+    """Cached decode (one token per call) keeps and drops exactly what the full forward over the
+    padded sequence does, so the logits agree to float noise and the samples are identical."""
+    cfg = with_model(CFG, blocks=2, T=24, remat="full", capacity_factor=capacity_factor)
     params = model.init_params(cfg, jax.random.key(3))
     args = (params, cfg, [5, 17, 42, 7], jax.random.key(4), 12, 20, 0.9)
     cached, cached_logits = model.generate(*args, use_cache=True, return_logits=True)
@@ -267,12 +271,13 @@ def test_cached_and_uncached_generation_agree():
         model.generate(params, cfg, [1] * 20, jax.random.key(0), 10, 5, 1.0)
 
 
-def test_cache_holds_only_latent_and_rotary_key():
+def test_cache_holds_only_latent_rotary_key_and_expert_fill():
     caches = model.init_caches(CFG, batch=1, length=CFG.T)
-    widths = {name: leaf.shape[-1] for name, leaf in jax.tree_util.tree_leaves_with_path(caches)
-              for name in [jax.tree_util.keystr(name)]}
-    assert widths == {"['dense']['c_kv']": CFG.latent_dim, "['dense']['k_rope']": CFG.dhR,
-                      "['moe']['c_kv']": CFG.latent_dim}
+    shapes = {jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(caches)}
+    assert shapes == {"['dense']['attn']['c_kv']": (CFG.blocks, 1, 1, CFG.T, CFG.latent_dim),
+                      "['dense']['attn']['k_rope']": (CFG.blocks, 1, 1, CFG.T, CFG.dhR),
+                      "['moe']['attn']['c_kv']": (CFG.blocks, 1, CFG.T, CFG.latent_dim),
+                      "['moe']['expert_fill']": (CFG.blocks, 1, CFG.n_experts)}
 
 
 def test_shape_errors_come_from_validation():
