@@ -191,16 +191,35 @@ def flops_per_token(cfg):
 
 
 def fetch(weights, axes, dtype):
-    """This layer's weights, cast to the matmul dtype and, under FSDP, all-gathered over dp just in
-    time: a [.., D/dp, ..] shard becomes [.., D, ..]. Casting first halves the bytes moved; the
-    all-gather's transpose reduce-scatters the gradient back to the shard."""
+    """This layer's weights in the matmul dtype (KEEP_FP32 leaves in fp32) and, under FSDP,
+    all-gathered over dp just in time (`gather_over_dp`)."""
     def one(path, w):
         spec = LEAF_SPECS[_leaf_name(path)]
-        w = w if _leaf_name(path) in KEEP_FP32 else w.astype(dtype)
+        w_dtype = w.dtype if _leaf_name(path) in KEEP_FP32 else dtype
         if axes.dp is None or "dp" not in spec:
-            return w
-        return lax.all_gather(w, axes.dp, axis=spec.index("dp"), tiled=True)
+            return w.astype(w_dtype)
+        return gather_over_dp(w, w_dtype, axes.dp, spec.index("dp"))
     return jax.tree_util.tree_map_with_path(one, weights)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_over_dp(w, dtype, dp, axis):
+    """A weight shard cast to dtype, then all-gathered: [.., D/dp, ..] fp32 -> [.., D, ..] dtype
+    (casting first halves the bytes a bf16 gather moves). Its gradient is reduce-scattered back in
+    fp32, as Megatron does: the plain transpose would sum the dp bf16 cotangents in bf16."""
+    return lax.all_gather(w.astype(dtype), dp, axis=axis, tiled=True)
+
+
+def _gather_over_dp_fwd(w, dtype, dp, axis):
+    return gather_over_dp(w, dtype, dp, axis), None
+
+
+def _gather_over_dp_bwd(dtype, dp, axis, _, g):
+    # [.., D, ..] dtype -> fp32 -> summed over dp, each rank keeping its own slice: [.., D/dp, ..] fp32
+    return (lax.psum_scatter(g.astype(jnp.float32), dp, scatter_dimension=axis, tiled=True),)
+
+
+gather_over_dp.defvjp(_gather_over_dp_fwd, _gather_over_dp_bwd)
 
 
 def _operands(dtype, *arrays):

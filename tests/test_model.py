@@ -1,5 +1,6 @@
 """The sharded model equals the single-device reference on every mesh; the parts match hand math."""
 import math
+import re
 import time
 
 import jax
@@ -52,6 +53,13 @@ def with_model(cfg, **changes):
     return utils.override(utils.Config(model=cfg), **changes).model
 
 
+def abstract_params(cfg, mesh):
+    """Shapes, dtypes and shardings of cfg's parameters on mesh, for lowering without computing."""
+    params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
+    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
+                        model.param_shardings(params, mesh))
+
+
 @pytest.mark.parametrize("shape,n_micro,changes", CASES)
 def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     params, ref_loss, ref_metrics, ref_grads = reference
@@ -64,6 +72,19 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     for (path, g_ref), g in zip(flat_ref, jax.tree.leaves(grads)):
         assert rel_err(g, g_ref) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():
+    """The dp all-gathers move bf16 weights (fp32 only for the router), and the gradients' reduce-
+    scatters sum fp32: a bf16 sum would round at every step (`bench.py --grad_error` measures it)."""
+    cfg = with_model(CFG, model_dtype="bfloat16")
+    mesh = model.make_mesh((8, 1, 1))
+    grad = jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0])
+    jaxpr = str(jax.make_jaxpr(grad)(abstract_params(cfg, mesh), *batch()))
+    # A collective prints as `name:dtype[shape]{V:axes} = primitive[params] operand`.
+    collectives = re.findall(r"(\w+)\[[\d,]*\](?:\{[^}]*\})? = (all_gather|reduce_scatter)\[([^\]]*)\]", jaxpr)
+    over_dp = {(primitive, dtype) for dtype, primitive, params in collectives if "axis_name=('dp',)" in params}
+    assert over_dp == {("all_gather", "bf16"), ("all_gather", "f32"), ("reduce_scatter", "f32")}
 
 
 def test_bfloat16_matmuls_track_the_fp32_reference(reference):
@@ -305,12 +326,9 @@ def test_compile_time_does_not_grow_with_depth():
     times = {}
     for blocks in (2, 8):
         cfg = with_model(CFG, blocks=blocks, remat="full")
-        params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
-        shardings = model.param_shardings(params, mesh)
-        params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
         x, y = batch(cfg=cfg)
         start = time.perf_counter()
-        sharded_value_and_grad(cfg, mesh, 2).lower(params, x, y).compile()
+        sharded_value_and_grad(cfg, mesh, 2).lower(abstract_params(cfg, mesh), x, y).compile()
         times[blocks] = time.perf_counter() - start
     print(f"\ncompile time of the training step on (1,2,1): 2 blocks {times[2]:.1f}s, 8 blocks {times[8]:.1f}s")
     assert times[8] < 1.5 * times[2]
