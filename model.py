@@ -332,7 +332,10 @@ def route(router_DE, x_BTD, cfg):
     Returns expert ids and gates [B, T, k], each choice's place in its expert's queue of this call
     (tokens in order, a token's k choices in rank order), and the sequence-wise balance loss terms."""
     E, k = cfg.n_experts, cfg.k
-    scores_BTE = jax.nn.sigmoid(jnp.einsum("btd,de->bte", x_BTD, router_DE))
+    # fp32 operands at full precision: on TPU the default precision would be one bf16 pass.
+    logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
+                            precision=lax.Precision.HIGHEST)
+    scores_BTE = jax.nn.sigmoid(logits_BTE)
     top_scores_BTk, experts_BTk = lax.top_k(scores_BTE, k)
     gates_BTk = top_scores_BTk / jnp.sum(top_scores_BTk, axis=-1, keepdims=True)
     B, T, _ = x_BTD.shape

@@ -238,6 +238,16 @@ def _moe_by_hand(w, capacity):
     return out
 
 
+def test_router_logits_are_fp32_at_full_precision():
+    """On TPU an fp32 dot at default precision is one bf16 pass: the router's must ask for HIGHEST."""
+    cfg = with_model(CFG, model_dtype="bfloat16")
+    params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
+    hlo = jax.jit(lambda p, x: model.forward(p, x, cfg)[0]).lower(params, batch()[0]).as_text()
+    router_type = f"tensor<{cfg.model_dimension}x{cfg.n_experts}xf32>"   # [D, E], no other weight has it
+    router_dots = [line for line in hlo.splitlines() if "dot_general" in line and f"{router_type}) ->" in line]
+    assert router_dots and all("precision = [HIGHEST, HIGHEST]" in line for line in router_dots), router_dots
+
+
 @pytest.mark.parametrize("impl", sorted(model.MOE_IMPLS))
 def test_moe_output_drops_and_shared_expert_by_hand(impl):
     w = _moe_weights()
