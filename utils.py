@@ -67,6 +67,7 @@ class OptimConfig:
     weight_decay: float = 0.1          # matrices only
     b1: float = 0.9
     b2: float = 0.95
+    bias_update_rate: float = 0.0      # DeepSeek-V3 aux-loss-free balancing: per-step routing-bias move; 0 = off
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,10 @@ HELP = {
     "T": "context length", "latent_dim": "KV latent width", "q_latent_dim": "query latent width",
     "dhR": "decoupled RoPE width per head (even)", "n_experts": "routed experts", "k": "experts per token",
     "n_shared": "shared experts", "capacity_factor": "expert capacity factor; 0 = dropless",
-    "model_dtype": "matmul dtype: bfloat16 or float32", "alpha": "balance loss coefficient",
+    "model_dtype": "matmul dtype: bfloat16 or float32",
+    "alpha": "sequence-wise balance loss coefficient, applied in every MoE layer (the loss adds the layers')",
+    "bias_update_rate": "DeepSeek-V3 aux-loss-free balancing: top-k picks experts on score + a per-expert bias "
+                        "that moves this much after every step toward the mean load (0 = off; DeepSeek-V3: 1e-3)",
     "remat": "rematerialisation: full (recompute all), dots (save matmul outputs), none",
     "moe_impl": "routed experts: buffers (per-expert capacity slots) or ragged (sort + lax.ragged_dot)",
     "train_batch_size": "sequences per data-parallel replica (global batch = DP x this)",
@@ -255,6 +259,7 @@ def validate(cfg, n_devices=None):
                              ("--warmup_steps", o.warmup_steps, 0), ("--end_steps", o.end_steps, 1),
                              ("--checkpoint_steps", r.checkpoint_steps, 1), ("--eval_steps", r.eval_steps, 1),
                              ("--min_lr", o.min_lr, 0), ("--end_lr", o.end_lr, 0), ("--weight_decay", o.weight_decay, 0),
+                             ("--bias_update_rate", o.bias_update_rate, 0),
                              ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 1),
                              ("--cpu_devices", r.cpu_devices, 0)]:
         _at_least(errors, value, flag, low)
