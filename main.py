@@ -789,6 +789,11 @@ def expert_stats(steps):
             "layer_balance": np.mean([m["balance"] for m in steps], axis=0).tolist()}
 
 
+def val_target_reached(val_loss, rc):
+    """Whether an evaluation's val cross-entropy ends the run (--stop_at_val_loss; 0 = never)."""
+    return rc.stop_at_val_loss > 0 and val_loss is not None and val_loss <= rc.stop_at_val_loss
+
+
 def _train(cfg, jax, mesh):
     import numpy as np
     from tqdm import tqdm
@@ -867,9 +872,9 @@ def _train(cfg, jax, mesh):
         except Exception as e:
             log(f"WARNING: sampling at step {step} failed ({type(e).__name__}: {e}); training goes on")
 
-    def checkpoint(step, state, force=False):
+    def checkpoint(step, state, val_loss, force=False):
         meta = {"step": step, "sequences": start_seq + (step - start_step) * G * global_batch, "run_id": run_id,
-                "model": dataclasses.asdict(mc)}
+                "model": dataclasses.asdict(mc), "val_loss": val_loss}
         save(mngr, step, state, meta, force=force)
         logger.flush()                 # on an object store: metrics and samples up to this checkpoint
 
@@ -899,6 +904,8 @@ def _train(cfg, jax, mesh):
                mininterval=0.5 if sys.stdout.isatty() else 60)    # a log file gets a line a minute
     last_saved = start_step if restored is not None else None
     val_ce, stopping = None, False
+    # a run that stopped at --stop_at_val_loss is finished: the same command reports, as after the last step
+    reached = restored is not None and val_target_reached(restored[1].get("val_loss"), rc)
 
     def fetch(upto_all):
         while pending and (upto_all or len(pending) > 1):
@@ -925,7 +932,7 @@ def _train(cfg, jax, mesh):
             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
 
     t_start = time.perf_counter()
-    while step < oc.training_steps:
+    while step < oc.training_steps and not reached:
         xs, ys = zip(*[next(batches) for _ in range(G)])
         state, metrics = trainer.step(state, xs, ys)
         step += 1
@@ -942,6 +949,7 @@ def _train(cfg, jax, mesh):
             tok_s = steps_timed * tokens_per_step / elapsed if steps_timed and elapsed > 0 else None
             step_time = elapsed / steps_timed if steps_timed else timer["first_step_s"]
             val_ce, val_bal = evaluate(state)
+            reached = val_target_reached(val_ce, rc)
             recs = [r for r, _ in interval]
             experts = expert_stats([m for _, m in interval])
             spread, idle = load_spread(np.asarray(experts["expert_load"]))
@@ -960,8 +968,11 @@ def _train(cfg, jax, mesh):
                       f"MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
                       f"load max/min {spread:.2f}{idle or ''} | drop {100 * rec['drop_rate']:.2f}%") if proc0 else None
             interval.clear()
-            if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping:
-                checkpoint(step, state, force=stopping)
+            if reached:
+                log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
+                    f"stopping here, as at the last step")
+            if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
+                checkpoint(step, state, val_ce, force=stopping)
                 last_saved = step
             sample(state, step)
             timer["t"], timer["steps"] = time.perf_counter(), 0
@@ -988,7 +999,7 @@ def _train(cfg, jax, mesh):
         val_ce, _ = evaluate(state)
         sample(state, step)
     if last_saved != step:
-        checkpoint(step, state)
+        checkpoint(step, state, val_ce)
     wait_for_save(mngr)
     mngr.close()
     entropy = train_ds.unigram_entropy()          # from the token counts the tokenizer recorded

@@ -180,6 +180,22 @@ def test_wandb_without_network_or_key_does_not_hang(env, tmp_path, wandb_env):
         assert os.path.isdir(tmp_path / "run" / "wandb")
 
 
+def test_stop_at_val_loss_ends_at_the_first_evaluation_reaching_it(env, baseline, tmp_path):
+    out, _ = baseline
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, open(os.path.join(out, "run", "metrics.jsonl")))
+           if "val_loss" in r}
+    target = val[5]
+    stop = min(s for s, v in val.items() if v <= target)
+    proc = run(env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
+    assert f"<= --stop_at_val_loss {target} at step {stop}: stopping" in proc.stdout
+    assert "final: val cross-entropy" in proc.stdout
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(stop)]
+    assert max(losses(tmp_path)) == stop
+    # The same command again: the run is finished, as after its last step; nothing more is trained.
+    proc = run(env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
+    assert f"resumed from" in proc.stdout and max(losses(tmp_path)) == stop
+
+
 def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_path):
     """Such a checkpoint routed with no bias, i.e. a bias of 0: it resumes as it was."""
     import jax
