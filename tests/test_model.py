@@ -22,7 +22,7 @@ CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, {}), ((1, 8, 1), 8, {}), ((1, 1, 8),
          # sorted grouped-matmul experts and full remat must give the same numbers too
          ((2, 2, 2), 2, {"moe_impl": "ragged", "remat": "full"})]
 KEY = jax.random.key(0)
-# Every case routes with a nonzero aux-loss-free bias [blocks, E] (large enough to change choices).
+# Every case routes with a nonzero aux-loss-free bias [blocks, E] and checks the update it gets.
 ROUTER_BIAS = 0.05 * jax.random.normal(jax.random.key(5), (CFG.blocks, CFG.n_experts))
 BIAS_RATE = 1e-3
 
@@ -48,9 +48,10 @@ def reference():
 
 def sharded_value_and_grad(cfg, mesh, n_micro, router_bias=None):
     """value_and_grad of the sharded loss in the params (routed with router_bias when given)."""
-    routed = (lambda p: p) if router_bias is None else (lambda p: model.with_router_bias(p, router_bias))
-    return jax.jit(jax.value_and_grad(
-        lambda p, x, y: model.loss_and_metrics(routed(p), x, y, KEY, cfg, mesh, n_micro), has_aux=True))
+    def loss(p, x, y):
+        p = p if router_bias is None else model.with_router_bias(p, router_bias)
+        return model.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro)
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
 def with_model(cfg, **changes):

@@ -226,10 +226,10 @@ def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_la
 # 6. the data position
 
 
-# The resumed runs do not learn (lr 1e-30: the parameters stay those of step 2, bit for bit), and the MoE is
-# dropless, so a step's cross-entropy is the mean of its sequences' and depends only on which sequences it
-# saw. Step 2 itself trained with a large lr, so that sequences differ clearly.
-FROZEN = "--max_lr 1e-30 --min_lr 0 --end_lr 0 --weight_decay 0 --checkpoint_steps 100".split()
+# The resumed runs do not learn (lr 1e-30: the parameters stay those of step 2, bit for bit; the routing bias
+# stays too), and the MoE is dropless, so a step's cross-entropy is the mean of its sequences' and depends
+# only on which sequences it saw. Step 2 itself trained with a large lr, so that sequences differ clearly.
+FROZEN = "--max_lr 1e-30 --min_lr 0 --end_lr 0 --weight_decay 0 --bias_update_rate 0 --checkpoint_steps 100".split()
 DROPLESS = ["--capacity_factor", "0"]
 
 
