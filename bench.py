@@ -78,10 +78,6 @@ def build_step(cfg, mesh):
     data_shard = trainer.data_sharding
     G, rows, T = cfg.optim.grad_step, cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T
 
-    def make_state(seed):
-        state = trainer.fresh_state(seed)
-        return state["params"], state["opt_state"], state["key"]
-
     def make_batch(seed):
         tokens = jax.random.randint(jax.random.key(seed), (G, rows, T + 1), 0, cfg.model.vocab_size, jnp.int32)
         return tuple(tuple(jax.device_put(tokens[i, :, part], data_shard) for i in range(G))
@@ -90,9 +86,9 @@ def build_step(cfg, mesh):
     def abstract_args():
         state = trainer.abstract_state
         batch = tuple(jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=data_shard) for _ in range(G))
-        return state["params"], state["opt_state"], state["key"], batch, batch
+        return state, batch, batch
 
-    return trainer.step, make_state, make_batch, abstract_args
+    return trainer.step, trainer.fresh_state, make_batch, abstract_args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,16 +393,16 @@ def run_benchmark(args, cfg, jax, model):
     compiled = step.lower(*abstract_args()).compile()
     compile_s = time.perf_counter() - t
 
-    params, opt_state, key = make_state(cfg.run.seed)
+    state = make_state(cfg.run.seed)
     xs, ys = make_batch(cfg.run.seed + 1)
     for _ in range(args.warmup):
-        params, opt_state, key, stats = compiled(params, opt_state, key, xs, ys)
-    jax.block_until_ready((params, stats) if args.warmup else params)
+        state, stats = compiled(state, xs, ys)
+    jax.block_until_ready((state, stats) if args.warmup else state)
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        params, opt_state, key, stats = compiled(params, opt_state, key, xs, ys)
-        jax.block_until_ready((params, opt_state, stats))
+        state, stats = compiled(state, xs, ys)
+        jax.block_until_ready((state, stats))
         times.append(time.perf_counter() - t)
 
     tokens_per_step = cfg.optim.grad_step * dp * cfg.run.train_batch_size * cfg.model.T

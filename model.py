@@ -41,13 +41,14 @@ LEAF_SPECS = {
     "w_o": ("tp", "dp"),                   # [H*K, D]
     "w_up": ("dp", "tp"), "w_down": ("tp", "dp"),                      # dense FFN [D, F], [F, D]
     "router": ("dp", None),                                            # [D, E]
+    "router_bias": (None,),                # [E] routing state, not trained: see with_router_bias
     "expert_up": (None, "dp", "tp"), "expert_down": (None, "tp", "dp"),  # [E, D, F], [E, F, D]
     "shared_up": (None, "dp", "tp"), "shared_down": (None, "tp", "dp"),  # [n_shared, D, F], ...
 }
 STACK_PREFIX = {"blocks": ("pp",), "dense": (None,)}
 MATRICES = {name for name, spec in LEAF_SPECS.items() if len(spec) >= 2}
 # Kept in fp32 inside the layer too: norms (cheap) and the router (top-k decisions are brittle).
-KEEP_FP32 = {"scale", "shift", "router"}
+KEEP_FP32 = {"scale", "shift", "router", "router_bias"}
 NORM_EPS = 1e-6
 
 
@@ -326,8 +327,10 @@ def expert_capacity(cfg):
     return min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
 
 
-def route(router_DE, x_BTD, cfg):
+def route(router_DE, x_BTD, cfg, bias_E=None):
     """Sigmoid top-k routing of each sequence (the routing group, so drops do not depend on the mesh).
+    With DeepSeek-V3's aux-loss-free bias_E, the k experts are chosen on score + bias; the gates and
+    the balance loss's P_i still come from the scores alone.
 
     Returns expert ids and gates [B, T, k], each choice's place in its expert's queue of this call
     (tokens in order, a token's k choices in rank order), and the sequence-wise balance loss terms."""
@@ -336,7 +339,8 @@ def route(router_DE, x_BTD, cfg):
     logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
                             precision=lax.Precision.HIGHEST)
     scores_BTE = jax.nn.sigmoid(logits_BTE)
-    top_scores_BTk, experts_BTk = lax.top_k(scores_BTE, k)
+    _, experts_BTk = lax.top_k(scores_BTE if bias_E is None else scores_BTE + bias_E, k)
+    top_scores_BTk = jnp.take_along_axis(scores_BTE, experts_BTk, axis=-1)
     gates_BTk = top_scores_BTk / jnp.sum(top_scores_BTk, axis=-1, keepdims=True)
     B, T, _ = x_BTD.shape
     chosen_BNE = jax.nn.one_hot(experts_BTk, E, dtype=jnp.int32).reshape(B, T * k, E)
@@ -390,7 +394,8 @@ def moe(w, x_BTD, cfg, axes, fill_BE=None):
     fill_BE: tokens each sequence queued per expert in earlier calls (cached decode); they come
     first in the queue, so a token is kept or dropped as in one call over the whole sequence.
     Returns the output, the stats and the fill counts after this call."""
-    experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg)
+    experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg,
+                                                                              w.get("router_bias"))
     B, T, _ = x_BTD.shape
     fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
     kept_BTk = fill_BE[jnp.arange(B)[:, None, None], experts_BTk] + place_BTk < expert_capacity(cfg)
@@ -404,6 +409,25 @@ def moe(w, x_BTD, cfg, axes, fill_BE=None):
     stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
              "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
     return out_BTD, stats, fill_BE + tokens_per_expert_BE
+
+
+def with_router_bias(params, router_bias):
+    """params with DeepSeek-V3's aux-loss-free routing bias (router_bias [blocks, E]) beside each MoE
+    layer's router, where `moe` reads it. It is routing state, not a parameter: the driver keeps it
+    out of the optimizer and differentiates the params alone."""
+    moe_layers = params["blocks"]["moe"]
+    moe_layers = moe_layers | {"moe": moe_layers["moe"] | {"router_bias": router_bias}}
+    return params | {"blocks": params["blocks"] | {"moe": moe_layers}}
+
+
+def update_router_bias(router_bias, tokens_per_expert, rate):
+    """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each expert's bias [blocks, E]
+    moves by rate x sign(mean load of its layer's experts - its load), loads being the routed choices
+    of the step's whole global batch [blocks, E]. sign(mean - c_i) = sign(sum_j c_j - E c_i), kept in
+    integers: exact, hence the same on every mesh."""
+    E = tokens_per_expert.shape[-1]
+    below_mean = jnp.sum(tokens_per_expert, axis=-1, keepdims=True) - E * tokens_per_expert
+    return router_bias + rate * jnp.sign(below_mean).astype(router_bias.dtype)
 
 
 def dropout(x_BTD, rate, key, seq_ids_B):
@@ -584,14 +608,16 @@ _vocab_softmax_stats.defvjp(_softmax_stats_fwd, _softmax_stats_bwd)
 
 
 def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
-    """Loss and metrics from sums over the global batch: mean CE, plus alpha x the balance loss
-    averaged over sequences and MoE layers; per-layer expert load as fractions of the k T slots."""
+    """Loss and metrics from sums over the global batch: mean CE plus, as DeepSeek-V3 and Megatron,
+    alpha x the balance loss of every MoE layer (averaged over sequences), summed over the layers.
+    Per MoE layer (one per block): that balance term [blocks], the routed choices each expert
+    received before capacity drops [blocks, E] (integers, so exact on every mesh) and the fraction of
+    the k x tokens choices dropped [blocks]."""
     ce = ce_sum / n_tokens
-    balance = cfg.alpha * jnp.sum(stats["balance"]) / (n_sequences * cfg.blocks)
-    slots = n_tokens * cfg.k
-    metrics = {"ce": ce, "balance": balance, "expert_load": stats["tokens_per_expert"] / slots,
-               "drop_rate": jnp.sum(stats["dropped"]) / (slots * cfg.blocks)}
-    return ce + balance, metrics
+    balance = cfg.alpha * stats["balance"] / n_sequences
+    metrics = {"ce": ce, "balance": balance, "tokens_per_expert": stats["tokens_per_expert"],
+               "drop_rate": stats["dropped"] / (n_tokens * cfg.k)}
+    return ce + jnp.sum(balance), metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -706,7 +732,7 @@ def axes_across_hosts(mesh):
 def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
     """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params."""
     x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
-    metric_specs = {"ce": P(), "balance": P(), "expert_load": P(), "drop_rate": P()}
+    metric_specs = {"ce": P(), "balance": P(), "tokens_per_expert": P(), "drop_rate": P()}
     sharded = jax.shard_map(partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train), mesh=mesh,
                             in_specs=(param_specs(params), P("dp"), P("dp"), P()),
                             out_specs=(P(), metric_specs), check_vma=True)

@@ -23,6 +23,9 @@ CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, {}), ((1, 8, 1), 8, {}), ((1, 1, 8),
          # sorted grouped-matmul experts and full remat must give the same numbers too
          ((2, 2, 2), 2, {"moe_impl": "ragged", "remat": "full"})]
 KEY = jax.random.key(0)
+# Every case routes with a nonzero aux-loss-free bias [blocks, E] and checks the update it gets.
+ROUTER_BIAS = 0.05 * jax.random.normal(jax.random.key(5), (CFG.blocks, CFG.n_experts))
+BIAS_RATE = 1e-3
 
 
 def batch(seed=1, n=BATCH, cfg=CFG):
@@ -38,15 +41,18 @@ def rel_err(a, b):
 def reference():
     params = model.init_params(CFG, KEY)
     x, y = batch()
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(
-        lambda p: model.reference_loss_and_metrics(p, x, y, KEY, CFG), has_aux=True))(params)
-    assert 0 < float(metrics["drop_rate"]) < 1, "the test config should drop some tokens"
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: model.reference_loss_and_metrics(
+        model.with_router_bias(p, ROUTER_BIAS), x, y, KEY, CFG), has_aux=True))(params)
+    assert 0 < float(jnp.mean(metrics["drop_rate"])) < 1, "the test config should drop some tokens"
     return params, loss, metrics, grads
 
 
-def sharded_value_and_grad(cfg, mesh, n_micro):
-    return jax.jit(jax.value_and_grad(
-        lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro), has_aux=True))
+def sharded_value_and_grad(cfg, mesh, n_micro, router_bias=None):
+    """value_and_grad of the sharded loss in the params (routed with router_bias when given)."""
+    def loss(p, x, y):
+        p = p if router_bias is None else model.with_router_bias(p, router_bias)
+        return model.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro)
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
 def with_model(cfg, **changes):
@@ -65,10 +71,16 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     params, ref_loss, ref_metrics, ref_grads = reference
     mesh = model.make_mesh(shape)
     sharded = jax.device_put(params, model.param_shardings(params, mesh))
-    (loss, metrics), grads = sharded_value_and_grad(with_model(CFG, **changes), mesh, n_micro)(sharded, *batch())
+    (loss, metrics), grads = sharded_value_and_grad(with_model(CFG, **changes), mesh, n_micro, ROUTER_BIAS)(
+        sharded, *batch())
     assert rel_err(loss, ref_loss) < 1e-5
-    for name in ("ce", "balance", "expert_load", "drop_rate"):
+    for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
+    np.testing.assert_array_equal(metrics["tokens_per_expert"], ref_metrics["tokens_per_expert"])
+    updated, ref_updated = (model.update_router_bias(ROUTER_BIAS, m["tokens_per_expert"], BIAS_RATE)
+                            for m in (metrics, ref_metrics))
+    np.testing.assert_array_equal(updated, ref_updated)
+    assert np.any(updated != ROUTER_BIAS)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     for (path, g_ref), g in zip(flat_ref, jax.tree.leaves(grads)):
         assert rel_err(g, g_ref) < 1e-5, jax.tree_util.keystr(path)
@@ -219,6 +231,60 @@ def test_routing_by_hand():
     p = (s / s.sum(1, keepdims=True)).mean(0)
     np.testing.assert_allclose(balance[0], (f * p).sum(), rtol=1e-6)
     assert model.expert_capacity(MOE_CFG) == 2              # ceil(0.5 * 2 * 6 / 3)
+
+
+def test_biased_routing_by_hand():
+    """Aux-loss-free bias: the top-k is taken on score + bias, the gates and P_i on the score alone."""
+    bias = np.array([0.0, -0.3, 0.4], np.float32)
+    x = jnp.asarray(LOGITS)[None]
+    experts, gates, _, tokens_per_expert, balance = model.route(jnp.eye(3), x, MOE_CFG, jnp.asarray(bias))
+    s = 1 / (1 + np.exp(-LOGITS))
+    chosen_experts = np.argsort(-(s + bias), axis=1, kind="stable")[:, :2]
+    assert not np.array_equal(chosen_experts, EXPERTS), "the bias should change some choices"
+    np.testing.assert_array_equal(experts[0], chosen_experts)
+    chosen = np.take_along_axis(s, chosen_experts, axis=1)
+    np.testing.assert_allclose(gates[0], chosen / chosen.sum(1, keepdims=True), rtol=1e-6)
+    counts = np.bincount(chosen_experts.ravel(), minlength=3)
+    np.testing.assert_array_equal(tokens_per_expert[0], counts)
+    p = (s / s.sum(1, keepdims=True)).mean(0)
+    np.testing.assert_allclose(balance[0], (3 / (2 * 6) * counts * p).sum(), rtol=1e-6)
+
+
+def test_router_bias_update_by_hand():
+    tokens = jnp.array([[5, 3, 4], [4, 4, 4]])     # layer 0: mean 4; layer 1 balanced
+    updated = model.update_router_bias(jnp.zeros((2, 3)), tokens, 1e-3)
+    np.testing.assert_array_equal(updated, np.float32([[-1e-3, 1e-3, 0], [0, 0, 0]]))
+
+
+def test_balance_loss_is_applied_in_every_moe_layer_and_summed():
+    """Two MoE-only layers whose attention and experts output 0, so both route the embeddings
+    themselves (rows of +-1: RMSNorm leaves them as they are) through their own router. Each layer's
+    term is alpha x the mean over sequences of sum_i f_i P_i, written out below; the loss adds them."""
+    cfg = utils.ModelConfig(vocab_size=8, model_dimension=4, n_head=1, blocks=2, layers_per_block=1, T=6,
+                            latent_dim=4, q_latent_dim=4, dhR=2, n_experts=3, k=2, n_shared=1, capacity_factor=0.0,
+                            model_dtype="float32", alpha=0.5, remat="none")
+    rng = np.random.default_rng(0)
+    embed = rng.choice([-1.0, 1.0], size=(cfg.padded_vocab, 4)).astype(np.float32)
+    routers = rng.normal(size=(2, 4, 3)).astype(np.float32)                     # [blocks, D, E]
+    params = model.init_params(cfg, KEY)
+    layers = params["blocks"]["moe"]
+    params = params | {"embed": jnp.asarray(embed), "blocks": params["blocks"] | {"moe": layers | {
+        "attn": layers["attn"] | {"w_o": jnp.zeros_like(layers["attn"]["w_o"])},
+        "moe": layers["moe"] | {"router": jnp.asarray(routers),
+                                "expert_down": jnp.zeros_like(layers["moe"]["expert_down"]),
+                                "shared_down": jnp.zeros_like(layers["moe"]["shared_down"])}}}}
+    ids = np.array([[1, 2, 3, 4, 5, 6], [7, 7, 0, 1, 1, 2]])
+    loss, metrics = model.reference_loss_and_metrics(params, jnp.asarray(ids), jnp.asarray(ids), KEY, cfg)
+
+    x = embed[ids]                                                              # [B, T, D]
+    for layer, router in enumerate(routers):
+        s = 1 / (1 + np.exp(-(x @ router)))                                     # [B, T, E]
+        top2 = np.argsort(-s, axis=-1)[..., :2]
+        f = 3 / (2 * 6) * np.stack([np.bincount(seq.ravel(), minlength=3) for seq in top2])   # [B, E]
+        p = (s / s.sum(-1, keepdims=True)).mean(1)                              # [B, E]
+        np.testing.assert_allclose(metrics["balance"][layer], 0.5 * np.mean(np.sum(f * p, -1)), rtol=1e-5)
+    assert metrics["balance"][0] != metrics["balance"][1]
+    np.testing.assert_allclose(loss, metrics["ce"] + metrics["balance"].sum(), rtol=1e-6)
 
 
 def _gelu(v):
