@@ -15,10 +15,16 @@ expectation (M + pp - 1) / (M pp). XLA:CPU's cost analysis does not count throug
 body, i.e. every lax.scan, is costed once), so the FLOPs are also counted here from the optimized
 HLO with every loop body multiplied by its trip count (`hlo_flops`); that count is the one compared.
 
+`--grad_error` measures instead: the largest per-leaf relative error of one batch's gradient in the
+matmul dtype, on the given mesh and on one device with the same M micro-batches, against the fp32
+single-device reference; it prints both and, in bf16, exits 1 when the mesh is worse than one
+device (x1.1). In fp32 both are summation-order noise (~1e-6) and their ratio means nothing.
+
 Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
   python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1
   python bench.py --preset tiny --n_device_axis 1 2 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
+  python bench.py --preset tiny --n_device_axis 8 1 1 --train_batch_size 2 --cpu_devices 8 --grad_error
 """
 import argparse
 import json
@@ -37,6 +43,8 @@ def parse_args(argv=None):
     own.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     own.add_argument("--pipeline_flops", action="store_true",
                      help="count per-device FLOPs of the step with this pp and with pp=1 instead of timing")
+    own.add_argument("--grad_error", action="store_true",
+                     help="compare the gradient on this mesh and on one device with the fp32 reference instead of timing")
     own.add_argument("--matmul_size", type=int, default=0,
                      help="side of the square matmul timed for the measured peak (0: 8192 bf16 on an "
                           "accelerator, 1024 fp32 on CPU)")
@@ -70,10 +78,6 @@ def build_step(cfg, mesh):
     data_shard = trainer.data_sharding
     G, rows, T = cfg.optim.grad_step, cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T
 
-    def make_state(seed):
-        state = trainer.fresh_state(seed)
-        return state["params"], state["opt_state"], state["key"]
-
     def make_batch(seed):
         tokens = jax.random.randint(jax.random.key(seed), (G, rows, T + 1), 0, cfg.model.vocab_size, jnp.int32)
         return tuple(tuple(jax.device_put(tokens[i, :, part], data_shard) for i in range(G))
@@ -82,9 +86,9 @@ def build_step(cfg, mesh):
     def abstract_args():
         state = trainer.abstract_state
         batch = tuple(jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=data_shard) for _ in range(G))
-        return state["params"], state["opt_state"], state["key"], batch, batch
+        return state, batch, batch
 
-    return trainer.step, make_state, make_batch, abstract_args
+    return trainer.step, trainer.fresh_state, make_batch, abstract_args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,6 +298,44 @@ def pipeline_flops(cfg, jax, model):
 
 
 # ----------------------------------------------------------------------------------------------
+# Gradient precision
+
+# bf16 rounding noise moves with the batch shapes XLA blocks the matmuls by, which differ between
+# the mesh and one device: per leaf the two errors differ by up to ~30%, their maxima by a few
+# percent (BENCHMARKS.md).
+GRAD_ERROR_SLACK = 1.1
+
+
+def grad_error(cfg, jax, model):
+    """Largest per-leaf relative gradient error, max|g - g_ref| / max|g_ref|, on cfg's mesh and on one
+    device (same M micro-batches) in cfg's matmul dtype against the fp32 single-device reference."""
+    import numpy as np
+    m, M = cfg.model, cfg.run.micro_batch_size
+    params = model.init_params(m, jax.random.key(cfg.run.seed))
+    key = jax.random.key(cfg.run.seed + 1)
+    tokens = jax.random.randint(key, (cfg.run.n_device_axis[0] * cfg.run.train_batch_size, m.T + 1), 0, m.vocab_size)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    fp32 = utils.override(cfg, model_dtype="float32").model
+    reference = jax.jit(jax.grad(lambda p: model.reference_loss_and_metrics(p, x, y, key, fp32)[0]))(params)
+
+    def worst_leaf(shape):
+        mesh = model.make_mesh(shape)
+        grad = jax.jit(jax.grad(lambda p: model.loss_and_metrics(p, x, y, key, m, mesh, M)[0]))
+        grads = grad(jax.device_put(params, model.param_shardings(params, mesh)))
+        errors = {jax.tree_util.keystr(path): float(np.max(np.abs(np.asarray(g) - r)) / np.max(np.abs(r)))
+                  for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(reference)),
+                                          jax.tree.leaves(grads))}
+        leaf = max(errors, key=errors.get)
+        return errors[leaf], leaf
+
+    (mesh_error, mesh_leaf), (one_error, one_leaf) = worst_leaf(cfg.run.n_device_axis), worst_leaf((1, 1, 1))
+    return {"mode": "grad_error", "mesh": list(cfg.run.n_device_axis), "micro_batches": M,
+            "global_batch": len(x), "model_dtype": m.model_dtype, "mesh_error": mesh_error, "mesh_worst_leaf": mesh_leaf,
+            "one_device_error": one_error, "one_device_worst_leaf": one_leaf, "ratio": mesh_error / one_error,
+            "bound": GRAD_ERROR_SLACK}
+
+
+# ----------------------------------------------------------------------------------------------
 # Timing
 
 
@@ -351,16 +393,16 @@ def run_benchmark(args, cfg, jax, model):
     compiled = step.lower(*abstract_args()).compile()
     compile_s = time.perf_counter() - t
 
-    params, opt_state, key = make_state(cfg.run.seed)
+    state = make_state(cfg.run.seed)
     xs, ys = make_batch(cfg.run.seed + 1)
     for _ in range(args.warmup):
-        params, opt_state, key, stats = compiled(params, opt_state, key, xs, ys)
-    jax.block_until_ready((params, stats) if args.warmup else params)
+        state, stats = compiled(state, xs, ys)
+    jax.block_until_ready((state, stats) if args.warmup else state)
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        params, opt_state, key, stats = compiled(params, opt_state, key, xs, ys)
-        jax.block_until_ready((params, opt_state, stats))
+        state, stats = compiled(state, xs, ys)
+        jax.block_until_ready((state, stats))
         times.append(time.perf_counter() - t)
 
     tokens_per_step = cfg.optim.grad_step * dp * cfg.run.train_batch_size * cfg.model.T
@@ -398,9 +440,16 @@ def main(argv=None):
     jax = driver.set_up_devices(cfg)
     import model
     utils.validate(cfg, jax.device_count())
-    result = ({"preset": args.preset, **pipeline_flops(cfg, jax, model)} if args.pipeline_flops
-              else run_benchmark(args, cfg, jax, model))
+    if args.grad_error:
+        result = {"preset": args.preset, **grad_error(cfg, jax, model)}
+    elif args.pipeline_flops:
+        result = {"preset": args.preset, **pipeline_flops(cfg, jax, model)}
+    else:
+        result = run_benchmark(args, cfg, jax, model)
     print(json.dumps(result), flush=True)
+    if args.grad_error and cfg.model.model_dtype != "float32" and result["ratio"] > GRAD_ERROR_SLACK:
+        sys.exit(f"the gradient on {tuple(result['mesh'])} is {result['ratio']:.2f}x one device's error "
+                 f"(bound {GRAD_ERROR_SLACK})")
     return result
 
 

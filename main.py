@@ -184,16 +184,8 @@ class Logger:
             return
         self.metrics_file.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            flat = {}
-            for k, v in record.items():
-                if k == "expert_load":
-                    for layer, loads in enumerate(v):
-                        for e, x in enumerate(loads):
-                            flat[f"expert_load/layer{layer}/expert{e}"] = x
-                elif isinstance(v, (int, float)) and v is not None and k != "step":
-                    flat[k] = v
             try:
-                self.wandb.log(flat, step=record["step"])
+                self.wandb.log(wandb_scalars(record), step=record["step"])
             except Exception as e:                  # a tracker failure never stops training
                 warnings.warn(f"wandb.log failed ({e}); continuing with metrics.jsonl only")
                 self.wandb = None
@@ -216,6 +208,22 @@ class Logger:
                 self.wandb.finish()
             except Exception as e:
                 warnings.warn(f"wandb.finish failed ({e})")
+
+
+def wandb_scalars(record):
+    """A record's numbers under wandb keys: a per-MoE-layer list NAME becomes NAME/layer0, ..., and
+    expert_load's per-expert lists expert_load/layer0/expert0, ..."""
+    flat = {}
+    for name, value in record.items():
+        if isinstance(value, list):
+            for layer, v in enumerate(value):
+                if isinstance(v, list):
+                    flat.update({f"{name}/layer{layer}/expert{e}": x for e, x in enumerate(v)})
+                else:
+                    flat[f"{name}/layer{layer}"] = v
+        elif isinstance(value, (int, float)) and name != "step":
+            flat[name] = value
+    return flat
 
 
 def _init_wandb(cfg, run_dir, run_id):
@@ -258,8 +266,9 @@ def checkpoint_manager(run_dir, read_only=False):
     # a URL goes to Orbax as it is (every host writes its shards there); only a local path is made absolute
     directory = f"{run_dir.rstrip('/')}/checkpoints" if is_url(run_dir) else os.path.join(os.path.abspath(run_dir),
                                                                                              "checkpoints")
-    return ocp.CheckpointManager(directory, options=options,
-                                 item_names=("state", "meta"))
+    # handlers named up front, so that a checkpoint's tree can be inspected before restoring (_restore)
+    return ocp.CheckpointManager(directory, options=options, item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
 
 def save(mngr, step, state, meta, force=False):
@@ -370,12 +379,21 @@ def newest_meta(mngr):
 
 
 def _restore(mngr, step, abstract_state):
+    import jax
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+    # Checkpoints from before the aux-loss-free routing bias hold none: they routed with a bias of 0.
+    has_bias = "router_bias" in mngr.item_metadata(step)["state"].keys()
+    target = abstract_state if has_bias else {k: v for k, v in abstract_state.items() if k != "router_bias"}
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                             meta=ocp.args.JsonRestore()))
     if int(restored["meta"]["step"]) != step:
         raise ValueError(f"metadata says step {restored['meta']['step']}")
-    return restored["state"], restored["meta"]
+    state = dict(restored["state"])
+    if not has_bias:
+        bias = abstract_state["router_bias"]
+        state["router_bias"] = jax.device_put(jnp.zeros(bias.shape, bias.dtype), bias.sharding)
+    return state, restored["meta"]
 
 
 def check_model(saved, mc, where):
@@ -558,8 +576,9 @@ def main(argv=None):
 
 def build_trainer(cfg, mesh):
     """The training state's shardings, a fresh state, and the jitted training step (bench.py times
-    this same step). step(params, opt_state, key, xs, ys) -> (params, opt_state, key, stats); xs and ys
-    are tuples of --grad_step global batches [dp x train_batch_size, T] laid out as data_sharding."""
+    this same step). The state: params, opt_state, key and router_bias. step(state, xs, ys) -> (state,
+    stats); xs and ys are tuples of --grad_step global batches [dp x train_batch_size, T] laid out as
+    data_sharding. eval_step(params, router_bias, x, y) -> (val CE, balance term)."""
     import types
 
     import jax
@@ -584,7 +603,10 @@ def build_trainer(cfg, mesh):
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     o_shard = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shard,
                                     transform_non_params=lambda _: replicated)
-    state_shard = {"params": p_shard, "opt_state": o_shard, "key": replicated}
+    # The aux-loss-free routing bias [blocks, E] (model.update_router_bias), replicated: tiny, and equal
+    # on every device because every device computes its update from the same global counts.
+    state_shard = {"params": p_shard, "opt_state": o_shard, "key": replicated, "router_bias": replicated}
+    router_bias = jax.ShapeDtypeStruct((mc.blocks, mc.n_experts), jnp.float32)
 
     def fresh_state(seed):
         init_key, train_key = jax.random.split(jax.random.key(seed))
@@ -592,54 +614,59 @@ def build_trainer(cfg, mesh):
         opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
         # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
         return {"params": params, "opt_state": opt_state,
-                "key": jax.device_put(jax.random.key_data(train_key), replicated)}
+                "key": jax.device_put(jax.random.key_data(train_key), replicated),
+                "router_bias": jax.device_put(jnp.zeros(router_bias.shape, router_bias.dtype), replicated)}
 
     abstract_state = {"params": abstract_params, "opt_state": abstract_opt,
-                      "key": jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32)}
+                      "key": jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32),
+                      "router_bias": router_bias}
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   abstract_state, state_shard)
     G, M = oc.grad_step, rc.micro_batch_size
 
-    def train_step(params, opt_state, key, xs, ys):
-        key, step_key = jax.random.split(jax.random.wrap_key_data(key))
-        grad_fn = jax.value_and_grad(
-            lambda p, x, y, k: model.loss_and_metrics(p, x, y, k, mc, mesh, M, True), has_aux=True)
+    def train_step(state, xs, ys):
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
+        params, opt_state = state["params"], state["opt_state"]
+        # Gradients of the params only: the routing bias is state the loss reads, not a parameter.
+        grad_fn = jax.value_and_grad(lambda p, x, y, k: model.loss_and_metrics(
+            model.with_router_bias(p, state["router_bias"]), x, y, k, mc, mesh, M, True), has_aux=True)
 
-        def micro(carry, inputs):
-            grads, stats = carry
+        def micro(sums, inputs):
             x, y, i = inputs
             (loss, metrics), g = grad_fn(params, x, y, jax.random.fold_in(step_key, i))
-            grads = jax.tree.map(jnp.add, grads, g)
-            new = {"loss": loss, "ce": metrics["ce"], "balance": metrics["balance"],
-                   "drop_rate": metrics["drop_rate"], "expert_load": metrics["expert_load"]}
-            stats = jax.tree.map(jnp.add, stats, new)
-            return (grads, stats), None
+            return jax.tree.map(jnp.add, sums, (g, {"loss": loss, **metrics})), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        n_moe = jax.eval_shape(grad_fn, params, xs[0], ys[0], step_key)[0][1]["expert_load"].shape
-        stats0 = {"loss": 0.0, "ce": 0.0, "balance": 0.0, "drop_rate": 0.0, "expert_load": jnp.zeros(n_moe)}
-        stats0 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), stats0)
+        loss, metrics = jax.eval_shape(grad_fn, params, xs[0], ys[0], step_key)[0]
+        zeros = (jax.tree.map(jnp.zeros_like, params),
+                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {"loss": loss, **metrics}))
         if G == 1:
-            (grads, stats), _ = micro((zeros, stats0), (xs[0], ys[0], 0))
+            (grads, sums), _ = micro(zeros, (xs[0], ys[0], 0))
         else:
-            (grads, stats), _ = jax.lax.scan(micro, (zeros, stats0), (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
+            (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
             grads = jax.tree.map(lambda g: g / G, grads)
-            stats = jax.tree.map(lambda s: s / G, stats)
+        # Means over the micro-steps, but the routed-choice counts stay sums: the bias update and the
+        # log interval's loads count the whole global batch.
+        stats = {name: s if name == "tokens_per_expert" else s / G for name, s in sums.items()}
         stats["grad_norm"] = optax.global_norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        stats["grad_norm_ratio"], stats["skipped"] = opt_state.ratio, opt_state.skipped
-        return params, opt_state, jax.random.key_data(key), stats
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        stats["grad_norm_ratio"], stats["skipped"] = new_opt_state.ratio, new_opt_state.skipped
+        # A step skipped as a spike leaves the routing bias as it was, like the parameters.
+        router_bias = jnp.where(new_opt_state.skipped > opt_state.skipped, state["router_bias"],
+                                model.update_router_bias(state["router_bias"], stats["tokens_per_expert"],
+                                                         oc.bias_update_rate))
+        return {"params": optax.apply_updates(params, updates), "opt_state": new_opt_state,
+                "key": jax.random.key_data(key), "router_bias": router_bias}, stats
 
     data_sharding = NamedSharding(mesh, P("dp", None))          # sequences over dp, whole rows
     data_shards = tuple([data_sharding] * G)
-    train_step = jax.jit(train_step, in_shardings=(p_shard, o_shard, replicated, data_shards, data_shards),
-                         out_shardings=(p_shard, o_shard, replicated, replicated), donate_argnums=(0, 1, 2))
+    train_step = jax.jit(train_step, in_shardings=(state_shard, data_shards, data_shards),
+                         out_shardings=(state_shard, replicated), donate_argnums=(0,))
 
-    def eval_step(params, x, y):
-        _, metrics = model.loss_and_metrics(params, x, y, jax.random.key(0), mc, mesh, M, False)
-        return metrics["ce"], metrics["balance"]
-    eval_step = jax.jit(eval_step, in_shardings=(p_shard, data_sharding, data_sharding))
+    def eval_step(params, router_bias, x, y):
+        _, metrics = model.loss_and_metrics(model.with_router_bias(params, router_bias), x, y, jax.random.key(0),
+                                            mc, mesh, M, False)
+        return metrics["ce"], jnp.sum(metrics["balance"])
+    eval_step = jax.jit(eval_step, in_shardings=(p_shard, replicated, data_sharding, data_sharding))
 
     return types.SimpleNamespace(step=train_step, eval_step=eval_step, fresh_state=fresh_state,
                                  abstract_state=abstract_state, schedule=schedule, data_sharding=data_sharding)
@@ -667,7 +694,7 @@ def sample_from_checkpoint(cfg, jax):
     trainer = build_trainer(cfg, model.make_mesh(cfg.run.n_device_axis))
     state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
     mngr.close()
-    text = sample_text(state["params"], cfg, ids, int(meta["step"]))
+    text = sample_text(state, cfg, ids, int(meta["step"]))
     log(f"sample @ {meta['step']} of {mngr.directory}: {cfg.inference.prompt}{text}")
     return 0
 
@@ -689,14 +716,15 @@ def prompt_ids(ic, T):
     return ids
 
 
-def sample_text(params, cfg, ids, step):
-    """--max_tokens new tokens after `ids` (top-k, temperature), decoded; the key depends on the seed and
-    the step only, never on the training key."""
+def sample_text(state, cfg, ids, step):
+    """--max_tokens new tokens after `ids` (top-k, temperature) from the state's params routed with its
+    bias, decoded; the key depends on the seed and the step only, never on the training key."""
     import model
     from data.tokenizer import get_tokenizer
     import jax
     ic, enc = cfg.inference, get_tokenizer()
     key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), step)
+    params = model.with_router_bias(state["params"], state["router_bias"])
     new = model.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
     return enc.decode([t for t in new if t < enc.n_vocab])
 
@@ -745,6 +773,25 @@ def load_spread(load):
         return spread, None
     more = f" and {len(idle) - 8} more" if len(idle) > 8 else ""
     return spread, f" (no tokens: expert {', '.join(idle[:8])}{more}, as layer.expert)"
+
+
+def expert_stats(steps):
+    """Per MoE layer, lists indexed by layer, over a log interval from its steps' device metrics: each
+    expert's share of the routed choices (before capacity drops), the fraction of experts that got
+    none, the busiest expert's load over the mean, the fraction of choices dropped, and the balance
+    term (alpha applied; the loss adds the layers')."""
+    import numpy as np
+    tokens = np.sum([m["tokens_per_expert"] for m in steps], axis=0)          # [layers, experts]
+    return {"expert_load": (tokens / tokens.sum(-1, keepdims=True)).tolist(),
+            "idle_expert_fraction": np.mean(tokens == 0, axis=-1).tolist(),
+            "load_max_over_mean": (tokens.max(-1) / tokens.mean(-1)).tolist(),
+            "layer_drop_rate": np.mean([m["drop_rate"] for m in steps], axis=0).tolist(),
+            "layer_balance": np.mean([m["balance"] for m in steps], axis=0).tolist()}
+
+
+def val_target_reached(val_loss, rc):
+    """Whether an evaluation's val cross-entropy ends the run (--stop_at_val_loss; 0 = never)."""
+    return rc.stop_at_val_loss > 0 and val_loss is not None and val_loss <= rc.stop_at_val_loss
 
 
 def _train(cfg, jax, mesh):
@@ -807,27 +854,27 @@ def _train(cfg, jax, mesh):
     if restored is not None:
         logger.metrics({"event": "resume", "step": start_step})
 
-    def evaluate(params):
-        results = [trainer.eval_step(params, x, y) for x, y in val_batches]
+    def evaluate(state):
+        results = [trainer.eval_step(state["params"], state["router_bias"], x, y) for x, y in val_batches]
         ce, bal = np.mean([float(r[0]) for r in results]), np.mean([float(r[1]) for r in results])
         return float(ce), float(bal)
 
     samples_on = os.environ.get("JAXFORMER_NO_SAMPLES") != "1"
 
-    def sample(params, step):
+    def sample(state, step):
         """A failed sample is a warning: it never costs the run (the checkpoint is written before it)."""
         if not samples_on:
             return
         try:
-            text = sample_text(params, cfg, sample_ids, step)
+            text = sample_text(state, cfg, sample_ids, step)
             log(f"sample @ {step}: {ic.prompt}{text!r}")
             logger.sample(step, ic.prompt, text)
         except Exception as e:
             log(f"WARNING: sampling at step {step} failed ({type(e).__name__}: {e}); training goes on")
 
-    def checkpoint(step, state, force=False):
+    def checkpoint(step, state, val_loss, force=False):
         meta = {"step": step, "sequences": start_seq + (step - start_step) * G * global_batch, "run_id": run_id,
-                "model": dataclasses.asdict(mc)}
+                "model": dataclasses.asdict(mc), "val_loss": val_loss}
         save(mngr, step, state, meta, force=force)
         logger.flush()                 # on an object store: metrics and samples up to this checkpoint
 
@@ -857,14 +904,16 @@ def _train(cfg, jax, mesh):
                mininterval=0.5 if sys.stdout.isatty() else 60)    # a log file gets a line a minute
     last_saved = start_step if restored is not None else None
     val_ce, stopping = None, False
+    # a run that stopped at --stop_at_val_loss is finished: the same command reports, as after the last step
+    reached = restored is not None and val_target_reached(restored[1].get("val_loss"), rc)
 
     def fetch(upto_all):
         while pending and (upto_all or len(pending) > 1):
             s, m = pending.pop(0)
             m = jax.device_get(m)
-            rec = {"step": s, "loss": float(m["loss"]), "ce": float(m["ce"]), "balance": float(m["balance"]),
+            rec = {"step": s, "loss": float(m["loss"]), "ce": float(m["ce"]), "balance": float(np.sum(m["balance"])),
                    "grad_norm": float(m["grad_norm"]), "lr": float(schedule(s - 1)),
-                   "drop_rate": float(m["drop_rate"]), "skipped_steps": int(m["skipped"]),
+                   "drop_rate": float(np.mean(m["drop_rate"])), "skipped_steps": int(m["skipped"]),
                    "grad_norm_ratio": float(m["grad_norm_ratio"]) if np.isfinite(m["grad_norm_ratio"]) else None}
             rec["update_skipped"] = rec["skipped_steps"] > skipped_before["n"]
             skipped_before["n"] = rec["skipped_steps"]
@@ -872,7 +921,7 @@ def _train(cfg, jax, mesh):
             if warning:
                 bar.write(warning) if proc0 else None
             logger.metrics(rec)
-            interval.append((rec, np.asarray(m["expert_load"])))
+            interval.append((rec, m))
             now = time.perf_counter()
             if timer["t"] is None:     # the first step includes compilation: time from its end
                 timer["first_step_s"] = now - t_start
@@ -883,10 +932,9 @@ def _train(cfg, jax, mesh):
             bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
 
     t_start = time.perf_counter()
-    while step < oc.training_steps:
+    while step < oc.training_steps and not reached:
         xs, ys = zip(*[next(batches) for _ in range(G)])
-        params, opt_state, key, metrics = trainer.step(state["params"], state["opt_state"], state["key"], xs, ys)
-        state = {"params": params, "opt_state": opt_state, "key": key}
+        state, metrics = trainer.step(state, xs, ys)
         step += 1
         pending.append((step, metrics))
         if step == start_step + 1:
@@ -900,15 +948,16 @@ def _train(cfg, jax, mesh):
             elapsed = now - timer["t"] if timer["t"] is not None else 0.0
             tok_s = steps_timed * tokens_per_step / elapsed if steps_timed and elapsed > 0 else None
             step_time = elapsed / steps_timed if steps_timed else timer["first_step_s"]
-            val_ce, val_bal = evaluate(state["params"])
-            recs, loads = [r for r, _ in interval], np.stack([l for _, l in interval])
-            load = loads.mean(0)                                     # [n_moe_layers, n_experts]
-            spread, idle = load_spread(load)
+            val_ce, val_bal = evaluate(state)
+            reached = val_target_reached(val_ce, rc)
+            recs = [r for r, _ in interval]
+            experts = expert_stats([m for _, m in interval])
+            spread, idle = load_spread(np.asarray(experts["expert_load"]))
             util = utils.mfu(tok_s, flops_per_token, n_mesh, peak) if tok_s else None
             rec = {"step": step, "val_loss": val_ce, "val_balance": val_bal,
                    "train_loss": float(np.mean([r["loss"] for r in recs])), "lr": recs[-1]["lr"],
                    "grad_norm": recs[-1]["grad_norm"], "tokens_per_s": tok_s, "step_time_s": step_time,
-                   "mfu": util, "expert_load": load.tolist(), "expert_load_spread": spread if idle is None else None,
+                   "mfu": util, **experts, "expert_load_spread": spread if idle is None else None,
                    "drop_rate": float(np.mean([r["drop_rate"] for r in recs])),
                    "balance": float(np.mean([r["balance"] for r in recs])),
                    "skipped_steps": recs[-1]["skipped_steps"], **watch.interval()}
@@ -919,10 +968,13 @@ def _train(cfg, jax, mesh):
                       f"MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
                       f"load max/min {spread:.2f}{idle or ''} | drop {100 * rec['drop_rate']:.2f}%") if proc0 else None
             interval.clear()
-            if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping:
-                checkpoint(step, state, force=stopping)
+            if reached:
+                log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
+                    f"stopping here, as at the last step")
+            if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
+                checkpoint(step, state, val_ce, force=stopping)
                 last_saved = step
-            sample(state["params"], step)
+            sample(state, step)
             timer["t"], timer["steps"] = time.perf_counter(), 0
         if test_signal and step == test_signal[0]:
             mngr.wait_until_finished()
@@ -944,10 +996,10 @@ def _train(cfg, jax, mesh):
         return 0
 
     if val_ce is None:                          # resumed a finished run: just report
-        val_ce, _ = evaluate(state["params"])
-        sample(state["params"], step)
+        val_ce, _ = evaluate(state)
+        sample(state, step)
     if last_saved != step:
-        checkpoint(step, state)
+        checkpoint(step, state, val_ce)
     wait_for_save(mngr)
     mngr.close()
     entropy = train_ds.unigram_entropy()          # from the token counts the tokenizer recorded

@@ -41,13 +41,14 @@ LEAF_SPECS = {
     "w_o": ("tp", "dp"),                   # [H*K, D]
     "w_up": ("dp", "tp"), "w_down": ("tp", "dp"),                      # dense FFN [D, F], [F, D]
     "router": ("dp", None),                                            # [D, E]
+    "router_bias": (None,),                # [E] routing state, not trained: see with_router_bias
     "expert_up": (None, "dp", "tp"), "expert_down": (None, "tp", "dp"),  # [E, D, F], [E, F, D]
     "shared_up": (None, "dp", "tp"), "shared_down": (None, "tp", "dp"),  # [n_shared, D, F], ...
 }
 STACK_PREFIX = {"blocks": ("pp",), "dense": (None,)}
 MATRICES = {name for name, spec in LEAF_SPECS.items() if len(spec) >= 2}
 # Kept in fp32 inside the layer too: norms (cheap) and the router (top-k decisions are brittle).
-KEEP_FP32 = {"scale", "shift", "router"}
+KEEP_FP32 = {"scale", "shift", "router", "router_bias"}
 NORM_EPS = 1e-6
 
 
@@ -201,16 +202,35 @@ def flops_per_token(cfg):
 
 
 def fetch(weights, axes, dtype):
-    """This layer's weights, cast to the matmul dtype and, under FSDP, all-gathered over dp just in
-    time: a [.., D/dp, ..] shard becomes [.., D, ..]. Casting first halves the bytes moved; the
-    all-gather's transpose reduce-scatters the gradient back to the shard."""
+    """This layer's weights in the matmul dtype (KEEP_FP32 leaves in fp32) and, under FSDP,
+    all-gathered over dp just in time (`gather_over_dp`)."""
     def one(path, w):
         spec = LEAF_SPECS[_leaf_name(path)]
-        w = w if _leaf_name(path) in KEEP_FP32 else w.astype(dtype)
+        w_dtype = w.dtype if _leaf_name(path) in KEEP_FP32 else dtype
         if axes.dp is None or "dp" not in spec:
-            return w
-        return lax.all_gather(w, axes.dp, axis=spec.index("dp"), tiled=True)
+            return w.astype(w_dtype)
+        return gather_over_dp(w, w_dtype, axes.dp, spec.index("dp"))
     return jax.tree_util.tree_map_with_path(one, weights)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_over_dp(w, dtype, dp, axis):
+    """A weight shard cast to dtype, then all-gathered: [.., D/dp, ..] fp32 -> [.., D, ..] dtype
+    (casting first halves the bytes a bf16 gather moves). Its gradient is reduce-scattered back in
+    fp32, as Megatron does: the plain transpose would sum the dp bf16 cotangents in bf16."""
+    return lax.all_gather(w.astype(dtype), dp, axis=axis, tiled=True)
+
+
+def _gather_over_dp_fwd(w, dtype, dp, axis):
+    return gather_over_dp(w, dtype, dp, axis), None
+
+
+def _gather_over_dp_bwd(dtype, dp, axis, _, g):
+    # [.., D, ..] dtype -> fp32 -> summed over dp, each rank keeping its own slice: [.., D/dp, ..] fp32
+    return (lax.psum_scatter(g.astype(jnp.float32), dp, scatter_dimension=axis, tiled=True),)
+
+
+gather_over_dp.defvjp(_gather_over_dp_fwd, _gather_over_dp_bwd)
 
 
 def _operands(dtype, *arrays):
@@ -308,22 +328,29 @@ def ffn(w_up, w_down, x_BTD):
     return matmul(jax.nn.gelu(matmul(x_BTD, w_up, "btd,df->btf")), w_down, "btf,fd->btd")
 
 
-def expert_capacity(cfg, T):
-    """Slots per expert per sequence: ceil(capacity_factor * k * T / E), counting all k choices;
-    capacity_factor 0 means dropless (an expert can receive each token at most once: T slots)."""
+def expert_capacity(cfg):
+    """Slots per expert per sequence: ceil(capacity_factor * k * T / E), counting all k choices, with
+    T the padded length (cfg.T) whatever the length of one call (1 in cached decode); capacity_factor
+    0 means dropless (an expert can receive each token at most once: T slots)."""
     if cfg.capacity_factor == 0:
-        return T
-    return min(T, math.ceil(cfg.capacity_factor * cfg.k * T / cfg.n_experts))
+        return cfg.T
+    return min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
 
 
-def route(router_DE, x_BTD, cfg):
+def route(router_DE, x_BTD, cfg, bias_E=None):
     """Sigmoid top-k routing of each sequence (the routing group, so drops do not depend on the mesh).
+    With DeepSeek-V3's aux-loss-free bias_E, the k experts are chosen on score + bias; the gates and
+    the balance loss's P_i still come from the scores alone.
 
-    Returns expert ids and gates [B, T, k], each choice's slot in its expert's queue (tokens in
-    order, a token's k choices in rank order), and the sequence-wise balance loss terms."""
+    Returns expert ids and gates [B, T, k], each choice's place in its expert's queue of this call
+    (tokens in order, a token's k choices in rank order), and the sequence-wise balance loss terms."""
     E, k = cfg.n_experts, cfg.k
-    scores_BTE = jax.nn.sigmoid(jnp.einsum("btd,de->bte", x_BTD, router_DE))
-    top_scores_BTk, experts_BTk = lax.top_k(scores_BTE, k)
+    # fp32 operands at full precision: on TPU the default precision would be one bf16 pass.
+    logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
+                            precision=lax.Precision.HIGHEST)
+    scores_BTE = jax.nn.sigmoid(logits_BTE)
+    _, experts_BTk = lax.top_k(scores_BTE if bias_E is None else scores_BTE + bias_E, k)
+    top_scores_BTk = jnp.take_along_axis(scores_BTE, experts_BTk, axis=-1)
     gates_BTk = top_scores_BTk / jnp.sum(top_scores_BTk, axis=-1, keepdims=True)
     B, T, _ = x_BTD.shape
     chosen_BNE = jax.nn.one_hot(experts_BTk, E, dtype=jnp.int32).reshape(B, T * k, E)
@@ -338,7 +365,8 @@ def route(router_DE, x_BTD, cfg):
 
 def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     """Each expert's output for each choice [B, T, k, D], computed on per-expert buffers of C slots
-    per sequence: kept choices are scattered into their slot, the rest fall off (mode="drop")."""
+    per sequence: kept choices are scattered into their slot, dropped ones (slot C) fall off
+    (mode="drop")."""
     B, T, k = experts_BTk.shape
     b_BTk = jnp.broadcast_to(jnp.arange(B)[:, None, None], experts_BTk.shape)
     x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, x_BTD.shape[-1]))
@@ -350,8 +378,8 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
 
 
 def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
-    """The same outputs from a grouped matmul: choices sorted by expert (dropped ones last, in no
-    group) and multiplied by their expert's weights with lax.ragged_dot; no capacity padding."""
+    """The same outputs from a grouped matmul: choices sorted by expert (dropped ones, slot C, last,
+    in no group) and multiplied by their expert's weights with lax.ragged_dot; no capacity padding."""
     B, T, k = experts_BTk.shape
     E = w["expert_up"].shape[0]
     expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                  # N = B T k choices
@@ -369,19 +397,47 @@ def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
 MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}
 
 
-def moe(w, x_BTD, cfg, axes):
+def moe(w, x_BTD, cfg, axes, fill_BE=None):
     """Routed experts plus shared experts, added. Under tp every rank routes the same tokens and holds
-    F/tp hidden units of every expert, so one psum completes routed and shared outputs together."""
-    C = expert_capacity(cfg, x_BTD.shape[1])
-    experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg)
-    kept_BTk = slot_BTk < C
-    y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C)
+    F/tp hidden units of every expert, so one psum completes routed and shared outputs together.
+
+    fill_BE: tokens each sequence queued per expert in earlier calls (cached decode); they come
+    first in the queue, so a token is kept or dropped as in one call over the whole sequence.
+    Returns the output, the stats and the fill counts after this call."""
+    experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg,
+                                                                              w.get("router_bias"))
+    B, T, _ = x_BTD.shape
+    fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
+    kept_BTk = fill_BE[jnp.arange(B)[:, None, None], experts_BTk] + place_BTk < expert_capacity(cfg)
+    # A kept choice's place in this call's queue is below C and below T: buffers of min(C, T) slots
+    # hold every kept one, so a one-token decode step computes one slot per expert, not C.
+    n_slots = min(expert_capacity(cfg), T)
+    y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
     routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
     shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
     out_BTD = _psum(routed_BTD + shared_BTD, axes.tp)
     stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
              "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
-    return out_BTD, stats
+    return out_BTD, stats, fill_BE + tokens_per_expert_BE
+
+
+def with_router_bias(params, router_bias):
+    """params with DeepSeek-V3's aux-loss-free routing bias (router_bias [blocks, E]) beside each MoE
+    layer's router, where `moe` reads it. It is routing state, not a parameter: the driver keeps it
+    out of the optimizer and differentiates the params alone."""
+    moe_layers = params["blocks"]["moe"]
+    moe_layers = moe_layers | {"moe": moe_layers["moe"] | {"router_bias": router_bias}}
+    return params | {"blocks": params["blocks"] | {"moe": moe_layers}}
+
+
+def update_router_bias(router_bias, tokens_per_expert, rate):
+    """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each expert's bias [blocks, E]
+    moves by rate x sign(mean load of its layer's experts - its load), loads being the routed choices
+    of the step's whole global batch [blocks, E]. sign(mean - c_i) = sign(sum_j c_j - E c_i), kept in
+    integers: exact, hence the same on every mesh."""
+    E = tokens_per_expert.shape[-1]
+    below_mean = jnp.sum(tokens_per_expert, axis=-1, keepdims=True) - E * tokens_per_expert
+    return router_bias + rate * jnp.sign(below_mean).astype(router_bias.dtype)
 
 
 def dropout(x_BTD, rate, key, seq_ids_B):
@@ -394,18 +450,22 @@ def dropout(x_BTD, rate, key, seq_ids_B):
 
 
 def layer(w, x_BTD, positions_T, cfg, axes, ctx, cache=None):
-    """One pre-norm residual layer: attention, then FFN or MoE. Returns (x, MoE stats, new cache)."""
+    """One pre-norm residual layer: attention, then FFN or MoE. Returns (x, MoE stats, new cache).
+    cache (`init_caches`): {"attn": the latent KV cache, "expert_fill": MoE layers' fill counts}."""
     w = fetch(w, axes, jnp.dtype(cfg.model_dtype))
     residual = lambda x, branch, i: x + (dropout(branch, cfg.dropout_rate, jax.random.fold_in(ctx["key"], i),
                                                  ctx["seq_ids"]) if ctx["train"] and cfg.dropout_rate else branch)
-    attn_BTD, cache = attention(w["attn"], rms_norm(w["attn_norm"], x_BTD), positions_T, cfg, axes, cache)
+    attn_BTD, attn_cache = attention(w["attn"], rms_norm(w["attn_norm"], x_BTD), positions_T, cfg, axes,
+                                     None if cache is None else cache["attn"])
     x_BTD = residual(x_BTD, attn_BTD, 0)
     h_BTD = rms_norm(w["ffn_norm"], x_BTD)
+    new_cache = {"attn": attn_cache}
     if "moe" in w:
-        ffn_BTD, stats = moe(w["moe"], h_BTD, cfg, axes)
+        ffn_BTD, stats, new_cache["expert_fill"] = moe(w["moe"], h_BTD, cfg, axes,
+                                                       None if cache is None else cache["expert_fill"])
     else:
         ffn_BTD, stats = _psum(ffn(w["ffn"]["w_up"], w["ffn"]["w_down"], h_BTD), axes.tp), None
-    return residual(x_BTD, ffn_BTD, 1), stats, cache
+    return residual(x_BTD, ffn_BTD, 1), stats, None if cache is None else new_cache
 
 
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
@@ -558,14 +618,16 @@ _vocab_softmax_stats.defvjp(_softmax_stats_fwd, _softmax_stats_bwd)
 
 
 def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
-    """Loss and metrics from sums over the global batch: mean CE, plus alpha x the balance loss
-    averaged over sequences and MoE layers; per-layer expert load as fractions of the k T slots."""
+    """Loss and metrics from sums over the global batch: mean CE plus, as DeepSeek-V3 and Megatron,
+    alpha x the balance loss of every MoE layer (averaged over sequences), summed over the layers.
+    Per MoE layer (one per block): that balance term [blocks], the routed choices each expert
+    received before capacity drops [blocks, E] (integers, so exact on every mesh) and the fraction of
+    the k x tokens choices dropped [blocks]."""
     ce = ce_sum / n_tokens
-    balance = cfg.alpha * jnp.sum(stats["balance"]) / (n_sequences * cfg.blocks)
-    slots = n_tokens * cfg.k
-    metrics = {"ce": ce, "balance": balance, "expert_load": stats["tokens_per_expert"] / slots,
-               "drop_rate": jnp.sum(stats["dropped"]) / (slots * cfg.blocks)}
-    return ce + balance, metrics
+    balance = cfg.alpha * stats["balance"] / n_sequences
+    metrics = {"ce": ce, "balance": balance, "tokens_per_expert": stats["tokens_per_expert"],
+               "drop_rate": stats["dropped"] / (n_tokens * cfg.k)}
+    return ce + jnp.sum(balance), metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -680,7 +742,7 @@ def axes_across_hosts(mesh):
 def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
     """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params."""
     x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
-    metric_specs = {"ce": P(), "balance": P(), "expert_load": P(), "drop_rate": P()}
+    metric_specs = {"ce": P(), "balance": P(), "tokens_per_expert": P(), "drop_rate": P()}
     sharded = jax.shard_map(partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train), mesh=mesh,
                             in_specs=(param_specs(params), P("dp"), P("dp"), P()),
                             out_specs=(P(), metric_specs), check_vma=True)
@@ -692,11 +754,14 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
 
 
 def init_caches(cfg, batch, length, dtype=jnp.float32):
+    """Per layer, stacked like the params: the attention cache (the KV latent, plus the rotated
+    shared key in RoPE layers) and in MoE layers each sequence's tokens queued per expert so far."""
     n_dense = cfg.layers_per_block - 1
     latent = lambda *lead: jnp.zeros((*lead, batch, length, cfg.latent_dim), dtype)
-    return {"dense": {"c_kv": latent(cfg.blocks, n_dense),
-                      "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)},
-            "moe": {"c_kv": latent(cfg.blocks)}}
+    return {"dense": {"attn": {"c_kv": latent(cfg.blocks, n_dense),
+                               "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)}},
+            "moe": {"attn": {"c_kv": latent(cfg.blocks)},
+                    "expert_fill": jnp.zeros((cfg.blocks, batch, cfg.n_experts), jnp.int32)}}
 
 
 def _sample(logits_V, key, top_k, temperature):

@@ -59,7 +59,8 @@ def plot(run_dir, out_dir):
     ax.plot([r["step"] for r in train], [r["balance"] for r in train], lw=0.8, label="train")
     if evals and "val_balance" in evals[0]:
         ax.plot([r["step"] for r in evals], [r["val_balance"] for r in evals], "o-", ms=3, label="val")
-    ax.set(xlabel="step", ylabel="alpha x sum_i f_i P_i", title=f"{name}: sequence-wise balance loss")
+    ax.set(xlabel="step", ylabel="sum over MoE layers of alpha x sum_i f_i P_i",
+           title=f"{name}: sequence-wise balance loss")
     ax.grid(alpha=0.3)
     ax.legend()
     written.append(_save(fig, out_dir, "balance.png"))

@@ -82,7 +82,7 @@ def rehearse(cfg, tpu, jax):
     report.header()
     steps = (("train step", trainer.step, _train_args(cfg, trainer, jax), trainer.abstract_state),
              ("eval step", trainer.eval_step, _eval_args(cfg, trainer, jax),
-              {"params": trainer.abstract_state["params"]}))
+              {k: trainer.abstract_state[k] for k in ("params", "router_bias")}))
     for name, jitted, args, state in steps:
         try:
             needed = report.step(name, *_compile(jitted, args), state)
@@ -109,12 +109,12 @@ def _batch(cfg, trainer, jax, per_replica):
 def _train_args(cfg, trainer, jax):
     state = trainer.abstract_state
     micro_steps = (_batch(cfg, trainer, jax, cfg.run.train_batch_size),) * cfg.optim.grad_step
-    return state["params"], state["opt_state"], state["key"], micro_steps, micro_steps
+    return state, micro_steps, micro_steps
 
 
 def _eval_args(cfg, trainer, jax):
     batch = _batch(cfg, trainer, jax, cfg.run.val_batch_size)
-    return trainer.abstract_state["params"], batch, batch
+    return trainer.abstract_state["params"], trainer.abstract_state["router_bias"], batch, batch
 
 
 def _compile(jitted, args):

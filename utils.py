@@ -68,6 +68,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     embed_eps: float = 1e-4            # Adam epsilon of the tied embedding table (the rest: 1e-8); spikes.py
+    bias_update_rate: float = 0.0      # DeepSeek-V3 aux-loss-free balancing: per-step routing-bias move; 0 = off
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class RunConfig:
     checkpoint_steps: int = 50         # eval/log interval; a checkpoint is saved every 10 of them and at the end
     eval_steps: int = 4                # validation batches per evaluation
     seed: int = 0
+    stop_at_val_loss: float = 0.0      # end the run at the first evaluation with val CE <= this; 0 = off
     wandb: bool = False
     n_device_axis: tuple = (1, 1, 1)   # dp pp tp
     cpu_devices: int = 0               # >0: simulate this many CPU devices (to try a mesh on a laptop)
@@ -122,13 +124,16 @@ PRESETS = {
         inference=InferenceConfig(max_tokens=48)),
     # The guide's headline run: a v4-64 slice (32 v4 chips on 8 hosts; v4 names count TensorCores),
     # mesh (8, 2, 2), each host's 2 x 2 chips one pp x tp plane. See `python main.py --compile_for`.
+    # Its schedule: lr 0 -> 6e-4 over 5,000 steps, cosine to 6e-5 at 75,000, 100,000 steps, dropout
+    # 0.2; the guide stopped when val loss reached 3.28, at step 26,100 (--stop_at_val_loss 0 runs on).
     "moe1B": Config(
         model=ModelConfig(model_dimension=768, n_head=12, blocks=8, layers_per_block=6, T=1024, latent_dim=128,
-                          q_latent_dim=128, dhR=128, n_experts=16, k=2, n_shared=2, capacity_factor=1.5),
-        optim=OptimConfig(max_lr=4e-4, min_lr=0.0, end_lr=4e-5, warmup_steps=1000, end_steps=40_000,
-                          training_steps=40_000),
+                          q_latent_dim=128, dhR=128, n_experts=16, k=2, n_shared=2, capacity_factor=1.5,
+                          dropout_rate=0.2),
+        optim=OptimConfig(max_lr=6e-4, min_lr=0.0, end_lr=6e-5, warmup_steps=5_000, end_steps=75_000,
+                          training_steps=100_000),
         run=RunConfig(name="moe1B", train_batch_size=32, val_batch_size=32, micro_batch_size=4,
-                      checkpoint_steps=100, eval_steps=20, n_device_axis=(8, 2, 2))),
+                      checkpoint_steps=100, eval_steps=20, n_device_axis=(8, 2, 2), stop_at_val_loss=3.28)),
 }
 # The same model and global batch (256 sequences a step) on a v4-32 (16 chips, 4 hosts): half the
 # replicas, each with twice the sequences, in 8 micro-batches (a smaller pipeline bubble, 1/9 vs 1/5).
@@ -145,7 +150,12 @@ HELP = {
     "T": "context length", "latent_dim": "KV latent width", "q_latent_dim": "query latent width",
     "dhR": "decoupled RoPE width per head (even)", "n_experts": "routed experts", "k": "experts per token",
     "n_shared": "shared experts", "capacity_factor": "expert capacity factor; 0 = dropless",
-    "model_dtype": "matmul dtype: bfloat16 or float32", "alpha": "balance loss coefficient",
+    "model_dtype": "matmul dtype: bfloat16 or float32",
+    "alpha": "sequence-wise balance loss coefficient, applied in every MoE layer (the loss adds the layers')",
+    "bias_update_rate": "DeepSeek-V3 aux-loss-free balancing: top-k picks experts on score + a per-expert bias "
+                        "that moves this much after every step toward the mean load (0 = off; DeepSeek-V3: 1e-3)",
+    "stop_at_val_loss": "end the run, with a checkpoint, at the first evaluation whose val cross-entropy is <= "
+                        "this (0 = off; the guide's moe1B run stopped at 3.28)",
     "remat": "rematerialisation: full (recompute all), dots (save matmul outputs), none",
     "moe_impl": "routed experts: buffers (per-expert capacity slots) or ragged (sort + lax.ragged_dot)",
     "train_batch_size": "sequences per data-parallel replica (global batch = DP x this)",
@@ -259,6 +269,8 @@ def validate(cfg, n_devices=None):
                              ("--warmup_steps", o.warmup_steps, 0), ("--end_steps", o.end_steps, 1),
                              ("--checkpoint_steps", r.checkpoint_steps, 1), ("--eval_steps", r.eval_steps, 1),
                              ("--min_lr", o.min_lr, 0), ("--end_lr", o.end_lr, 0), ("--weight_decay", o.weight_decay, 0),
+                             ("--bias_update_rate", o.bias_update_rate, 0),
+                             ("--stop_at_val_loss", r.stop_at_val_loss, 0),
                              ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 1),
                              ("--cpu_devices", r.cpu_devices, 0)]:
         _at_least(errors, value, flag, low)

@@ -40,6 +40,8 @@ INVALID = [
     ({"checkpoint_steps": 0}, "--checkpoint_steps must be >= 1"),
     ({"eval_steps": 0}, "--eval_steps must be >= 1"),
     ({"training_steps": 0}, "--training_steps must be >= 1"),
+    ({"bias_update_rate": -1e-3}, "--bias_update_rate must be >= 0"),
+    ({"stop_at_val_loss": -1.0}, "--stop_at_val_loss must be >= 0"),
     ({"n_device_axis": (0, 1, 1)}, "--n_device_axis needs three positive sizes"),
     ({"vocab_size": 100_277, "n_device_axis": (1, 1, 8), "n_head": 8},
      None),  # padded vocab 100,352 splits over tp 8

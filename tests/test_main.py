@@ -7,6 +7,7 @@ after step STEP, once that step's checkpoint, if one is due, is on disk). Resume
 bit-for-bit on CPU: per-step losses after the restart and the final parameters are identical.
 A persistent XLA compilation cache shared by the runs keeps the suite to a couple of minutes.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 --q_latent_dim 16 "
         "--dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 --model_dtype float32 "
-        "--val_batch_size 2 --eval_steps 1 --max_tokens 4 --checkpoint_steps 1").split()
+        "--val_batch_size 2 --eval_steps 1 --max_tokens 4 --checkpoint_steps 1 --bias_update_rate 1e-2").split()
 N = 20              # steps; checkpoints every 10 x --checkpoint_steps = 10 steps, so at 10 and 20
 # (1,1,1) with 8 sequences per replica and (2,2,2) with 4 see the same global batch of 8.
 MESH1 = "--n_device_axis 1 1 1 --train_batch_size 8".split()
@@ -62,12 +63,13 @@ def losses(out):
 
 
 def params(out, step):
+    """The checkpoint's params and aux-loss-free routing bias."""
     import jax
     import orbax.checkpoint as ocp
     path = os.path.join(out, "run", "checkpoints", str(step), "state")
     with ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(path)
-    return jax.tree.map(np.asarray, state["params"])
+    return jax.tree.map(np.asarray, {"params": state["params"], "router_bias": state["router_bias"]})
 
 
 def assert_same_params(a, b):
@@ -95,7 +97,13 @@ def test_straight_run_logs_every_step_and_checkpoints(baseline):
     records = [json.loads(l) for l in open(os.path.join(out, "run", "metrics.jsonl"))]
     evals = [r for r in records if "val_loss" in r]
     assert len(evals) == N and all(len(r["expert_load"]) == 2 and len(r["expert_load"][0]) == 4 for r in evals)
+    for r in evals:                 # per MoE layer: idle experts, max/mean load, drops, balance term
+        assert all(len(r[name]) == 2 for name in ("idle_expert_fraction", "load_max_over_mean", "layer_drop_rate",
+                                                  "layer_balance"))
+        assert all(v >= 1 for v in r["load_max_over_mean"])
+        np.testing.assert_allclose(sum(r["layer_balance"]), r["balance"], rtol=1e-5)
     assert any("unigram_entropy" in r for r in records)
+    assert np.any(params(out, N)["router_bias"] != 0)
 
 
 def test_resume_after_sigkill_is_exact(env, baseline, tmp_path):
@@ -130,6 +138,9 @@ def test_same_curve_on_mesh_222_and_restore_across_meshes(env, baseline, tmp_pat
     mesh_curve = losses(tmp_path / "scratch")
     for s in range(1, N // 2 + 1):
         np.testing.assert_allclose(mesh_curve[s], curve[s], rtol=2e-4, err_msg=f"step {s}")
+    # The routing bias moves by signs of integer load differences: the same bits on both meshes.
+    np.testing.assert_array_equal(params(tmp_path / "scratch", N // 2)["router_bias"],
+                                  params(out, N // 2)["router_bias"])
     # The (1,1,1) checkpoint at step 10 restored onto (2,2,2): the second half.
     ckpt = tmp_path / "cross" / "run" / "checkpoints"
     shutil.copytree(os.path.join(out, "run", "checkpoints", str(N // 2)), ckpt / str(N // 2))
@@ -167,6 +178,42 @@ def test_wandb_without_network_or_key_does_not_hang(env, tmp_path, wandb_env):
     assert "=== step 2" in samples
     if not wandb_env:
         assert os.path.isdir(tmp_path / "run" / "wandb")
+
+
+def test_stop_at_val_loss_ends_at_the_first_evaluation_reaching_it(env, baseline, tmp_path):
+    out, _ = baseline
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, open(os.path.join(out, "run", "metrics.jsonl")))
+           if "val_loss" in r}
+    target = val[5]
+    stop = min(s for s, v in val.items() if v <= target)
+    proc = run(env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
+    assert f"<= --stop_at_val_loss {target} at step {stop}: stopping" in proc.stdout
+    assert "final: val cross-entropy" in proc.stdout
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(stop)]
+    assert max(losses(tmp_path)) == stop
+    # The same command again: the run is finished, as after its last step; nothing more is trained.
+    proc = run(env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
+    assert f"resumed from" in proc.stdout and max(losses(tmp_path)) == stop
+
+
+def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_path):
+    """Such a checkpoint routed with no bias, i.e. a bias of 0: it resumes as it was."""
+    import jax
+    import jax.numpy as jnp
+
+    import main
+    import utils
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = {"params": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=sharding),
+                "router_bias": jax.ShapeDtypeStruct((2, 4), jnp.float32, sharding=sharding)}
+    mc = utils.ModelConfig()
+    mngr = main.checkpoint_manager(str(tmp_path))
+    main.save(mngr, 7, {"params": jnp.arange(3.0)}, {"step": 7, "model": dataclasses.asdict(mc)})
+    main.wait_for_save(mngr)
+    state, meta = main.restore_latest(mngr, abstract, str(tmp_path), mc)
+    assert meta["step"] == 7
+    np.testing.assert_array_equal(state["params"], [0, 1, 2])
+    np.testing.assert_array_equal(state["router_bias"], np.zeros((2, 4)))
 
 
 def test_config_error_names_the_flag(env, tmp_path):

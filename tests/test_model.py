@@ -1,5 +1,6 @@
 """The sharded model equals the single-device reference on every mesh; the parts match hand math."""
 import math
+import re
 import time
 
 import jax
@@ -22,6 +23,9 @@ CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, {}), ((1, 8, 1), 8, {}), ((1, 1, 8),
          # sorted grouped-matmul experts and full remat must give the same numbers too
          ((2, 2, 2), 2, {"moe_impl": "ragged", "remat": "full"})]
 KEY = jax.random.key(0)
+# Every case routes with a nonzero aux-loss-free bias [blocks, E] and checks the update it gets.
+ROUTER_BIAS = 0.05 * jax.random.normal(jax.random.key(5), (CFG.blocks, CFG.n_experts))
+BIAS_RATE = 1e-3
 
 
 def batch(seed=1, n=BATCH, cfg=CFG):
@@ -37,19 +41,29 @@ def rel_err(a, b):
 def reference():
     params = model.init_params(CFG, KEY)
     x, y = batch()
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(
-        lambda p: model.reference_loss_and_metrics(p, x, y, KEY, CFG), has_aux=True))(params)
-    assert 0 < float(metrics["drop_rate"]) < 1, "the test config should drop some tokens"
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: model.reference_loss_and_metrics(
+        model.with_router_bias(p, ROUTER_BIAS), x, y, KEY, CFG), has_aux=True))(params)
+    assert 0 < float(jnp.mean(metrics["drop_rate"])) < 1, "the test config should drop some tokens"
     return params, loss, metrics, grads
 
 
-def sharded_value_and_grad(cfg, mesh, n_micro):
-    return jax.jit(jax.value_and_grad(
-        lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro), has_aux=True))
+def sharded_value_and_grad(cfg, mesh, n_micro, router_bias=None):
+    """value_and_grad of the sharded loss in the params (routed with router_bias when given)."""
+    def loss(p, x, y):
+        p = p if router_bias is None else model.with_router_bias(p, router_bias)
+        return model.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro)
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
 def with_model(cfg, **changes):
     return utils.override(utils.Config(model=cfg), **changes).model
+
+
+def abstract_params(cfg, mesh):
+    """Shapes, dtypes and shardings of cfg's parameters on mesh, for lowering without computing."""
+    params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
+    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
+                        model.param_shardings(params, mesh))
 
 
 @pytest.mark.parametrize("shape,n_micro,changes", CASES)
@@ -57,13 +71,32 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     params, ref_loss, ref_metrics, ref_grads = reference
     mesh = model.make_mesh(shape)
     sharded = jax.device_put(params, model.param_shardings(params, mesh))
-    (loss, metrics), grads = sharded_value_and_grad(with_model(CFG, **changes), mesh, n_micro)(sharded, *batch())
+    (loss, metrics), grads = sharded_value_and_grad(with_model(CFG, **changes), mesh, n_micro, ROUTER_BIAS)(
+        sharded, *batch())
     assert rel_err(loss, ref_loss) < 1e-5
-    for name in ("ce", "balance", "expert_load", "drop_rate"):
+    for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
+    np.testing.assert_array_equal(metrics["tokens_per_expert"], ref_metrics["tokens_per_expert"])
+    updated, ref_updated = (model.update_router_bias(ROUTER_BIAS, m["tokens_per_expert"], BIAS_RATE)
+                            for m in (metrics, ref_metrics))
+    np.testing.assert_array_equal(updated, ref_updated)
+    assert np.any(updated != ROUTER_BIAS)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     for (path, g_ref), g in zip(flat_ref, jax.tree.leaves(grads)):
         assert rel_err(g, g_ref) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():
+    """The dp all-gathers move bf16 weights (fp32 only for the router), and the gradients' reduce-
+    scatters sum fp32: a bf16 sum would round at every step (`bench.py --grad_error` measures it)."""
+    cfg = with_model(CFG, model_dtype="bfloat16")
+    mesh = model.make_mesh((8, 1, 1))
+    grad = jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0])
+    jaxpr = str(jax.make_jaxpr(grad)(abstract_params(cfg, mesh), *batch()))
+    # A collective prints as `name:dtype[shape]{V:axes} = primitive[params] operand`.
+    collectives = re.findall(r"(\w+)\[[\d,]*\](?:\{[^}]*\})? = (all_gather|reduce_scatter)\[([^\]]*)\]", jaxpr)
+    over_dp = {(primitive, dtype) for dtype, primitive, params in collectives if "axis_name=('dp',)" in params}
+    assert over_dp == {("all_gather", "bf16"), ("all_gather", "f32"), ("reduce_scatter", "f32")}
 
 
 def test_bfloat16_matmuls_track_the_fp32_reference(reference):
@@ -172,7 +205,8 @@ LOGITS = np.array([[2, 1, 0], [2, 0, 1], [0, 2, 1], [1, 2, 0], [2, 1, 0], [0, 1,
 # e0 <- t0 t1 t3 t4, e1 <- t0 t2 t3 t4 t5, e2 <- t1 t2 t5.
 EXPERTS = [[0, 1], [0, 2], [1, 2], [1, 0], [0, 1], [2, 1]]
 SLOTS = [[0, 0], [1, 0], [1, 1], [2, 2], [3, 3], [2, 4]]
-MOE_CFG = utils.ModelConfig(model_dimension=3, n_experts=3, k=2, n_shared=1, capacity_factor=0.5, model_dtype="float32")
+MOE_CFG = utils.ModelConfig(model_dimension=3, n_experts=3, k=2, n_shared=1, capacity_factor=0.5, T=6,
+                            model_dtype="float32")
 
 
 def _moe_weights(seed=0):
@@ -196,7 +230,61 @@ def test_routing_by_hand():
     f = 3 / (2 * 6) * np.array([4, 5, 3])                  # E/(kT) x tokens routed to i
     p = (s / s.sum(1, keepdims=True)).mean(0)
     np.testing.assert_allclose(balance[0], (f * p).sum(), rtol=1e-6)
-    assert model.expert_capacity(MOE_CFG, 6) == 2           # ceil(0.5 * 2 * 6 / 3)
+    assert model.expert_capacity(MOE_CFG) == 2              # ceil(0.5 * 2 * 6 / 3)
+
+
+def test_biased_routing_by_hand():
+    """Aux-loss-free bias: the top-k is taken on score + bias, the gates and P_i on the score alone."""
+    bias = np.array([0.0, -0.3, 0.4], np.float32)
+    x = jnp.asarray(LOGITS)[None]
+    experts, gates, _, tokens_per_expert, balance = model.route(jnp.eye(3), x, MOE_CFG, jnp.asarray(bias))
+    s = 1 / (1 + np.exp(-LOGITS))
+    chosen_experts = np.argsort(-(s + bias), axis=1, kind="stable")[:, :2]
+    assert not np.array_equal(chosen_experts, EXPERTS), "the bias should change some choices"
+    np.testing.assert_array_equal(experts[0], chosen_experts)
+    chosen = np.take_along_axis(s, chosen_experts, axis=1)
+    np.testing.assert_allclose(gates[0], chosen / chosen.sum(1, keepdims=True), rtol=1e-6)
+    counts = np.bincount(chosen_experts.ravel(), minlength=3)
+    np.testing.assert_array_equal(tokens_per_expert[0], counts)
+    p = (s / s.sum(1, keepdims=True)).mean(0)
+    np.testing.assert_allclose(balance[0], (3 / (2 * 6) * counts * p).sum(), rtol=1e-6)
+
+
+def test_router_bias_update_by_hand():
+    tokens = jnp.array([[5, 3, 4], [4, 4, 4]])     # layer 0: mean 4; layer 1 balanced
+    updated = model.update_router_bias(jnp.zeros((2, 3)), tokens, 1e-3)
+    np.testing.assert_array_equal(updated, np.float32([[-1e-3, 1e-3, 0], [0, 0, 0]]))
+
+
+def test_balance_loss_is_applied_in_every_moe_layer_and_summed():
+    """Two MoE-only layers whose attention and experts output 0, so both route the embeddings
+    themselves (rows of +-1: RMSNorm leaves them as they are) through their own router. Each layer's
+    term is alpha x the mean over sequences of sum_i f_i P_i, written out below; the loss adds them."""
+    cfg = utils.ModelConfig(vocab_size=8, model_dimension=4, n_head=1, blocks=2, layers_per_block=1, T=6,
+                            latent_dim=4, q_latent_dim=4, dhR=2, n_experts=3, k=2, n_shared=1, capacity_factor=0.0,
+                            model_dtype="float32", alpha=0.5, remat="none")
+    rng = np.random.default_rng(0)
+    embed = rng.choice([-1.0, 1.0], size=(cfg.padded_vocab, 4)).astype(np.float32)
+    routers = rng.normal(size=(2, 4, 3)).astype(np.float32)                     # [blocks, D, E]
+    params = model.init_params(cfg, KEY)
+    layers = params["blocks"]["moe"]
+    params = params | {"embed": jnp.asarray(embed), "blocks": params["blocks"] | {"moe": layers | {
+        "attn": layers["attn"] | {"w_o": jnp.zeros_like(layers["attn"]["w_o"])},
+        "moe": layers["moe"] | {"router": jnp.asarray(routers),
+                                "expert_down": jnp.zeros_like(layers["moe"]["expert_down"]),
+                                "shared_down": jnp.zeros_like(layers["moe"]["shared_down"])}}}}
+    ids = np.array([[1, 2, 3, 4, 5, 6], [7, 7, 0, 1, 1, 2]])
+    loss, metrics = model.reference_loss_and_metrics(params, jnp.asarray(ids), jnp.asarray(ids), KEY, cfg)
+
+    x = embed[ids]                                                              # [B, T, D]
+    for layer, router in enumerate(routers):
+        s = 1 / (1 + np.exp(-(x @ router)))                                     # [B, T, E]
+        top2 = np.argsort(-s, axis=-1)[..., :2]
+        f = 3 / (2 * 6) * np.stack([np.bincount(seq.ravel(), minlength=3) for seq in top2])   # [B, E]
+        p = (s / s.sum(-1, keepdims=True)).mean(1)                              # [B, E]
+        np.testing.assert_allclose(metrics["balance"][layer], 0.5 * np.mean(np.sum(f * p, -1)), rtol=1e-5)
+    assert metrics["balance"][0] != metrics["balance"][1]
+    np.testing.assert_allclose(loss, metrics["ce"] + metrics["balance"].sum(), rtol=1e-6)
 
 
 def _gelu(v):
@@ -216,15 +304,25 @@ def _moe_by_hand(w, capacity):
     return out
 
 
+def test_router_logits_are_fp32_at_full_precision():
+    """On TPU an fp32 dot at default precision is one bf16 pass: the router's must ask for HIGHEST."""
+    cfg = with_model(CFG, model_dtype="bfloat16")
+    params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
+    hlo = jax.jit(lambda p, x: model.forward(p, x, cfg)[0]).lower(params, batch()[0]).as_text()
+    router_type = f"tensor<{cfg.model_dimension}x{cfg.n_experts}xf32>"   # [D, E], no other weight has it
+    router_dots = [line for line in hlo.splitlines() if "dot_general" in line and f"{router_type}) ->" in line]
+    assert router_dots and all("precision = [HIGHEST, HIGHEST]" in line for line in router_dots), router_dots
+
+
 @pytest.mark.parametrize("impl", sorted(model.MOE_IMPLS))
 def test_moe_output_drops_and_shared_expert_by_hand(impl):
     w = _moe_weights()
     cfg = with_model(MOE_CFG, moe_impl=impl)
-    out, stats = model.moe(w, jnp.asarray(LOGITS)[None], cfg, model.Axes())
+    out, stats, _ = model.moe(w, jnp.asarray(LOGITS)[None], cfg, model.Axes())
     np.testing.assert_allclose(out[0], _moe_by_hand(w, capacity=2), rtol=1e-5, atol=1e-5)
     assert float(stats["dropped"]) == 6                      # e0: t3 t4, e1: t3 t4 t5, e2: t5
     no_shared = dict(w, shared_up=w["shared_up"][:0], shared_down=w["shared_down"][:0])
-    out_routed, _ = model.moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), model.Axes())
+    out_routed, _, _ = model.moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), model.Axes())
     assert not np.allclose(out, out_routed), "the shared expert's output must be added"
 
 
@@ -233,9 +331,9 @@ def test_dropless_equals_capacity_mode_when_nothing_is_dropped():
     x = jnp.asarray(LOGITS)[None]
     roomy = with_model(MOE_CFG, capacity_factor=1.25)   # C = 5 >= the busiest expert's 5 tokens
     dropless = with_model(MOE_CFG, capacity_factor=0.0)  # C = T = 6
-    assert (model.expert_capacity(roomy, 6), model.expert_capacity(dropless, 6)) == (5, 6)
-    out_roomy, stats_roomy = model.moe(w, x, roomy, model.Axes())
-    out_dropless, stats_dropless = model.moe(w, x, dropless, model.Axes())
+    assert (model.expert_capacity(roomy), model.expert_capacity(dropless)) == (5, 6)
+    out_roomy, stats_roomy, _ = model.moe(w, x, roomy, model.Axes())
+    out_dropless, stats_dropless, _ = model.moe(w, x, dropless, model.Axes())
     assert float(stats_roomy["dropped"]) == float(stats_dropless["dropped"]) == 0
     np.testing.assert_allclose(out_roomy, out_dropless, rtol=1e-6)
     np.testing.assert_allclose(out_dropless[0], _moe_by_hand(w, capacity=6), rtol=1e-5, atol=1e-5)
@@ -255,8 +353,11 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not np.allclose(scores(0), jnp.einsum("bthr,bsr->bhts", q, k), atol=1e-3)
 
 
-def test_cached_and_uncached_generation_agree():
-    cfg = with_model(CFG, blocks=2, T=24, remat="full")
+@pytest.mark.parametrize("capacity_factor", [1.0, 0.25])   # 0.25: C = 3 of 12 fair-share slots, most drop
+def test_cached_and_uncached_generation_agree(capacity_factor):
+    """Cached decode (one token per call) keeps and drops exactly what the full forward over the
+    padded sequence does, so the logits agree to float noise and the samples are identical."""
+    cfg = with_model(CFG, blocks=2, T=24, remat="full", capacity_factor=capacity_factor)
     params = model.init_params(cfg, jax.random.key(3))
     args = (params, cfg, [5, 17, 42, 7], jax.random.key(4), 12, 20, 0.9)
     cached, cached_logits = model.generate(*args, use_cache=True, return_logits=True)
@@ -267,12 +368,13 @@ def test_cached_and_uncached_generation_agree():
         model.generate(params, cfg, [1] * 20, jax.random.key(0), 10, 5, 1.0)
 
 
-def test_cache_holds_only_latent_and_rotary_key():
+def test_cache_holds_only_latent_rotary_key_and_expert_fill():
     caches = model.init_caches(CFG, batch=1, length=CFG.T)
-    widths = {name: leaf.shape[-1] for name, leaf in jax.tree_util.tree_leaves_with_path(caches)
-              for name in [jax.tree_util.keystr(name)]}
-    assert widths == {"['dense']['c_kv']": CFG.latent_dim, "['dense']['k_rope']": CFG.dhR,
-                      "['moe']['c_kv']": CFG.latent_dim}
+    shapes = {jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(caches)}
+    assert shapes == {"['dense']['attn']['c_kv']": (CFG.blocks, 1, 1, CFG.T, CFG.latent_dim),
+                      "['dense']['attn']['k_rope']": (CFG.blocks, 1, 1, CFG.T, CFG.dhR),
+                      "['moe']['attn']['c_kv']": (CFG.blocks, 1, CFG.T, CFG.latent_dim),
+                      "['moe']['expert_fill']": (CFG.blocks, 1, CFG.n_experts)}
 
 
 def test_shape_errors_come_from_validation():
@@ -300,12 +402,9 @@ def test_compile_time_does_not_grow_with_depth():
     times = {}
     for blocks in (2, 8):
         cfg = with_model(CFG, blocks=blocks, remat="full")
-        params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
-        shardings = model.param_shardings(params, mesh)
-        params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
         x, y = batch(cfg=cfg)
         start = time.perf_counter()
-        sharded_value_and_grad(cfg, mesh, 2).lower(params, x, y).compile()
+        sharded_value_and_grad(cfg, mesh, 2).lower(abstract_params(cfg, mesh), x, y).compile()
         times[blocks] = time.perf_counter() - start
     print(f"\ncompile time of the training step on (1,2,1): 2 blocks {times[2]:.1f}s, 8 blocks {times[8]:.1f}s")
     assert times[8] < 1.5 * times[2]
