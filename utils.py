@@ -117,8 +117,8 @@ PRESETS = {
     "tiny": Config(
         model=ModelConfig(model_dimension=64, n_head=4, blocks=2, layers_per_block=2, T=64, latent_dim=32,
                           q_latent_dim=32, dhR=16, n_experts=4, k=2, n_shared=1, remat="none"),
-        optim=OptimConfig(max_lr=5e-3, min_lr=5e-4, end_lr=5e-4, warmup_steps=20, end_steps=440,
-                          training_steps=440),
+        optim=OptimConfig(max_lr=5e-3, min_lr=5e-4, end_lr=5e-4, warmup_steps=20, end_steps=360,
+                          training_steps=360),
         run=RunConfig(name="tiny", train_batch_size=16, val_batch_size=16, micro_batch_size=2,
                       checkpoint_steps=40, eval_steps=4),
         inference=InferenceConfig(max_tokens=48)),
