@@ -94,10 +94,11 @@ def _run(shape, factor):
 
 
 def test_skip_decisions_do_not_depend_on_the_mesh():
-    """A factor just above 1 skips roughly every other step: the same steps on (1,1,1) and (2,2,2),
+    """A factor inside the run's range of ratios (its grad norms fall, ratios 0.84-0.95) skips some
+    steps and not others: the same steps on (1,1,1) and (2,2,2),
     params bit-unchanged exactly on those steps, and the same params at the end."""
-    one, state_one = _run((1, 1, 1), 1.01)
-    eight, state_eight = _run((2, 2, 2), 1.01)
+    one, state_one = _run((1, 1, 1), 0.9)
+    eight, state_eight = _run((2, 2, 2), 0.9)
     assert [s for s, _, _ in one] == [s for s, _, _ in eight]
     skipped = [i for i in range(STEPS) if one[i][0] > (one[i - 1][0] if i else 0)]
     assert 0 < len(skipped) < STEPS - spikes.MIN_HISTORY, skipped
