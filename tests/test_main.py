@@ -111,7 +111,7 @@ def test_resume_after_sigkill_is_exact(env, baseline, tmp_path):
     run(env, tmp_path, *MESH1, hook=f"{N // 2}:KILL", expect=-9)
     assert os.path.isdir(os.path.join(tmp_path, "run", "checkpoints", str(N // 2)))
     proc = run(env, tmp_path, *MESH1)
-    assert f"resumed from" in proc.stdout
+    assert "resumed from" in proc.stdout
     resumed = losses(tmp_path)
     for s in range(N // 2 + 1, N + 1):
         assert resumed[s] == curve[s], (s, resumed[s], curve[s])
@@ -161,7 +161,7 @@ def test_corrupted_newest_checkpoint_falls_back_with_warning(env, baseline, tmp_
                 f.write(b"\x00garbage" * 7)
     proc = run(env, tmp_path, *MESH1, steps=N // 2 + 2)
     assert "unreadable" in proc.stdout + proc.stderr
-    assert f"resumed from" in proc.stdout and f"step {N // 2}," in proc.stdout
+    assert "resumed from" in proc.stdout and f"step {N // 2}," in proc.stdout
     resumed = losses(tmp_path)
     assert resumed == {s: curve[s] for s in (N // 2 + 1, N // 2 + 2)}
     assert os.listdir(tmp_path / "run" / "unreadable_checkpoints")
@@ -193,7 +193,7 @@ def test_stop_at_val_loss_ends_at_the_first_evaluation_reaching_it(env, baseline
     assert max(losses(tmp_path)) == stop
     # The same command again: the run is finished, as after its last step; nothing more is trained.
     proc = run(env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
-    assert f"resumed from" in proc.stdout and max(losses(tmp_path)) == stop
+    assert "resumed from" in proc.stdout and max(losses(tmp_path)) == stop
 
 
 def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_path):
