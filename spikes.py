@@ -13,7 +13,9 @@ and grad norms 100-1000x the median, on ordinary text. `adamw` gives the table i
 SGD. Since a row's gradient is (its frequency in the batch - its predicted probability) x h with h
 of unit RMS, this reads as a probability: tokens rarer than ~1e-4 in the data and in the model's
 predictions are updated in proportion to their evidence instead of at Adam's full speed. The
-threshold is a probability, so it does not depend on batch, model size or mesh.
+threshold is a probability, so it does not depend on batch, model size or mesh. The second,
+smaller cause (rare rows entering the first RMSNorm at their 0.02 init) is fixed where the table
+is initialised (`model.init_params`).
 
 The rest:
 - `skip_spikes(inner, factor)`: an optax transformation around the whole optimizer that keeps the
