@@ -407,11 +407,12 @@ def moe(w, x_BTD, cfg, axes, fill_BE=None):
     experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg,
                                                                               w.get("router_bias"))
     B, T, _ = x_BTD.shape
+    C = expert_capacity(cfg)
     fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
-    kept_BTk = fill_BE[jnp.arange(B)[:, None, None], experts_BTk] + place_BTk < expert_capacity(cfg)
+    kept_BTk = fill_BE[jnp.arange(B)[:, None, None], experts_BTk] + place_BTk < C
     # A kept choice's place in this call's queue is below C and below T: buffers of min(C, T) slots
     # hold every kept one, so a one-token decode step computes one slot per expert, not C.
-    n_slots = min(expert_capacity(cfg), T)
+    n_slots = min(C, T)
     y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
     routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
     shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
