@@ -138,8 +138,7 @@ class TokenDataset:
         self.sizes = np.array([int(s["tokens"]) for s in entries], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
         self.n_tokens = int(self.starts[-1])
-        self.tokens_read = 0          # tokens returned by read/read_many (a host reads only its own rows)
-        self.bytes_read = 0           # bytes requested from storage
+        self.bytes_read = 0           # bytes requested from storage (a host reads only its own rows)
         self._fds = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -187,7 +186,6 @@ class TokenDataset:
             if top >= self.vocab_size or top < 0:
                 raise DataError(f"shard {self.files[i]} holds token id {top & 0xFFFFFFFF} >= vocab_size "
                                 f"{self.vocab_size}; check it with python -m data.verify {self.data_dir}")
-        self.tokens_read += out.size
         self.bytes_read += 4 * out.size
         return out
 
@@ -284,25 +282,40 @@ def _row_blocks(sharding, shape, devices=None):
     return blocks
 
 
+def _rows_of(blocks):
+    """The sorted global rows covered by _row_blocks' blocks."""
+    return sorted({r for (r0, r1) in blocks for r in range(r0, r1)})
+
+
+def read_windows(dataset, T, window_ids):
+    """int32 [len(window_ids), T + 1]: row j is window window_ids[j], tokens [w*T, w*T + T + 1) of the split."""
+    return dataset.read_many(np.asarray(window_ids, dtype=np.int64) * T, T + 1)
+
+
+def _inputs_targets(windows):
+    """(x, y) = (window[:-1], window[1:]) of each row, contiguous."""
+    return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
+
+
 def _assemble(dataset, T, window_ids, sharding):
     """The global [B, T] (x, y) jax.Arrays for these window ids; reads only the addressable rows."""
     B = len(window_ids)
     shape = (B, T)
     blocks = _row_blocks(sharding, shape)
-    rows = sorted({r for (r0, r1) in blocks for r in range(r0, r1)})
+    rows = _rows_of(blocks)
     full_cols = all(cols == slice(None) or cols.indices(T) == (0, T, 1)
                     for targets in blocks.values() for _, cols in targets)
     if full_cols and rows == list(range(rows[0], rows[-1] + 1)):
         # the usual case (batch over dp, rows of a process contiguous): one call for the process' rows
-        block = dataset.read_many(window_ids[rows[0]: rows[-1] + 1] * T, T + 1)
-        return (jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(block[:, :-1]), shape),
-                jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(block[:, 1:]), shape))
+        x, y = _inputs_targets(read_windows(dataset, T, window_ids[rows[0]: rows[-1] + 1]))
+        return (jax.make_array_from_process_local_data(sharding, x, shape),
+                jax.make_array_from_process_local_data(sharding, y, shape))
     xs, ys, devs = [], [], []
     for (r0, r1), targets in blocks.items():
-        block = dataset.read_many(window_ids[r0:r1] * T, T + 1)
+        x, y = _inputs_targets(read_windows(dataset, T, window_ids[r0:r1]))
         for d, cols in targets:
-            xs.append(np.ascontiguousarray(block[:, :-1][:, cols]))
-            ys.append(np.ascontiguousarray(block[:, 1:][:, cols]))
+            xs.append(np.ascontiguousarray(x[:, cols]))
+            ys.append(np.ascontiguousarray(y[:, cols]))
             devs.append(d)
     return (jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(xs, devs)),
             jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(ys, devs)))
@@ -354,9 +367,14 @@ class BatchLoader:
         self.n_windows = _require_windows(dataset, self.T, self.global_batch)
         self._workers = []
 
+    def position(self, step):
+        """Sequences of the endless shuffled order consumed before batch `step`: the batch layout (row r of
+        batch `step` is sequence position(step) + r)."""
+        return self.consumed + int(step) * self.global_batch
+
     def window_ids(self, step):
         """The global batch's window indices for this step (row r -> window)."""
-        g = self.consumed + int(step) * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
+        g = self.position(step) + np.arange(self.global_batch, dtype=np.int64)
         epoch, pos = g // self.n_windows, g % self.n_windows
         out = np.empty(self.global_batch, dtype=np.int64)
         for e in np.unique(epoch):
@@ -364,18 +382,14 @@ class BatchLoader:
             out[sel] = shuffled_positions(pos[sel], self.n_windows, self.seed, int(e))
         return out
 
-    def epoch(self, step):
-        return (self.consumed + int(step) * self.global_batch) // self.n_windows
-
     def local_rows(self, devices=None):
         """Global row indices the given devices hold (default: this process' addressable devices)."""
-        blocks = _row_blocks(self.sharding, (self.global_batch, self.T), devices)
-        return sorted({r for (r0, r1) in blocks for r in range(r0, r1)})
+        return _rows_of(_row_blocks(self.sharding, (self.global_batch, self.T), devices))
 
     def read_rows(self, step, rows):
-        """Host int32 [len(rows), T+1] windows of these global rows of step `step`."""
-        ids = self.window_ids(step)
-        return self.dataset.read_many(ids[np.asarray(rows, dtype=np.int64)] * self.T, self.T + 1)
+        """Host int32 [len(rows), T+1] windows of these global rows of step `step` (data/bench.py: what
+        one host of a pod reads)."""
+        return read_windows(self.dataset, self.T, self.window_ids(step)[np.asarray(rows, dtype=np.int64)])
 
     def batch(self, step):
         """(x, y): int32 jax.Arrays [global_batch, T] placed with `sharding`; y is x shifted by one."""

@@ -128,7 +128,7 @@ def test_two_hosts_read_exactly_the_global_batch(data_dir):
         host = dataset.BatchLoader(ds, T, B, sh, seed=0)
         rows = host.local_rows(half)
         block = host.read_rows(step, rows)
-        assert ds.tokens_read == len(rows) * (T + 1)            # nothing but its own rows
+        assert ds.bytes_read == 4 * len(rows) * (T + 1)         # nothing but its own rows
         parts.append((rows, block))
     (ra, ba), (rb, bb) = parts
     assert ra == list(range(B // 2)) and rb == list(range(B // 2, B))
@@ -165,7 +165,7 @@ def test_range_reads_equal_the_shard_bytes_and_entropy_is_the_manifest_counts(da
     rows = ds.read_many(starts, 40)
     for r, s in zip(rows, starts):
         assert np.array_equal(r, allt[s:s + 40].astype(np.int32))
-    assert ds.tokens_read == ds.bytes_read // 4 == 5 * 40
+    assert ds.bytes_read == 4 * 5 * 40
     counts = np.bincount(allt.astype(np.int64), minlength=tok.VOCAB_SIZE)
     p = counts[counts > 0] / counts.sum()
     assert np.array_equal(ds.token_counts(), counts)
