@@ -34,14 +34,6 @@ again with the same bytes, and leftover temp files are removed.
 
 The drivers only differ in how a batch of documents gets encoded (`encode_batch`): an ordered,
 bounded-window map over a multiprocessing pool or Ray tasks (`ordered_map`).
-
-Test hook: JAXFORMER_TOKENIZE_KILL_AT="<event>:<n>" makes the writer SIGKILL its own process group
-(or only itself when it does not lead one) at a deterministic point, to test crash-resume:
-  doc:N       right after the N-th document of this run has been packed (mid-shard),
-  tmp:N       after half of the N-th shard's temp file is written (a torn temp file is left behind),
-  shard:N     after the N-th shard is renamed into place but before the manifest lists it,
-  manifest:N  after the manifest for the N-th shard is written (mid-document when a document straddles).
-N counts from 1 within one process run.
 """
 import base64
 import collections
@@ -52,7 +44,6 @@ import itertools
 import json
 import os
 import re
-import signal
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -71,7 +62,6 @@ DEFAULT_SHARD_SIZE = 100_000_000
 DEFAULT_HF_NAME = "HuggingFaceFW/fineweb-edu"
 DEFAULT_HF_CONFIG = "sample-350BT"
 BUNDLED = "bundled"
-KILL_ENV = "JAXFORMER_TOKENIZE_KILL_AT"
 _FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
                   ".csv": "csv"}
 # a missing path with one of these endings is a file the user meant, never a Hugging Face dataset name
@@ -367,20 +357,14 @@ class Output:
         with self.fs.open(self.path(name), "rb") as f:
             return f.read().decode("utf-8")
 
-    def write_atomic(self, name, data, kill_event=None, kill_n=None):
+    def write_atomic(self, name, data):
         """A file system: temp file + rename. An object store: one upload to the final name, since an
         object appears only whole, when its upload completes (and a "rename" there is copy + delete)."""
         target = self.path(name)
         tmp = self.path(name + ".tmp") if self.local else target
         self.fs.makedirs(self.root, exist_ok=True)
         with self.fs.open(tmp, "wb") as f:
-            if kill_event is not None:
-                f.write(data[: len(data) // 2])
-                f.flush()
-                _maybe_kill(kill_event, kill_n)
-                f.write(data[len(data) // 2:])
-            else:
-                f.write(data)
+            f.write(data)
         if tmp != target:
             self.fs.mv(tmp, target)
 
@@ -395,22 +379,6 @@ class Output:
         if not self.fs.exists(self.root):
             return []
         return sorted(os.path.basename(str(p).rstrip("/")) for p in self.fs.ls(self.root, detail=False))
-
-
-def _kill_point():
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return None
-    event, n = spec.split(":")
-    return event, int(n)
-
-
-def _maybe_kill(event, n):
-    kp = _kill_point()
-    if kp is not None and kp == (event, n):
-        if os.getpgrp() == os.getpid():       # our own group (the test starts us with a new session):
-            os.killpg(os.getpgrp(), signal.SIGKILL)   # take the pool workers down too, like kill -9 -PGID
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -439,8 +407,6 @@ class Writer:
     counts: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self._n_written = 0           # shards written by this process (kill-hook counter)
-        self._n_docs = 0              # documents packed by this process (kill-hook counter)
         self.problems = DocProblems()  # bad documents this process met
         self._buf = np.empty(self.shard_size, dtype=np.uint32)
         self._fill = 0
@@ -493,11 +459,7 @@ class Writer:
         idx = sum(1 for s in self.shards if s["split"] == split)
         name = f"{split}_{idx:06d}.bin"
         data = np.ascontiguousarray(tokens, dtype=DTYPE).tobytes()
-        n = self._n_written + 1
-        kill_tmp = _kill_point() == ("tmp", n)
-        self.out.write_atomic(name, data, kill_event="tmp" if kill_tmp else None, kill_n=n)
-        self._n_written = n
-        _maybe_kill("shard", n)
+        self.out.write_atomic(name, data)
         self.shards.append({"file": name, "split": split, "tokens": len(tokens),
                             "sha256": hashlib.sha256(data).hexdigest()})
         if self.counts is not None:
@@ -524,7 +486,7 @@ class Writer:
                 if first:                               # the straddling document: keep only its tail
                     first = False
                     n0 = int(lengths[0])
-                    self._pack(seg, si, flat[n0 - carry: n0], doc_index + 1, progress, count=False)
+                    self._pack(seg, si, flat[n0 - carry: n0], doc_index + 1, progress)
                     flat, lengths = flat[int(lengths[0]):], lengths[1:]
                     doc_index += 1
                 offs = np.concatenate([[0], np.cumsum(lengths)])
@@ -539,7 +501,6 @@ class Writer:
             self.cursor = {"segment": si + 1, "docs": 0, "carry": 0}
             self.complete = si + 1 == len(self.plan)
             self._write_manifest()
-            _maybe_kill("manifest", self._n_written)
         if self.problems.counts:
             print(f"tokenize: {self.problems.summary()}", file=sys.stderr, flush=True)
         return self
@@ -556,10 +517,9 @@ class Writer:
                             if fit else "Use more data; ")
                          + f"remove {self.out.url} first (it holds this run's partial output)")
 
-    def _pack(self, seg, si, toks, docs_after, progress, count=True):
+    def _pack(self, seg, si, toks, docs_after, progress):
         """Append one document's tokens; close every shard it fills. docs_after = documents consumed."""
         pos, n = 0, len(toks)
-        closed = False
         while pos < n:
             take = min(self.shard_size - self._fill, n - pos)
             self._buf[self._fill: self._fill + take] = toks[pos: pos + take]
@@ -568,17 +528,11 @@ class Writer:
             if self._fill == self.shard_size:
                 self._close_shard(seg, self._buf)
                 self._fill = 0
-                closed = True
                 # tokens of this document not in a closed shard yet (they start the open shard)
                 self.cursor = {"segment": si, "docs": docs_after, "carry": n - pos}
                 self._write_manifest()
-                _maybe_kill("manifest", self._n_written)
         if progress is not None:
             progress(n)
-        if count:
-            self._n_docs += 1
-            _maybe_kill("doc", self._n_docs)
-        return closed
 
 
 def tokenize(out, plan, shard_size=DEFAULT_SHARD_SIZE, resume=False, encode_map=serial_map, progress=None,

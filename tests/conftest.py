@@ -1,6 +1,27 @@
-"""Every test sees 8 simulated CPU devices; set before JAX is imported anywhere."""
+"""Every test sees 8 simulated CPU devices (set before JAX is imported anywhere), and the fixtures the
+test modules share.
+
+- `jaxformer_cache`: one cache directory for the session (bundled shards, wandb files), never ~/.cache.
+- `bundled_shards`: the bundled corpus tokenized once per session into it (dataset.ensure_bundled_shards).
+- `src`, `reference_run`: a small gzipped JSON Lines source (data_util.tokenize_docs) and its
+  uninterrupted tokenization in shards of data_util.SHARD tokens (1 val shard, the rest train), what the
+  crash-resume tests compare against byte for byte.
+- `cpu_env`: the environment for a subprocess of this repository on CPU (main.py, bench.py, ...): no
+  inherited JAXFORMER_/WANDB_ variables or device-count flag, wandb disabled, unbuffered output, the
+  session's cache directory, and one persistent XLA compilation cache for the whole session.
+- `tiny_args`, `mesh1_args`, `mesh8_args`: the CLI flags of a model that compiles in seconds, and two
+  meshes that see the same global batch of 8 sequences.
+- `gcs_emulator`: a local GCS server (data/emulator.py) for a test module, this process pointed at it;
+  the value is the environment that points a subprocess at it.
+- `tmux_env`: tests/launch_util.py's environment for a launch script, its private tmux server killed
+  afterwards (no session may outlive the test).
+"""
+import gzip
+import json
 import os
 import sys
+
+import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = " ".join(
@@ -8,3 +29,81 @@ os.environ["XLA_FLAGS"] = " ".join(
     + ["--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("WANDB_MODE", "offline")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def jaxformer_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jaxformer_cache"))
+
+
+@pytest.fixture(scope="session")
+def bundled_shards(jaxformer_cache):
+    import dataset
+    return dataset.ensure_bundled_shards(jaxformer_cache)
+
+
+@pytest.fixture(scope="session")
+def src(tmp_path_factory):
+    from data_util import tokenize_docs
+    path = tmp_path_factory.mktemp("src") / "docs.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for t in tokenize_docs():
+            f.write(json.dumps({"text": t, "meta": 1}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def reference_run(src, tmp_path_factory):
+    from data import shards
+    from data_util import SHARD
+    out = str(tmp_path_factory.mktemp("ref") / "out")
+    shards.tokenize(out, shards.make_plan(src, val_shards=1), SHARD)
+    return out
+
+
+@pytest.fixture(scope="session")
+def cpu_env(jaxformer_cache, tmp_path_factory):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "JAXFORMER_"))}
+    e.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", WANDB_MODE="disabled", JAXFORMER_CACHE=jaxformer_cache,
+             XLA_FLAGS=" ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f),
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return e
+
+
+@pytest.fixture(scope="session")
+def tiny_args():
+    return ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 "
+            "--q_latent_dim 16 --dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 "
+            "--model_dtype float32 --val_batch_size 2 --eval_steps 1 --max_tokens 4 --checkpoint_steps 1 "
+            "--bias_update_rate 1e-2").split()
+
+
+@pytest.fixture(scope="session")
+def mesh1_args():
+    return "--n_device_axis 1 1 1 --train_batch_size 8".split()
+
+
+@pytest.fixture(scope="session")
+def mesh8_args():
+    return "--n_device_axis 2 2 2 --train_batch_size 4 --cpu_devices 8".split()
+
+
+@pytest.fixture(scope="module")
+def gcs_emulator():
+    from data import emulator
+    proc, url = emulator.start(bucket="jaxformer")
+    restore = emulator.point_this_process_at(url)
+    yield emulator.emulator_env(url)
+    proc.terminate()
+    proc.wait(timeout=30)
+    restore()
+
+
+@pytest.fixture
+def tmux_env(tmp_path):
+    import launch_util
+    e = launch_util.launch_env(tmp_path)
+    yield e
+    launch_util.kill_tmux(e)
+    assert launch_util.sessions(e) == [], "a tmux session outlived the test"

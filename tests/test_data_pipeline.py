@@ -1,100 +1,34 @@
 """Tokenization pipeline (data/shards.py and its two drivers): exactness, crash-resume, fsspec targets.
 
-The kill tests run the real driver as a subprocess and SIGKILL it through the JAXFORMER_TOKENIZE_KILL_AT
-hook (data/shards.py). `fakegcs://` is a local stand-in for a GCS bucket whose rename is copy + delete
-(not atomic), like gcsfs; memory:// cannot outlive a killed process, so it gets a plain write/read test.
+The kill tests run the real driver as a subprocess through tests/tokenize_faults.py, which watches its
+writes and SIGKILLs it (and its pool) at chosen points; the in-process tests raise an exception at the
+same points. `fakegcs://` (tests/fakegcs.py) is a local stand-in for a GCS bucket whose rename is
+copy + delete (not atomic), like gcsfs; memory:// cannot outlive a killed process, so it gets a plain
+write/read test. `src` and `reference_run` are conftest.py's.
 """
-import gzip
-import json
 import os
 import shutil
-import subprocess
-import sys
 
+import fsspec
 import numpy as np
 import pytest
-import fsspec
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import conftest
+import dataset
+import fakegcs
+import tokenize_faults
+from data import shards
+from data import tokenizer as tok
+from data_util import (REPO, SHARD, corpus_documents, kill_chain, output_files, reference_tokens,  # noqa: F401
+                       run_driver, shard_tokens, tokenize_docs)
 
-from data import corpus, shards  # noqa: E402
-from data import tokenizer as tok  # noqa: E402
-import dataset  # noqa: E402
-from data_util import reference_tokens, shard_tokens  # noqa: E402
-
-FAKEGCS_ROOT_ENV = "FAKEGCS_ROOT"
-
-
-# Executed here and at the start of the driver subprocesses (which should not pay for importing JAX).
-FAKEGCS_SRC = '''
-import os
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
-
-
-class FakeGCSFileSystem(LocalFileSystem):
-    """fakegcs://bucket/key -> $FAKEGCS_ROOT/bucket/key; mv = copy then delete, as on GCS."""
-    protocol = ("fakegcs",)
-    root_marker = ""
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = str(path)
-        if path.startswith("fakegcs://"):
-            path = os.path.join(os.environ["FAKEGCS_ROOT"], path[len("fakegcs://"):])
-        return path.rstrip("/") or "/"
-
-    def mv(self, path1, path2, **kwargs):
-        self.cp_file(path1, path2)
-        self.rm_file(path1)
-
-
-fsspec.register_implementation("fakegcs", FakeGCSFileSystem, clobber=True)
-'''
-exec(FAKEGCS_SRC)
-
-
-def _docs():
-    """Small, varied documents: the val chapters, an empty one, and one longer than two shards."""
-    val = corpus.documents("val")
-    return val[:20] + [""] + ["\n\n".join(corpus.documents("train")[:12])] + val[20:]
-
-
-SHARD = 2_500
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    d = tmp_path_factory.mktemp("src")
-    path = d / "docs.jsonl.gz"
-    with gzip.open(path, "wt", encoding="utf-8") as f:
-        for t in _docs():
-            f.write(json.dumps({"text": t, "meta": 1}) + "\n")
-    return str(path)
-
-
-def _files(out_url):
-    out = shards.Output(out_url)
-    res = {}
-    for name in out.list():
-        with out.fs.open(out.path(name), "rb") as f:
-            res[name] = f.read()
-    return res
-
-
-@pytest.fixture(scope="module")
-def reference_run(src, tmp_path_factory):
-    """Uninterrupted in-process run of the small source: 1 val shard, the rest train."""
-    out = str(tmp_path_factory.mktemp("ref") / "out")
-    plan = shards.make_plan(src, val_shards=1)
-    shards.tokenize(out, plan, SHARD)
-    return out
+# the names test_gcs imports from here (it can take data_util's and conftest.py's fixtures instead)
+_files, _kill_chain, reference_run, src = output_files, kill_chain, conftest.reference_run, conftest.src
 
 
 def test_shards_equal_tiktoken_encoding(reference_run):
     m, toks = shard_tokens(reference_run)
-    assert np.array_equal(toks, reference_tokens(_docs()))
+    assert np.array_equal(toks, reference_tokens(tokenize_docs()))
     sizes = [s["tokens"] for s in m["shards"]]
     assert all(n == SHARD for n in sizes[:-1]) and 0 < sizes[-1] <= SHARD
     assert [s["split"] for s in m["shards"]] == ["val"] + ["train"] * (len(sizes) - 1)
@@ -103,7 +37,7 @@ def test_shards_equal_tiktoken_encoding(reference_run):
 
 
 def test_local_file_types_share_the_datasets_path(tmp_path):
-    docs = corpus.documents("val")[:5]
+    docs = corpus_documents("val")[:5]
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"body": docs}), tmp_path / "a.parquet")
@@ -118,70 +52,39 @@ def test_local_file_types_share_the_datasets_path(tmp_path):
         assert np.array_equal(toks, want), source
 
 
-def test_bundled_split_is_the_corpus_split(tmp_path):
-    d = dataset.ensure_bundled_shards(str(tmp_path / "cache"))
-    assert dataset.ensure_bundled_shards(str(tmp_path / "cache")) == d    # cached
-    m, toks = shard_tokens(d)
+def test_bundled_split_is_the_corpus_split(bundled_shards, jaxformer_cache):
+    assert dataset.ensure_bundled_shards(jaxformer_cache) == bundled_shards    # cached
+    m, toks = shard_tokens(bundled_shards)
     val = [s for s in m["shards"] if s["split"] == "val"]
     assert len(val) == 1
     n_val = val[0]["tokens"]
-    assert np.array_equal(toks[:n_val], reference_tokens(corpus.documents("val")))
-    assert np.array_equal(toks[n_val:], reference_tokens(corpus.documents("train")))
-    assert not [p for p in os.listdir(tmp_path / "cache") if ".tmp" in p]
+    assert np.array_equal(toks[:n_val], reference_tokens(corpus_documents("val")))
+    assert np.array_equal(toks[n_val:], reference_tokens(corpus_documents("train")))
+    assert not [p for p in os.listdir(jaxformer_cache) if ".tmp" in p]
 
 
 class _Crash(Exception):
     pass
 
 
-@pytest.mark.parametrize("event", ["doc", "tmp", "shard", "manifest"])
+def crash():
+    raise _Crash()
+
+
+@pytest.mark.parametrize("event", tokenize_faults.EVENTS)
 def test_resume_after_crash_at_every_point_in_process(src, reference_run, tmp_path, monkeypatch, event):
-    """Crash (an exception where the kill hook fires) at every n, resume, compare byte for byte."""
+    """Crash (an exception where tokenize_faults.py would SIGKILL) at every n, resume, compare byte for byte."""
     want = _files(reference_run)
     plan = shards.make_plan(src, val_shards=1)
-    n_max = len(_docs()) if event == "doc" else len([k for k in want if k.endswith(".bin")])
+    n_max = len(tokenize_docs()) if event == "doc" else len([k for k in want if k.endswith(".bin")])
     for n in range(1, n_max + 1, 2 if event == "doc" else 1):
         out = str(tmp_path / f"{event}{n}")
-        monkeypatch.setenv(shards.KILL_ENV, f"{event}:{n}")
-
-        def crash(ev, k):
-            if shards._kill_point() == (ev, k):
-                raise _Crash()
-        monkeypatch.setattr(shards, "_maybe_kill", crash)
-        with pytest.raises(_Crash):
-            shards.tokenize(out, plan, SHARD)
-        monkeypatch.delenv(shards.KILL_ENV)
+        with monkeypatch.context() as m:
+            tokenize_faults.install(m.setattr, (event, n), crash)
+            with pytest.raises(_Crash):
+                shards.tokenize(out, plan, SHARD)
         shards.tokenize(out, plan, SHARD, resume=True)
         assert _files(out) == want, (event, n)
-
-
-def _driver(args, env_extra, check=True):
-    code = "import sys; sys.path.insert(0, %r); exec(%r); from data.tokenize_local import main; " \
-           "main(sys.argv[1:])" % (REPO, FAKEGCS_SRC)
-    env = dict(os.environ)
-    env.pop(shards.KILL_ENV, None)
-    env.update(env_extra)
-    p = subprocess.run([sys.executable, "-c", code, *args, "--no_progress"], env=env, cwd=REPO,
-                       start_new_session=True, capture_output=True, text=True, timeout=120)
-    if check:
-        assert p.returncode == 0, p.stderr[-3000:]
-    return p
-
-
-def _kill_chain(src, out, points, env, workers=2):
-    """Run the multiprocessing driver, SIGKILLed at each point in turn, then resume to the end."""
-    args = ["--source", src, "--out", out, "--shard_size", str(SHARD), "--val_shards", "1",
-            "--workers", str(workers), "--batch_docs", "4"]
-    carries = []
-    for i, point in enumerate(points):
-        p = _driver(args + (["--resume"] if i else []), dict(env, **{shards.KILL_ENV: point}), check=False)
-        assert p.returncode == -9, (point, p.returncode, p.stderr[-3000:])
-        m = json.loads(shards.Output(out).read_text(shards.MANIFEST)) if shards.Output(out).exists(
-            shards.MANIFEST) else None
-        assert m is None or not m["complete"]
-        carries.append(m and m["cursor"]["carry"])
-    _driver(args + ["--resume"], env)
-    return carries
 
 
 def test_sigkill_resume_local(src, reference_run, tmp_path):
@@ -196,8 +99,8 @@ def test_sigkill_resume_local(src, reference_run, tmp_path):
 
 
 def test_sigkill_resume_fake_gcs(src, reference_run, tmp_path, monkeypatch):
-    env = {FAKEGCS_ROOT_ENV: str(tmp_path / "bucketroot")}
-    monkeypatch.setenv(FAKEGCS_ROOT_ENV, env[FAKEGCS_ROOT_ENV])
+    env = {fakegcs.ROOT_ENV: str(tmp_path / "bucketroot")}
+    monkeypatch.setenv(fakegcs.ROOT_ENV, env[fakegcs.ROOT_ENV])
     url = "fakegcs://bucket/tok"
     _kill_chain(src, url, ["tmp:1", "manifest:3"], env, workers=1)
     assert _files(url) == _files(reference_run)
@@ -241,13 +144,13 @@ def test_multiprocessing_and_ray_drivers_are_byte_identical(local_ray, tmp_path)
     from data import tokenize_ray
     plan = shards.make_plan(shards.BUNDLED)
     mp_out, ray_out = str(tmp_path / "mp"), str(tmp_path / "ray")
-    p = _driver(["--source", "bundled", "--out", mp_out, "--shard_size", "100000", "--workers", "2"], {})
+    p = run_driver(["--source", "bundled", "--out", mp_out, "--shard_size", "100000", "--workers", "2"], {})
     assert "val: 1 shards" in p.stdout
     tokenize_ray.run(ray_out, plan, 100_000, progress=False, batch_docs=64)
     got = _files(ray_out)
     assert got == _files(mp_out) and len(got) == 12          # 11 shards + manifest
     _, toks = shard_tokens(ray_out)
-    assert np.array_equal(toks, reference_tokens(corpus.documents("val") + corpus.documents("train")))
+    assert np.array_equal(toks, reference_tokens(corpus_documents("val") + corpus_documents("train")))
 
 
 def test_source_spec_kinds(tmp_path):

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+import tokenize_faults
 from data import shards
 from data_util import reference_tokens, shard_tokens
 
@@ -56,6 +57,10 @@ class _Crash(Exception):
     pass
 
 
+def crash():
+    raise _Crash()
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_resume_over_bad_documents_is_exact(bad_jsonl, tmp_path, monkeypatch, n):
     """Skipped documents still count for the cursor: a crash after the n-th packed document resumes to
@@ -63,15 +68,10 @@ def test_resume_over_bad_documents_is_exact(bad_jsonl, tmp_path, monkeypatch, n)
     plan = shards.make_plan(train_source=bad_jsonl)
     shards.tokenize(str(tmp_path / "ref"), plan, 300)
     out = str(tmp_path / "out")
-    monkeypatch.setenv(shards.KILL_ENV, f"doc:{n}")
-
-    def crash(ev, k):
-        if shards._kill_point() == (ev, k):
-            raise _Crash()
-    monkeypatch.setattr(shards, "_maybe_kill", crash)
-    with pytest.raises(_Crash):
-        shards.tokenize(out, plan, 300)
-    monkeypatch.delenv(shards.KILL_ENV)
+    with monkeypatch.context() as m:
+        tokenize_faults.install(m.setattr, ("doc", n), crash)
+        with pytest.raises(_Crash):
+            shards.tokenize(out, plan, 300)
     shards.tokenize(out, plan, 300, resume=True)
     assert shards.Output(out).list() == shards.Output(str(tmp_path / "ref")).list()
     for name in shards.Output(out).list():
