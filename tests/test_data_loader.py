@@ -83,6 +83,16 @@ def test_batch_is_pure_function_of_step_restart(data_dir):
     assert all(np.array_equal(u, v) for u, v in zip(_np(d.batch(5)), before[5]))
 
 
+def test_a_resume_continues_after_the_sequences_consumed_whatever_the_batch_size(data_dir):
+    """The data position is a count of sequences: a loader of half the batch started after 3 batches of
+    the first (consumed = position(3)) reads exactly the rows the first would read next."""
+    ds = dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE)
+    a = dataset.BatchLoader(ds, T, B, _sharding(), seed=2)
+    b = dataset.BatchLoader(ds, T, B // 2, _sharding(), seed=2, consumed=a.position(3))
+    assert a.position(3) == b.position(0) == 3 * B and b.position(1) == 3 * B + B // 2
+    assert np.array_equal(np.concatenate([b.window_ids(0), b.window_ids(1)]), a.window_ids(3))
+
+
 def test_epochs_are_permutations_and_no_window_past_end(data_dir):
     ds = dataset.TokenDataset(data_dir, "train", tok.VOCAB_SIZE)
     loader = dataset.BatchLoader(ds, T, B, _sharding(), seed=1)
