@@ -8,11 +8,13 @@
 - `BatchLoader(dataset, T, global_batch, sharding, seed)`: window w is tokens [w*T, w*T + T + 1) of the
   split, so (x, y) = (window[:-1], window[1:]) and no window runs past the end of the data. Epoch e
   visits the (n_tokens - 1) // T windows in the order of a permutation seeded by (seed, e); global row
-  r of step s is the (s * global_batch + r)-th window of that endless sequence. So `batch(s)` is a pure
-  function of (s, seed, manifest): resuming needs only the step number, and the number of hosts does
-  not change which tokens a step sees. Each process reads only the rows its own devices hold
-  (`sharding.addressable_devices_indices_map`) and builds the global jax.Array with
-  `jax.make_array_from_single_device_arrays`. `iterate(start)` prefetches on a background thread.
+  r of step s is the (position(s) + r)-th window of that endless sequence, position(s) = consumed +
+  s * global_batch (`consumed`: sequences trained on before this loader). So `batch(s)` is a pure
+  function of (s, consumed, seed, manifest): resuming needs only the sequence count, and neither the
+  batch size nor the number of hosts changes which tokens follow. Each process reads only the rows its
+  own devices hold (`sharding.addressable_devices_indices_map`) and builds the global jax.Array
+  (`jax.make_array_from_process_local_data`, or per device when a device holds part of a row).
+  `iterate(start)` prefetches on a background thread.
 - `validation_batches(...)`: a fixed set of windows spread evenly over the val split, no shuffling.
 - `ensure_bundled_shards(cache_dir)`: tokenizes the bundled corpus once into a cached shard directory
   whose val split is exactly the corpus' val documents.
