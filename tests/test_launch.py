@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from launch_util import (LIB, LOCAL_SSH, ROOT, SCRIPTS, SECRET, all_text, env, needs_tmux,  # noqa: F401
-                         path_without, sessions, sh, tmux)                               # (env: fixture)
+from launch_util import (LIB, LOCAL_SSH, ROOT, SCRIPTS, SECRET, all_text, needs_tmux,
+                         path_without, sessions, sh, tmux)
 
 pytestmark = needs_tmux
 
@@ -93,12 +93,12 @@ def test_lib_run_name_from_args(tmp_path):
                                         "give the run one name\n")
 
 
-def test_scripts_run_from_any_cwd(env, hosts, tmp_path):
-    p = sh("launcher.sh", "--hosts", hosts("h0"), "--dry-run", "--", "--name", "r", env=env, check=0, cwd=tmp_path)
+def test_scripts_run_from_any_cwd(tmux_env, hosts, tmp_path):
+    p = sh("launcher.sh", "--hosts", hosts("h0"), "--dry-run", "--", "--name", "r", env=tmux_env, check=0, cwd=tmp_path)
     assert "## host 0: h0" in p.out and "session 'r-0'" in p.out
-    p = sh("run.sh", "hostA", "--dry-run", env=env, check=0, cwd=tmp_path)
+    p = sh("run.sh", "hostA", "--dry-run", env=tmux_env, check=0, cwd=tmp_path)
     assert "session 'jaxformer'" in p.out and f"{ROOT}/logs/jaxformer.log" in p.out
-    p = sh("debug_tpu.sh", "--hosts", hosts("h0"), "--dry-run", env=env, check=0, cwd=tmp_path)
+    p = sh("debug_tpu.sh", "--hosts", hosts("h0"), "--dry-run", env=tmux_env, check=0, cwd=tmp_path)
     assert "window run pane 0 (h0)" in p.out and f"cd {ROOT}" in p.out
 
 
@@ -107,27 +107,27 @@ def test_scripts_run_from_any_cwd(env, hosts, tmp_path):
     ("launcher.sh", ["--hosts", "--tpu", "--zone", "--coordinator", "--commit", "--wait", "--dry-run"]),
     ("run.sh", ["HOST", "--name", "--coordinator", "--commit", "--force", "--dry-run", "SSH"]),
     ("debug_tpu.sh", ["--hosts", "--tpu", "--session", "--kill", "--dry-run", "monitor"])])
-def test_help(script, words, env):
-    p = sh(script, "--help", env=env, check=0)
+def test_help(script, words, tmux_env):
+    p = sh(script, "--help", env=tmux_env, check=0)
     assert p.stdout.startswith(f"usage: {script}")
     for w in words:
         assert w in p.stdout, w
 
 
-def test_run_dry_run_shows_command_not_secret(env, tmp_path):
+def test_run_dry_run_shows_command_not_secret(tmux_env, tmp_path):
     p = sh("run.sh", "hostA", "--index", 1, "--num-processes", 2, "--coordinator", "hostA:1234",
-           "--dir", tmp_path, "--dry-run", "--", "--preset", "tiny", "--name", "exp1", env=env, check=0)
+           "--dir", tmp_path, "--dry-run", "--", "--preset", "tiny", "--name", "exp1", env=tmux_env, check=0)
     out = p.out
     assert "session 'exp1-1'" in out and f"{tmp_path}/logs/exp1-1.log" in out
     assert "JAX_COORDINATOR_ADDRESS=hostA:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1" in out
     assert "main.py --preset tiny --name exp1" in out and LOCAL_SSH in out
     assert "values withheld): WANDB_API_KEY" in out and SECRET not in out
-    assert sessions(env) == []
+    assert sessions(tmux_env) == []
 
 
-def test_launcher_dry_run_and_tpu_hosts(env, hosts, tmp_path):
+def test_launcher_dry_run_and_tpu_hosts(tmux_env, hosts, tmp_path):
     p = sh("launcher.sh", "--hosts", hosts("h0", "h1"), "--coordinator", "h0:1234", "--dry-run", "--", "--name", "r",
-           env=env, check=0)
+           env=tmux_env, check=0)
     assert "## host 0: h0" in p.out and "## host 1: h1" in p.out
     assert "session 'r-0'" in p.out and "session 'r-1'" in p.out and SECRET not in p.out
     # --tpu: workers come from `gcloud compute tpus tpu-vm describe` (a fake gcloud here)
@@ -135,7 +135,7 @@ def test_launcher_dry_run_and_tpu_hosts(env, hosts, tmp_path):
     bin_dir.mkdir()
     (bin_dir / "gcloud").write_text('#!/bin/sh\necho "$*" >> "$GCLOUD_LOG"\necho "10.1.0.2;10.1.0.3"\n')
     (bin_dir / "gcloud").chmod(0o755)
-    e = dict(env, PATH=f"{bin_dir}:{env['PATH']}", GCLOUD_LOG=str(tmp_path / "gcloud.log"))
+    e = dict(tmux_env, PATH=f"{bin_dir}:{tmux_env['PATH']}", GCLOUD_LOG=str(tmp_path / "gcloud.log"))
     del e["SSH"]
     p = sh("launcher.sh", "--tpu", "pod", "--zone", "us-z1", "--dry-run", env=e, check=0)
     assert "describe pod --zone us-z1" in (tmp_path / "gcloud.log").read_text()
@@ -144,72 +144,72 @@ def test_launcher_dry_run_and_tpu_hosts(env, hosts, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["launcher.sh", "debug_tpu.sh"])
-def test_missing_or_empty_hosts_file(script, env, tmp_path):
-    p = sh(script, "--hosts", tmp_path / "nope", env=env, check=2)
+def test_missing_or_empty_hosts_file(script, tmux_env, tmp_path):
+    p = sh(script, "--hosts", tmp_path / "nope", env=tmux_env, check=2)
     assert "hosts file" in p.stderr and "not found" in p.stderr
     empty = tmp_path / "empty"
     empty.write_text("# nobody\n\n   \n")
-    p = sh(script, "--hosts", empty, env=env, check=2)
+    p = sh(script, "--hosts", empty, env=tmux_env, check=2)
     assert "lists no hosts" in p.stderr
-    p = sh(script, env=env, check=2)
+    p = sh(script, env=tmux_env, check=2)
     assert "missing --hosts FILE or --tpu" in p.stderr
-    assert sessions(env) == []
+    assert sessions(tmux_env) == []
 
 
-def test_unreachable_host(env, hosts, tmp_path):
-    p = sh("run.sh", "unreachable-9", env=env, check=255)
+def test_unreachable_host(tmux_env, hosts, tmp_path):
+    p = sh("run.sh", "unreachable-9", env=tmux_env, check=255)
     assert "cannot reach unreachable-9 over SSH" in p.stderr
-    p = sh("launcher.sh", "--hosts", hosts("unreachable-1"), "--local-logs", tmp_path / "ll", env=env, check=1)
+    p = sh("launcher.sh", "--hosts", hosts("unreachable-1"), "--local-logs", tmp_path / "ll", env=tmux_env, check=1)
     assert "host 0 unreachable-1: FAILED, unreachable over SSH (exit 255)" in p.stderr
     assert "1 of 1 host(s) failed: unreachable-1" in p.stderr
     assert (tmp_path / "ll" / "0-unreachable-1.log").exists()
 
 
-def test_tmux_missing(env, hosts, tmp_path):
+def test_tmux_missing(tmux_env, hosts, tmp_path):
     no_tmux = path_without(tmp_path, "tmux")
-    p = sh("run.sh", "hostB", "--dir", ROOT, env=dict(env, LOCAL_SSH_PATH=no_tmux), check=4)
+    p = sh("run.sh", "hostB", "--dir", ROOT, env=dict(tmux_env, LOCAL_SSH_PATH=no_tmux), check=4)
     assert "error on hostB: tmux is not installed" in p.stderr
-    p = sh("debug_tpu.sh", "--hosts", hosts("h"), env=dict(env, PATH=no_tmux), check=2)
+    p = sh("debug_tpu.sh", "--hosts", hosts("h"), env=dict(tmux_env, PATH=no_tmux), check=2)
     assert "tmux is not installed here" in p.stderr
-    assert sessions(env) == []
+    assert sessions(tmux_env) == []
 
 
-def test_no_checkout(env, tmp_path):
-    p = sh("run.sh", "hostC", "--dir", tmp_path / "absent", env=env, check=3)
+def test_no_checkout(tmux_env, tmp_path):
+    p = sh("run.sh", "hostC", "--dir", tmp_path / "absent", env=tmux_env, check=3)
     assert "no checkout at" in p.stderr
 
 
-def test_session_already_running_then_force(env, tmp_path):
+def test_session_already_running_then_force(tmux_env, tmp_path):
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n")
     args = ["hostD", "--name", "busy", "--python", sys.executable, "--main", sleeper,
             "--log-dir", tmp_path / "logs"]
-    sh("run.sh", *args, env=env, check=0)
-    assert sessions(env) == ["busy"]
-    p = sh("run.sh", *args, env=env, check=7)
+    sh("run.sh", *args, env=tmux_env, check=0)
+    assert sessions(tmux_env) == ["busy"]
+    p = sh("run.sh", *args, env=tmux_env, check=7)
     assert "tmux session 'busy' is already running" in p.stderr and "--force" in p.stderr
-    pid = tmux(env, "display-message", "-p", "-t", "=busy:", "#{pane_pid}").stdout.strip()
-    sh("run.sh", *args, "--force", env=env, check=0)
-    assert sessions(env) == ["busy"]
-    assert pid and tmux(env, "display-message", "-p", "-t", "=busy:", "#{pane_pid}").stdout.strip() != pid
+    pid = tmux(tmux_env, "display-message", "-p", "-t", "=busy:", "#{pane_pid}").stdout.strip()
+    sh("run.sh", *args, "--force", env=tmux_env, check=0)
+    assert sessions(tmux_env) == ["busy"]
+    assert pid and tmux(tmux_env, "display-message", "-p", "-t", "=busy:", "#{pane_pid}").stdout.strip() != pid
 
 
-def test_wait_reports_program_failure(env, hosts, tmp_path):
+def test_wait_reports_program_failure(tmux_env, hosts, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os, sys\nprint('key set:', bool(os.environ.get('WANDB_API_KEY')))\nsys.exit(3)\n")
     p = sh("launcher.sh", "--hosts", hosts("hostE", "unreachable-2"), "--name", "bad", "--wait", "--keep-going",
            "--coordinator", "hostE:1234",
            "--python", sys.executable, "--main", bad, "--log-dir", tmp_path / "logs",
-           "--local-logs", tmp_path / "ll", env=env, check=1)
+           "--local-logs", tmp_path / "ll", env=tmux_env, check=1)
     assert "host 0 hostE: FAILED, exit status 3" in p.stderr and "host 1 unreachable-2: FAILED" in p.stderr
     assert "2 of 2 host(s) failed: hostE unreachable-2" in p.stderr
     host_log = (tmp_path / "logs" / "bad-0.log").read_text()
     assert "key set: True" in host_log and "run.sh: exit status 3" in host_log
     assert SECRET not in p.out + all_text(tmp_path / "logs", tmp_path / "ll")
-    assert sessions(env) == []
+    assert sessions(tmux_env) == []
 
 
-def test_commit_checks_out_only_a_clean_checkout(env, tmp_path):
+def test_commit_checks_out_only_a_clean_checkout(tmux_env, tmp_path):
     repo = tmp_path / "repo"
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
@@ -221,41 +221,41 @@ def test_commit_checks_out_only_a_clean_checkout(env, tmp_path):
     subprocess.run(git + ["commit", "-qam", "two"], check=True)
     args = ["hostF", "--dir", repo, "--python", sys.executable, "--main", "prog.py", "--wait"]
     (repo / "prog.py").write_text("print('local edit')\n")               # dirty: refused, untouched
-    p = sh("run.sh", *args, "--name", "c1", "--commit", first, env=env, check=5)
+    p = sh("run.sh", *args, "--name", "c1", "--commit", first, env=tmux_env, check=5)
     assert "has local changes" in p.stderr and (repo / "prog.py").read_text() == "print('local edit')\n"
-    p = sh("run.sh", *args, "--name", "c2", env=env, check=0)             # "as is" runs the edit
+    p = sh("run.sh", *args, "--name", "c2", env=tmux_env, check=0)             # "as is" runs the edit
     assert "local edit" in p.stdout
     subprocess.run(git + ["checkout", "-q", "prog.py"], check=True)
-    p = sh("run.sh", *args, "--name", "c3", "--commit", first, env=env, check=0)
+    p = sh("run.sh", *args, "--name", "c3", "--commit", first, env=tmux_env, check=0)
     assert "version one" in p.stdout and f"commit {first[:7]}" in p.stdout
 
 
-def test_debug_tpu_layout_and_cleanup(env, hosts, tmp_path):
+def test_debug_tpu_layout_and_cleanup(tmux_env, hosts, tmp_path):
     f = hosts("h0", "h1", "h2")
     p = sh("debug_tpu.sh", "--hosts", f, "--session", "dbg", "--dir", tmp_path, "--no-attach", "--",
-           "echo", "hello from", "$(hostname)", env=env, check=0)
-    assert sessions(env) == ["dbg"]
-    panes = tmux(env, "list-panes", "-s", "-t", "=dbg", "-F", "#{window_name} #{pane_index}").stdout.split("\n")
+           "echo", "hello from", "$(hostname)", env=tmux_env, check=0)
+    assert sessions(tmux_env) == ["dbg"]
+    panes = tmux(tmux_env, "list-panes", "-s", "-t", "=dbg", "-F", "#{window_name} #{pane_index}").stdout.split("\n")
     assert sorted(x for x in panes if x) == ["monitor 0", "monitor 1", "monitor 2", "run 0", "run 1", "run 2"]
-    assert tmux(env, "show-options", "-w", "-t", "=dbg:run", "synchronize-panes").stdout.strip().endswith("on")
+    assert tmux(tmux_env, "show-options", "-w", "-t", "=dbg:run", "synchronize-panes").stdout.strip().endswith("on")
     deadline = time.time() + 15
     while True:
-        shown = [tmux(env, "capture-pane", "-p", "-t", f"=dbg:run.{i}").stdout for i in range(3)]
+        shown = [tmux(tmux_env, "capture-pane", "-p", "-t", f"=dbg:run.{i}").stdout for i in range(3)]
         if all("exit status 0" in s for s in shown) or time.time() > deadline:
             break
         time.sleep(0.2)
     for i, s in enumerate(shown):
         assert "hello from $(hostname)" in s and f"h{i}: exit status 0" in s, s   # quoted: not expanded
-    monitor = tmux(env, "list-panes", "-t", "=dbg:monitor", "-F", "#{pane_dead}").stdout.split()
+    monitor = tmux(tmux_env, "list-panes", "-t", "=dbg:monitor", "-F", "#{pane_dead}").stdout.split()
     assert monitor == ["0", "0", "0"]
-    p = sh("debug_tpu.sh", "--hosts", f, "--session", "dbg", "--no-attach", env=env, check=2)
+    p = sh("debug_tpu.sh", "--hosts", f, "--session", "dbg", "--no-attach", env=tmux_env, check=2)
     assert "tmux session 'dbg' already exists" in p.stderr
-    sh("debug_tpu.sh", "--hosts", f, "--session", "dbg", "--no-attach", "--force", env=env, check=0)
-    sh("debug_tpu.sh", "--kill", "--session", "dbg", env=env, check=0)
-    assert sessions(env) == []
-    p = sh("debug_tpu.sh", "--hosts", f, "--dry-run", "--", "python", "main.py", env=env, check=0)
+    sh("debug_tpu.sh", "--hosts", f, "--session", "dbg", "--no-attach", "--force", env=tmux_env, check=0)
+    sh("debug_tpu.sh", "--kill", "--session", "dbg", env=tmux_env, check=0)
+    assert sessions(tmux_env) == []
+    p = sh("debug_tpu.sh", "--hosts", f, "--dry-run", "--", "python", "main.py", env=tmux_env, check=0)
     assert p.out.count("window run pane") == 3 and p.out.count("window monitor pane") == 3
-    assert SECRET not in p.out and sessions(env) == []
+    assert SECRET not in p.out and sessions(tmux_env) == []
 
 
 # ---- setup_tpu.sh, against a fake python/pip that only records what it was asked to do ----
