@@ -9,9 +9,10 @@ line (the fields are described in BENCHMARKS.md). In the same run it times a lar
 against what this device actually sustains.
 
 `--pipeline_flops` counts instead of timing: it compiles the step for the given mesh (pp = P,
-M micro-batches) and for the same config with pp = 1 (same dp and tp, same global batch and M) and
-prints the per-device FLOPs of both from XLA's cost analysis, their ratio, and the GPipe
-expectation (M + pp - 1) / (M pp). XLA:CPU's cost analysis does not count through loops (a `while`
+M micro-batches) and for the same config with pp = 1, 2, 4, ... below P (same dp and tp, same
+global batch and M; a pp the config does not allow is skipped) and prints the per-device FLOPs of
+each, their ratio to pp = 1, and the pipeline's expectation (R M + pp - 1) / (R M pp) (R = 1:
+GPipe, today's only schedule), as a table on stderr and in the JSON line ("by_pp"). XLA:CPU's cost analysis does not count through loops (a `while`
 body, i.e. every lax.scan, is costed once), so the FLOPs are also counted here from the optimized
 HLO with every loop body multiplied by its trip count (`hlo_flops`); that count is the one compared.
 
@@ -24,6 +25,7 @@ Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
   python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1
   python bench.py --preset tiny --n_device_axis 1 2 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
+  python bench.py --preset tiny --blocks 4 --n_device_axis 1 4 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
   python bench.py --preset tiny --n_device_axis 8 1 1 --train_batch_size 2 --cpu_devices 8 --grad_error
 """
 import argparse
@@ -42,7 +44,8 @@ def parse_args(argv=None):
     own.add_argument("--steps", type=int, default=10, help="timed training steps")
     own.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     own.add_argument("--pipeline_flops", action="store_true",
-                     help="count per-device FLOPs of the step with this pp and with pp=1 instead of timing")
+                     help="count per-device FLOPs of the step with this pp and with pp=1, 2, 4, ... below it "
+                          "instead of timing")
     own.add_argument("--grad_error", action="store_true",
                      help="compare the gradient on this mesh and on one device with the fp32 reference instead of timing")
     own.add_argument("--matmul_size", type=int, default=0,
@@ -157,14 +160,9 @@ def _conv_flops(rhs, shapes):
     return 2.0 * out_shape[out_l.index("b")] * out_shape[out_l.index("f")] * rhs_shape[rhs_l.index("i")] * taps
 
 
-def hlo_flops(hlo_text):
-    """Matmul FLOPs (2 x output elements x contracted size per dot) of an optimized, SPMD-partitioned
-    HLO module (so: per device), counting every while body times its known trip count, every fusion
-    or call where it is called, and a conditional's costliest branch. Returns {"total": F,
-    "output_layer": F, "blocks": F, "unattributed": F, "forward": F, "backward": F, "remat": F}:
-    the first three split the total by part ("unattributed": dots XLA created without an op_name,
-    seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
-    inside the backward). The output layer is recognised by its "output_layer" scope."""
+def parse_hlo(hlo_text):
+    """An optimized HLO module's text as ({computation: [instruction lines]}, entry name), or None
+    when the text has no ENTRY computation."""
     comps, entry, current = {}, None, None
     for line in hlo_text.splitlines():
         stripped = line.strip()
@@ -180,8 +178,75 @@ def hlo_flops(hlo_text):
             continue
         if current is not None and " = " in stripped:
             comps[current].append(stripped)
-    if entry is None:
+    return (comps, entry) if entry is not None else None
+
+
+def trip_count(rhs, comps):
+    """Iterations of the while loop whose instruction right-hand side is `rhs`. XLA:CPU writes
+    known_trip_count; TPU HLO does not, but its loop conditions compare the counter (from 0) with a
+    constant: `compare(counter, constant(N)), direction=LT`. 1 when neither says."""
+    trip = _TRIP.search(rhs)
+    if trip:
+        return int(trip.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", rhs)
+    lines = comps.get(cond.group(1), []) if cond else []
+    constants = {ins.partition(" = ")[0].strip().lstrip("%"): int(c.group(1)) for ins in lines
+                 if (c := re.search(r"\bconstant\((-?\d+)\)", ins))}
+    root = next((ins for ins in lines if ins.startswith("ROOT") and "direction=LT" in ins), "")
+    operands = re.search(r"compare\(([^)]*)\)", root)
+    bound = [constants[o.strip().lstrip("%")] for o in operands.group(1).split(",")
+             if o.strip().lstrip("%") in constants] if operands else []
+    return bound[0] if bound else 1
+
+
+def hlo_sum(comps, entry, count, key):
+    """Sum of count(instruction right-hand side) -> {name: number} over everything the entry
+    computation runs: every while body times its trip count (nested loops multiply), every fusion,
+    call or async computation once where it is called (an async-start's, not again at its
+    async-update/-done), and a conditional's costliest branch: the one with the largest value of
+    `key` (a name in count's dicts, or a function of the branch's dict)."""
+    memo = {}
+    add = lambda acc, other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
+
+    def cost(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = {}               # recursion guard
+        total = {}
+        for ins in comps.get(name, []):
+            rhs = ins.partition(" = ")[2]
+            add(total, count(rhs))
+            if re.search(r"\bwhile\(", rhs):
+                body = re.search(r"body=%?([\w.\-]+)", rhs)
+                if body:
+                    add(total, cost(body.group(1)), trip_count(rhs, comps))
+            elif re.search(r"\bconditional\(", rhs):
+                branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+                costs = [cost(b) for b in names]
+                if costs:
+                    add(total, max(costs, key=key if callable(key) else lambda c: c.get(key, 0.0)))
+            elif not re.search(r"\basync-(?:update|done)\(", rhs):
+                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rhs):
+                    add(total, cost(callee))
+        memo[name] = total
+        return total
+
+    return cost(entry)
+
+
+def hlo_flops(hlo_text):
+    """Matmul FLOPs (2 x output elements x contracted size per dot) of an optimized, SPMD-partitioned
+    HLO module (so: per device), counting every while body times its known trip count, every fusion
+    or call where it is called, and a conditional's costliest branch (`hlo_sum`). Returns {"total": F,
+    "output_layer": F, "blocks": F, "unattributed": F, "forward": F, "backward": F, "remat": F}:
+    the first three split the total by part ("unattributed": dots XLA created without an op_name,
+    seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
+    inside the backward). The output layer is recognised by its "output_layer" scope."""
+    parsed = parse_hlo(hlo_text)
+    if parsed is None:
         return None
+    comps, entry = parsed
 
     shapes = {}
     for lines in comps.values():
@@ -206,55 +271,17 @@ def hlo_flops(hlo_text):
             return 0.0
         return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_shape[d] for d in _dims(contract.group(1)))
 
-    def trip_count(rhs):
-        """XLA:CPU writes known_trip_count; TPU HLO does not, but its loop conditions compare the
-        counter (from 0) with a constant: `compare(counter, constant(N)), direction=LT`."""
-        trip = _TRIP.search(rhs)
-        if trip:
-            return int(trip.group(1))
-        cond = re.search(r"condition=%?([\w.\-]+)", rhs)
-        lines = comps.get(cond.group(1), []) if cond else []
-        constants = {ins.partition(" = ")[0].strip().lstrip("%"): int(c.group(1)) for ins in lines
-                     if (c := re.search(r"\bconstant\((-?\d+)\)", ins))}
-        root = next((ins for ins in lines if ins.startswith("ROOT") and "direction=LT" in ins), "")
-        operands = re.search(r"compare\(([^)]*)\)", root)
-        bound = [constants[o.strip().lstrip("%")] for o in operands.group(1).split(",")
-                 if o.strip().lstrip("%") in constants] if operands else []
-        return bound[0] if bound else 1
-
-    memo = {}
-    add = lambda acc, other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
-
-    def cost(name):
-        if name in memo:
-            return memo[name]
-        memo[name] = {}               # recursion guard
-        total = {}
-        for ins in comps.get(name, []):
-            rhs = ins.partition(" = ")[2]
-            matmul = dot_flops(rhs) if re.search(r"\bdot\(", rhs) else (
-                _conv_flops(rhs, shapes) if re.search(r"\bconvolution\(", rhs) else None)
-            if matmul is not None:
-                part, phase = _dot_category(rhs)
-                add(total, {"total": matmul, part: matmul, phase: matmul})
-            if re.search(r"\bwhile\(", rhs):
-                body = re.search(r"body=%?([\w.\-]+)", rhs)
-                if body:
-                    add(total, cost(body.group(1)), trip_count(rhs))
-            elif re.search(r"\bconditional\(", rhs):
-                branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
-                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
-                costs = [cost(b) for b in names]
-                if costs:
-                    add(total, max(costs, key=lambda c: c.get("total", 0.0)))
-            else:
-                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rhs):
-                    add(total, cost(callee))
-        memo[name] = total
-        return total
+    def matmuls(rhs):
+        matmul = dot_flops(rhs) if re.search(r"\bdot\(", rhs) else (
+            _conv_flops(rhs, shapes) if re.search(r"\bconvolution\(", rhs) else None)
+        if matmul is None:
+            return {}
+        part, phase = _dot_category(rhs)
+        return {"total": matmul, part: matmul, phase: matmul}
 
     result = {k: 0.0 for k in ("total", "output_layer", "blocks", "unattributed", "forward", "backward", "remat")}
-    add(result, cost(entry))
+    for k, v in hlo_sum(comps, entry, matmuls, "total").items():
+        result[k] = result.get(k, 0.0) + v
     return result
 
 
@@ -266,35 +293,85 @@ def count_step_flops(cfg, jax, model):
     return {"xla_cost_analysis": xla_flops(compiled), **hlo_flops(compiled.as_text())}
 
 
+def pipeline_repeats(cfg):
+    """R, how many times the micro-batches go around the stage ring (the circular pipeline's
+    `pipeline_repeats` where a config section has it); 1 is GPipe, the only schedule today."""
+    for section in (cfg.run, cfg.model):
+        if hasattr(section, "pipeline_repeats"):
+            return int(section.pipeline_repeats)
+    return 1
+
+
+def expected_pipeline_ratio(M, pp, R=1):
+    """Per-device block work at pp stages over the pp = 1 figure: each device runs R M + pp - 1
+    ticks of B/(R pp) blocks instead of R M ticks of B/R, i.e. (R M + pp - 1) / (R M pp)."""
+    return (R * M + pp - 1) / (R * M * pp)
+
+
 def pipeline_flops(cfg, jax, model):
-    """Per-device FLOPs of the step on (dp, pp, tp) and on (dp, 1, tp), same global batch and M.
+    """Per-device FLOPs of the step on (dp, pp, tp) and on (dp, 1, tp), same global batch and M,
+    and in "by_pp" the same for every pp of 1, 2, 4, ... up to the mesh's (those the config allows).
 
     GPipe: each stage runs M + pp - 1 ticks of B/pp blocks on one micro-batch, so the blocks' work
-    per device is (M + pp - 1) / (M pp) of the pp = 1 step. The output layer (tied embedding, large
-    vocab) runs after the pipeline, split over the stages (1/pp each), so the total ratio sits below
-    the GPipe figure by how much of the step the output layer is; "ratio_by_part" shows both."""
+    per device is (M + pp - 1) / (M pp) of the pp = 1 step; a circular pipeline of R repeats,
+    (R M + pp - 1) / (R M pp). The output layer (tied embedding, large vocab) runs after the
+    pipeline, split over the stages (1/pp each), so the total ratio sits below the pipeline figure
+    by how much of the step the output layer is; "ratio_by_part" shows both."""
     dp, pp, tp = cfg.run.n_device_axis
-    M = cfg.run.micro_batch_size
-    flat = utils.override(cfg, n_device_axis=(dp, 1, tp))
-    utils.validate(flat, jax.device_count())
-    with_pp, without = count_step_flops(cfg, jax, model), count_step_flops(flat, jax, model)
-    ratio = lambda key: (with_pp[key] / without[key]) if with_pp.get(key) and without.get(key) else None
-    expected = (M + pp - 1) / (M * pp)
+    M, R = cfg.run.micro_batch_size, pipeline_repeats(cfg)
+    stages = sorted({1, pp} | {2 ** i for i in range(1, pp.bit_length()) if 2 ** i < pp})
+    counts = {}
+    for stage_count in stages:
+        variant = utils.override(cfg, n_device_axis=(dp, stage_count, tp))
+        try:
+            utils.validate(variant, jax.device_count())
+        except utils.ConfigError:
+            if stage_count in (1, pp):
+                raise
+            continue                  # an intermediate pp the config does not allow (blocks, M)
+        counts[stage_count] = count_step_flops(variant, jax, model)
+    with_pp, without = counts[pp], counts[1]
+    ratio = lambda a, b, key: (a[key] / b[key]) if a.get(key) and b.get(key) else None
+    expected = expected_pipeline_ratio(M, pp, R)
     parts = ("total", "blocks", "output_layer", "unattributed", "forward", "backward", "remat")
+    by_pp = [{"pp": n, "per_device_flops": c["total"], "blocks": c["blocks"] + c["unattributed"],
+              "output_layer": c["output_layer"], "ratio": ratio(c, without, "total"),
+              "blocks_ratio": (c["blocks"] + c["unattributed"]) / (without["blocks"] + without["unattributed"])
+              if without["blocks"] + without["unattributed"] else None,
+              "expected_ratio": expected_pipeline_ratio(M, n, R),
+              "expected_flops": expected_pipeline_ratio(M, n, R) * without["total"]}
+             for n, c in sorted(counts.items())]
     return {
         "mode": "pipeline_flops", "mesh": [dp, pp, tp], "flat_mesh": [dp, 1, tp], "micro_batches": M,
+        "pipeline_repeats": R,
         "global_batch": dp * cfg.run.train_batch_size, "T": cfg.model.T, "remat": cfg.model.remat,
         "per_device_flops_pp": with_pp["total"], "per_device_flops_pp1": without["total"],
-        "ratio": ratio("total"), "gpipe_expected_ratio": expected,
-        "ratio_over_expected": ratio("total") / expected if ratio("total") else None,
-        "ratio_by_part": {k: ratio(k) for k in parts[1:]},
+        "ratio": ratio(with_pp, without, "total"), "gpipe_expected_ratio": expected_pipeline_ratio(M, pp),
+        "expected_ratio": expected,
+        "ratio_over_expected": ratio(with_pp, without, "total") / expected if ratio(with_pp, without, "total") else None,
+        "ratio_by_part": {k: ratio(with_pp, without, k) for k in parts[1:]},
         "breakdown_pp": {k: with_pp.get(k, 0.0) for k in parts}, "breakdown_pp1": {k: without.get(k, 0.0) for k in parts},
+        "by_pp": by_pp,
         "xla_cost_analysis_flops_pp": with_pp["xla_cost_analysis"],
         "xla_cost_analysis_flops_pp1": without["xla_cost_analysis"],
-        "xla_cost_analysis_ratio": ratio("xla_cost_analysis"),
+        "xla_cost_analysis_ratio": ratio(with_pp, without, "xla_cost_analysis"),
         "note": "per_device_flops_*: matmul FLOPs of the optimized per-device HLO, loop bodies x trip count; "
-                "xla_cost_analysis_*: XLA's own figure, which counts each loop body once",
+                "xla_cost_analysis_*: XLA's own figure, which counts each loop body once; "
+                "expected_ratio: (R M + pp - 1) / (R M pp) with R = pipeline_repeats (1: GPipe)",
     }
+
+
+def print_pipeline_table(result, out):
+    """The by_pp rows as a table (to stderr: stdout stays one JSON line)."""
+    M, R = result["micro_batches"], result["pipeline_repeats"]
+    print(f"per-device matmul FLOPs of one train step, M = {M}, R = {R} (expected: (R M + pp - 1)/(R M pp) "
+          f"x the pp = 1 total)", file=out)
+    print(f"{'pp':>3} {'total':>11} {'blocks':>11} {'output':>11} {'ratio':>7} {'blocks':>7} {'expected':>9} "
+          f"{'expected FLOPs':>14} {'total/exp':>9}", file=out)
+    for row in result["by_pp"]:
+        print(f"{row['pp']:>3} {row['per_device_flops']:>11.4e} {row['blocks']:>11.4e} {row['output_layer']:>11.4e} "
+              f"{row['ratio']:>7.3f} {row['blocks_ratio'] or 0:>7.3f} {row['expected_ratio']:>9.3f} "
+              f"{row['expected_flops']:>14.4e} {row['ratio'] / row['expected_ratio']:>9.3f}", file=out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,6 +523,8 @@ def main(argv=None):
         result = {"preset": args.preset, **pipeline_flops(cfg, jax, model)}
     else:
         result = run_benchmark(args, cfg, jax, model)
+    if args.pipeline_flops:
+        print_pipeline_table(result, sys.stderr)
     print(json.dumps(result), flush=True)
     if args.grad_error and cfg.model.model_dtype != "float32" and result["ratio"] > GRAD_ERROR_SLACK:
         sys.exit(f"the gradient on {tuple(result['mesh'])} is {result['ratio']:.2f}x one device's error "

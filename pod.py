@@ -3,7 +3,8 @@
 `python main.py --preset moe1B --compile_for v4-64` needs no TPU: libtpu's ahead-of-time compiler
 (`pip install -r requirements-tpu.txt`) compiles for a TPU topology on a CPU (as MaxText's
 train_compile does), so a config's per-chip memory plan, FLOPs and compile time are known before a
-pod is rented. The mesh comes from `model.make_mesh` over the topology's devices, the same function
+pod is rented, with the bytes each chip moves in collectives per step (`collective_bytes`, counted
+from the compiled HLO). The mesh comes from `model.make_mesh` over the topology's devices, the same function
 and device order a real run on that slice uses; the steps are `main.build_trainer`'s, the ones
 main.py runs. Nothing is trained and nothing is written.
 
@@ -174,9 +175,20 @@ class Report:
               f"{self.tpu.hbm_bytes / GiB:.2f} GiB ({100 * total / self.tpu.hbm_bytes:.0f}%)")
         print("  largest buffers: " + "; ".join(f"{what} {_gib(size).strip()}"
                                                 for what, size in _largest_buffers(hlo, 4)))
+        self._collectives(hlo)
         if name == "train step":
             self._flops(hlo)
         return total / GiB
+
+    def _collectives(self, hlo):
+        counted = collective_bytes(hlo)
+        print("  collectives per chip per step (compiled HLO, loops x trip counts; bytes: each op's full-size "
+              "buffer on the chip, sent: a ring's share of it, BENCHMARKS.md 'Collective bytes'):")
+        for kind, c in counted.items():
+            print(f"    {kind:<19} {c['count']:>7,} ops {_gib(c['bytes'])} {_gib(c['link_bytes'])} sent")
+        print(f"    {'total':<19} {sum(c['count'] for c in counted.values()):>7,} ops "
+              f"{_gib(sum(c['bytes'] for c in counted.values()))} "
+              f"{_gib(sum(c['link_bytes'] for c in counted.values()))} sent")
 
     def _flops(self, hlo):
         import bench
@@ -194,6 +206,78 @@ class Report:
             seconds = flops / (util * peak)
             print(f"  at {100 * util:.0f}% of the {peak / 1e12:.0f} TFLOP/s bf16 peak: step {seconds * 1e3:.3g} ms, "
                   f"{tokens / seconds:,.0f} tokens/s ({tokens:,} tokens a step)")
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
+_COLLECTIVE_OP = re.compile(r'^([^="]*?)\s(' + "|".join(sorted(COLLECTIVES, key=len, reverse=True))
+                            + r")(-start|-done)?\(")
+
+
+def collective_bytes(hlo_text):
+    """Per-chip collective traffic of one run of an optimized, SPMD-partitioned HLO module (as
+    `compiled.as_text()` gives it): {kind: {"count": ops run, "bytes": B, "link_bytes": L}} for each
+    kind in COLLECTIVES that occurs. Ops inside while loops count once per iteration (the trip
+    count XLA annotates, or the loop condition's bound; nested loops multiply), fused or async ones
+    where they are called (an async pair once), a conditional's branch with the most bytes.
+
+    bytes: the op's full-size buffer on one chip: an all-gather's result, a reduce-scatter's input
+    (group size x its result), an all-reduce's, all-to-all's or collective-permute's input (= its
+    result), a ragged-all-to-all's input (the send buffer: an upper bound, the rows actually sent
+    depend on the routing). link_bytes: what a ring or pairwise algorithm sends out of each chip
+    for that buffer over a group of n chips: (n-1)/n of it for all-gather, reduce-scatter,
+    all-to-all and ragged-all-to-all, 2(n-1)/n for all-reduce, all of it for collective-permute."""
+    import bench
+    parsed = bench.parse_hlo(hlo_text)
+    if parsed is None:
+        return {}
+    comps, entry = parsed
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    partitions = int(partitions.group(1)) if partitions else 1
+    defined = {ins.partition(" = ")[0].replace("ROOT", "").strip().lstrip("%"): ins.partition(" = ")[2]
+               for lines in comps.values() for ins in lines}
+
+    def result_bytes(rhs):                           # an array or a tuple of arrays
+        result_type = re.match(r'^([^="]*?)\s[\w\-]+\(', rhs)
+        return sum(math.prod(_dims(dims)) * _DTYPE_BYTES[dtype] for dtype, dims in
+                   re.findall(r"\b(\w+)\[([\d,]*)\]", result_type.group(1) if result_type else "")
+                   if dtype in _DTYPE_BYTES)
+
+    def first_operand(rhs):                          # its defining instruction's right-hand side
+        name = re.search(r"[\w\-]+\(\s*(?:[^%(),]*\s)?%([\w.\-]+)", rhs)
+        return defined.get(name.group(1), "") if name else ""
+
+    def group_size(rhs):
+        explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", rhs)
+        if explicit:
+            return len(explicit.group(1).split(","))
+        mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rhs)   # mesh[...] {'axis_1',...}
+        if mesh:
+            sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+            return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)))
+        iota = re.search(r"replica_groups=\[([\d,]+)\]<=", rhs)        # [groups, size]<=[devices]
+        return int(iota.group(1).split(",")[-1]) if iota else partitions
+
+    def count(rhs):
+        m = _COLLECTIVE_OP.match(rhs)
+        if not m or m.group(3) == "-start":          # an async pair counts at its -done
+            return {}
+        kind = m.group(2)
+        attrs = first_operand(rhs) if m.group(3) == "-done" else rhs      # the groups are on the -start
+        n = group_size(attrs)
+        size = result_bytes(first_operand(rhs) if kind == "ragged-all-to-all" else rhs)
+        if kind == "reduce-scatter":
+            size *= n
+        share = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
+        return {(kind, "count"): 1, (kind, "bytes"): size, (kind, "link_bytes"): share * size}
+
+    totals = bench.hlo_sum(comps, entry, count, key=lambda c: sum(v for (_, what), v in c.items() if what == "bytes"))
+    return {kind: {"count": int(totals[kind, "count"]), "bytes": int(totals[kind, "bytes"]),
+                   "link_bytes": totals[kind, "link_bytes"]}
+            for kind in COLLECTIVES if (kind, "count") in totals}
+
+
+def _dims(text):
+    return [int(d) for d in text.split(",") if d]
 
 
 def _shard_bytes(abstract):

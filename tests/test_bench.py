@@ -83,3 +83,10 @@ def test_pipeline_flops_only_the_bubble_is_extra(runs):
     assert out["ratio_by_part"]["blocks"] == pytest.approx(out["gpipe_expected_ratio"], rel=0.10)
     assert out["ratio_by_part"]["output_layer"] == pytest.approx(1 / pp, rel=0.10)
     assert 0 < out["ratio"] <= out["gpipe_expected_ratio"] * 1.10
+    # The table over pp = 1 and 2 (GPipe, R = 1) repeats the pair, with the expected ratio of each.
+    assert out["pipeline_repeats"] == 1 and out["expected_ratio"] == out["gpipe_expected_ratio"]
+    one, two = out["by_pp"]
+    assert (one["pp"], one["ratio"], one["expected_ratio"]) == (1, 1.0, 1.0)
+    assert two["pp"] == pp and two["per_device_flops"] == out["per_device_flops_pp"]
+    assert two["blocks_ratio"] == pytest.approx(two["expected_ratio"], rel=0.10)
+    assert two["expected_flops"] == pytest.approx(two["expected_ratio"] * out["per_device_flops_pp1"])

@@ -86,6 +86,10 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
     counted = float(re.search(r"\(output layer ([\d.e+]+),", out).group(1))
     assert counted == pytest.approx(expected, rel=1e-2)
     assert re.search(r"at 40% of the 275 TFLOP/s bf16 peak: step [\d.]+ ms", out)
+    # Per-chip collective bytes, for each step: FSDP's all-gathers and the pipeline's ppermutes at least.
+    train = out[out.index("train step:"):out.index("eval step:")]
+    for kind in ("all-gather", "collective-permute", "total"):
+        assert re.search(rf"\n    {kind} +[\d,]+ ops +[\d.]+ GiB +[\d.]+ GiB sent", train), kind
 
 
 def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall(tmp_path):
@@ -134,3 +138,88 @@ def test_slice_table():
         cfg = utils.config_from_args(["--preset", preset])
         assert math.prod(cfg.run.n_device_axis) == names[slice_name].chips
         utils.validate(cfg, names[slice_name].chips)
+
+
+def _collectives_program(jax, mesh):
+    """A shard_map over a (2, 2) mesh ("a", "b") whose collectives are known by hand: 1024 f32 per
+    chip; an all-gather over "a" inside a fori_loop of 3 inside a fori_loop of 5 (15 runs of a
+    2048-element result), then one psum over "b", one ppermute over "a" and one all_to_all over "b"
+    (each of 1024 elements)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def body(x):
+        def step(i, c):
+            g = jax.lax.all_gather(c, "a", tiled=True)
+            return c + g[:c.shape[0]] * 0.5 + g[c.shape[0]:] * i
+        y = jax.lax.fori_loop(0, 5, lambda j, c: jax.lax.fori_loop(0, 3, step, c), x)
+        y = jax.lax.psum(y, "b")
+        y = jax.lax.ppermute(y, "a", [(0, 1), (1, 0)])
+        return jax.lax.all_to_all(y.reshape(2, -1), "b", 0, 0, tiled=True).reshape(-1) + y
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))
+    arg = jax.ShapeDtypeStruct((4 * 1024,), jnp.float32, sharding=NamedSharding(mesh, P(("a", "b"))))
+    return f.lower(arg).compile().as_text()
+
+
+EXPECTED_COLLECTIVES = {          # per chip; bytes = the full-size buffer, link = (n-1)/n of it (n = 2)
+    "all-gather": {"count": 15, "bytes": 15 * 2048 * 4, "link_bytes": 15 * 1024 * 4},
+    "all-reduce": {"count": 1, "bytes": 4096, "link_bytes": 4096},           # 2 (n-1)/n = 1
+    "all-to-all": {"count": 1, "bytes": 4096, "link_bytes": 2048},
+    "collective-permute": {"count": 1, "bytes": 4096, "link_bytes": 4096},
+}
+
+
+def test_collective_bytes_counts_loop_trip_counts_on_cpu():
+    """XLA:CPU annotates the loops' known_trip_count."""
+    import jax
+    import numpy as np
+    import pod
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    hlo = _collectives_program(jax, mesh)
+    assert '"known_trip_count":{"n":"5"}' in hlo
+    assert pod.collective_bytes(hlo) == EXPECTED_COLLECTIVES
+
+
+def test_collective_bytes_counts_loop_trip_counts_for_a_tpu(topology):
+    """TPU HLO (libtpu's ahead-of-time compile for v4-8) has no trip-count annotation (the count comes
+    from the loop condition's bound), makes the ppermute an async start/done pair, and has
+    ragged-all-to-all, whose bytes are its input (send) buffer."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pod
+    mesh = jax.sharding.Mesh(np.array(topology("v4-8")).reshape(2, 2), ("a", "b"))
+    hlo = _collectives_program(jax, mesh)
+    assert "collective-permute-start" in hlo and "known_trip_count" not in hlo
+    assert pod.collective_bytes(hlo) == EXPECTED_COLLECTIVES
+
+    def ragged(x):                   # 8 rows of 128 f32 per chip; send 2 rows to each of the 2 chips over "b"
+        sizes, offsets = jnp.array([2, 2], jnp.int32), jnp.array([0, 2], jnp.int32)
+        out = jax.lax.ragged_all_to_all(x, jnp.zeros((16, 128), x.dtype), offsets, sizes, offsets, sizes,
+                                        axis_name="b")
+        return out[:8]
+
+    spec = jax.sharding.PartitionSpec(("a", "b"))
+    f = jax.jit(jax.shard_map(ragged, mesh=mesh, in_specs=spec, out_specs=spec))
+    arg = jax.ShapeDtypeStruct((32, 128), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
+    assert pod.collective_bytes(f.lower(arg).compile().as_text()) == {
+        "ragged-all-to-all": {"count": 1, "bytes": 8 * 128 * 4, "link_bytes": 4 * 128 * 4}}
+
+
+def test_collective_bytes_reads_each_replica_group_format():
+    """Group sizes (for the bytes sent) from mesh-style, iota and empty (= every partition) groups."""
+    import pod
+    hlo = """HloModule m, num_partitions=8
+
+ENTRY %main (p: f32[4]) -> f32[1] {
+  %p = f32[4]{0} parameter(0)
+  %ar = f32[4]{0} all-reduce(%p), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([8]) {'axis_1'}, use_global_device_ids=true, to_apply=%add
+  %ag = f32[16]{0} all-gather(%ar), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  ROOT %rs = f32[2]{0} reduce-scatter(%ag), channel_id=3, replica_groups={}, dimensions={0}, to_apply=%add
+}
+"""
+    assert pod.collective_bytes(hlo) == {
+        "all-gather": {"count": 1, "bytes": 64, "link_bytes": 64 * 3 / 4},
+        "reduce-scatter": {"count": 1, "bytes": 64, "link_bytes": 64 * 7 / 8},
+        "all-reduce": {"count": 1, "bytes": 16, "link_bytes": 16 * 2 * 3 / 4}}
