@@ -617,8 +617,7 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
     key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
     grads, metrics = accumulate_gradients(state["params"], state["router_bias"], batch, step_key, cfg, mesh)
     metrics["grad_norm"] = optax.global_norm(grads)
-    # Guide: the update runs inside shard_map there; here outside it, on the global sharded arrays, so
-    # jit partitions it by the params' shardings and the clipping norm is global by construction.
+    # Guide: the update runs inside shard_map; here outside it, on global arrays that jit partitions.
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     metrics["grad_norm_ratio"], metrics["skipped"] = opt_state.ratio, opt_state.skipped
     # A step skipped as a spike leaves the routing bias as it was, like the parameters.
