@@ -89,7 +89,7 @@ def build_step(cfg, mesh):
     def abstract_args():
         state = trainer.abstract_state
         batch = tuple(jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=data_shard) for _ in range(G))
-        return state, batch, batch
+        return state, (batch, batch)
 
     return trainer.step, trainer.fresh_state, make_batch, abstract_args
 
@@ -471,14 +471,14 @@ def run_benchmark(args, cfg, jax, model):
     compile_s = time.perf_counter() - t
 
     state = make_state(cfg.run.seed)
-    xs, ys = make_batch(cfg.run.seed + 1)
+    batch = make_batch(cfg.run.seed + 1)
     for _ in range(args.warmup):
-        state, stats = compiled(state, xs, ys)
+        state, stats = compiled(state, batch)
     jax.block_until_ready((state, stats) if args.warmup else state)
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        state, stats = compiled(state, xs, ys)
+        state, stats = compiled(state, batch)
         jax.block_until_ready((state, stats))
         times.append(time.perf_counter() - t)
 
@@ -514,7 +514,8 @@ def run_benchmark(args, cfg, jax, model):
 def main(argv=None):
     args, cfg = parse_args(argv)
     import main as driver
-    jax = driver.set_up_devices(cfg)
+    driver.set_up_devices(cfg)
+    import jax
     import model
     utils.validate(cfg, jax.device_count())
     if args.grad_error:

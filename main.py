@@ -1,10 +1,11 @@
 """The training driver: mesh, init or restore, train/eval steps, logging, checkpoints, sampling.
 
 `python main.py` with no flags trains the `tiny` preset on the bundled corpus (tokenized once into
-$JAXFORMER_CACHE, default ~/.cache/jaxformer) on whatever devices exist; every field of the config is a flag (`python main.py --help`).
-A run lives in OUTPUT_DIR/NAME (`--output_dir`, `--name`): checkpoints/, metrics.jsonl, samples.txt
-and, with `--wandb`, the wandb files, plus `lock` while a run holds the directory. OUTPUT_DIR may be any
-fsspec URL (gs://bucket/runs): there metrics and samples go out as whole numbered objects
+$JAXFORMER_CACHE, default ~/.cache/jaxformer) on whatever devices exist; every field of the config is a
+flag (`python main.py --help`). A run lives in OUTPUT_DIR/NAME (`--output_dir`, `--name`): checkpoints/,
+metrics.jsonl (its fields: utils.METRICS), samples.txt (none with `--max_tokens 0`) and, with `--wandb`,
+the wandb files, plus `lock` while a run holds the directory. OUTPUT_DIR may be any fsspec URL
+(gs://bucket/runs): there metrics and samples go out as whole numbered objects
 (metrics.jsonl.parts/000001, ...) at each checkpoint, since object stores cannot append. Starting the same
 command again resumes from the newest readable checkpoint, exactly: the data loader is a pure function
 of the sequences consumed, and they, the RNG key, the optimizer state, the step and the model config
@@ -17,68 +18,80 @@ batch that update was computed from. Each update averages the gradients of `--gr
 micro-steps of DP x `--train_batch_size` sequences each (loader batch = step * grad_step + i after
 the sequences consumed before this process started).
 
-Test hooks (environment, used by tests/test_main.py only):
-  JAXFORMER_TEST_SIGNAL=STEP:SIG   send signal SIG (KILL or TERM) to this process after step STEP
-                                   (after that step's checkpoint, if one is due, has been written).
-  JAXFORMER_NO_SAMPLES=1           skip text generation (saves compile time in tests).
+Read it from the bottom: `main` sets up the devices and calls `train`, whose loop is
+`state, metrics = trainer.step(state, batch)` with the interval's work (evaluate, log, save, sample)
+in small functions above it. The training state is one pytree: {"params", "opt_state", "key",
+"router_bias"}.
 """
+import atexit
 import dataclasses
+import errno
+import glob
 import json
 import os
 import posixpath
+import re
+import shutil
 import signal
+import socket
 import sys
 import time
 import uuid
 import warnings
+from functools import partial
+from typing import Callable, NamedTuple
 
+import fsspec
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+import dataset
+import model
 import multihost
+import pod
+import spikes
 import utils
-
-REPO = os.path.dirname(os.path.abspath(__file__))
+from data.tokenizer import get_tokenizer
 
 
 def log(*args, **kwargs):
     """Print on process 0 only (every host runs this same script)."""
-    if _PROCESS_INDEX == 0:
+    if jax.process_index() == 0:
         print(*args, **kwargs, flush=True)
 
 
-_PROCESS_INDEX = 0
-
-
 def set_up_devices(cfg):
-    """Environment for JAX, which must happen before `import jax`; then multi-host init, which exits
-    with one line when not every process joins within $JAXFORMER_INIT_TIMEOUT s. Returns jax."""
+    """Before any JAX computation: the simulated CPU devices (--cpu_devices), then the multi-host join,
+    which exits with one line when not every process joins within $JAXFORMER_INIT_TIMEOUT s."""
     if cfg.run.cpu_devices > 0:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={cfg.run.cpu_devices}"])
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    global _PROCESS_INDEX
+        jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
+        if not os.environ.get("JAX_PLATFORMS"):
+            jax.config.update("jax_platforms", "cpu")
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         # GPU/CPU clusters (and launcher.sh): the coordinator and this host's rank come from the environment.
-        if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+        if (jax.config.jax_platforms or "").startswith("cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        multihost.initialize(jax, coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        multihost.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
                              num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                              process_id=int(os.environ["JAX_PROCESS_ID"]))
     elif os.environ.get("SLURM_NTASKS", "1") != "1":
-        multihost.initialize(jax)         # SLURM: everything is auto-detected
+        multihost.initialize()            # SLURM: everything is auto-detected
     elif _on_tpu_vm():
         try:                              # TPU pod slices: auto-detected from the TPU metadata
-            multihost.initialize(jax)
+            multihost.initialize()
         except Exception as e:            # a single-host TPU VM needs no coordination
             if _tpu_multihost():
                 raise
             warnings.warn(f"jax.distributed.initialize() skipped on a single TPU host: {e}")
-    _PROCESS_INDEX = jax.process_index()
-    return jax
 
 
 def _on_tpu_vm():
-    import glob
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
                 or os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("TPU_WORKER_HOSTNAMES"))
 
@@ -99,7 +112,6 @@ def is_url(path):
 
 
 def make_run_dir(run_dir):
-    import fsspec
     fs, path = fsspec.core.url_to_fs(run_dir)
     fs.makedirs(path, exist_ok=True)           # a no-op under a bucket, where directories are prefixes
 
@@ -119,7 +131,6 @@ class RunFile:
         self.path = f"{run_dir.rstrip('/')}/{name}" if self.remote else os.path.join(run_dir, name)
         self._buf, self._last = [], time.monotonic()
         if self.remote:
-            import fsspec
             self.fs, parts = fsspec.core.url_to_fs(f"{self.path}.parts")
             self.parts = parts.rstrip("/")
             self._next = 1 + max([int(p) for p in _part_names(self.fs, self.parts)] or [0])
@@ -157,7 +168,6 @@ def _part_names(fs, parts):
 
 def read_run_file(run_dir, name):
     """The whole text of a run file: the local file, or its part objects in order on an object store."""
-    import fsspec
     fs, path = fsspec.core.url_to_fs(f"{run_dir.rstrip('/')}/{name}")
     text = fs.cat_file(path).decode("utf-8") if fs.exists(path) else ""
     return text + "".join(fs.cat_file(f"{path}.parts/{p}").decode("utf-8") for p in _part_names(fs, f"{path}.parts"))
@@ -170,9 +180,9 @@ class Logger:
         self.enabled = enabled
         self.metrics_file = RunFile(run_dir, "metrics.jsonl")
         self.samples_file = RunFile(run_dir, "samples.txt")
-        self.wandb = None
+        self.wandb = self.wandb_html = None
         if enabled and cfg.run.wandb:
-            self.wandb = _init_wandb(cfg, run_dir, run_id)
+            self.wandb, self.wandb_html = _init_wandb(cfg, run_dir, run_id)
 
     def flush(self):
         if self.enabled:
@@ -196,8 +206,7 @@ class Logger:
         self.samples_file.write(f"=== step {step}\n{prompt}{text}\n\n")
         if self.wandb is not None:
             try:
-                import wandb
-                self.wandb.log({"sample": wandb.Html(f"<pre>{prompt}{text}</pre>")}, step=step)
+                self.wandb.log({"sample": self.wandb_html(f"<pre>{prompt}{text}</pre>")}, step=step)
             except Exception as e:
                 warnings.warn(f"wandb sample logging failed ({e})")
 
@@ -227,11 +236,11 @@ def wandb_scalars(record):
 
 
 def _init_wandb(cfg, run_dir, run_id):
-    """Online when WANDB_API_KEY is set, otherwise offline files under the run dir; never fatal."""
+    """(wandb run, wandb.Html): online when WANDB_API_KEY is set, otherwise offline files under the run dir;
+    (None, None) when it cannot start, which is never fatal."""
     try:
-        import wandb
+        import wandb      # here, not at the top: only --wandb runs pay its import (about 2 s)
         if is_url(run_dir):                   # wandb writes a local directory: keep it in the cache
-            import dataset
             run_dir = os.path.join(dataset.default_cache_dir(), "wandb", run_id)
             os.makedirs(run_dir, exist_ok=True)
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
@@ -240,10 +249,10 @@ def _init_wandb(cfg, run_dir, run_id):
                          settings=wandb.Settings(init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 30)),
                                                  silent=True))
         log(f"wandb: {mode} run {run_id}" + (f" in {run_dir}/wandb" if mode == "offline" else ""))
-        return run
+        return run, wandb.Html
     except Exception as e:
         warnings.warn(f"wandb could not start ({type(e).__name__}: {e}); continuing with metrics.jsonl only")
-        return None
+        return None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,7 +269,6 @@ class SaveFailed(Exception):
 
 
 def checkpoint_manager(run_dir, read_only=False):
-    import orbax.checkpoint as ocp
     options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
                ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True, create=True))
     # a URL goes to Orbax as it is (every host writes its shards there); only a local path is made absolute
@@ -275,7 +283,6 @@ def save(mngr, step, state, meta, force=False):
     """Start an async save; SaveFailed when the directory cannot take it. The directory is probed first:
     on a read-only one Orbax fails to create the step directory and then its commit threads wait 5
     minutes for it before failing in a flood of tracebacks."""
-    import orbax.checkpoint as ocp
     try:
         _check_writable(str(mngr.directory), state)
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -296,10 +303,7 @@ def _check_writable(directory, state):
     """OSError when a local checkpoint directory cannot take a save of `state`: not writable, or less free
     space than this process' share of the state's bytes (uncompressed: a safe bound). Object stores
     are left to Orbax."""
-    import errno
-    import shutil
 
-    import jax
     if is_url(directory):
         return
     os.makedirs(directory, exist_ok=True)
@@ -316,7 +320,6 @@ def _check_writable(directory, state):
 
 def _os_error(e):
     """The OS-level cause of a failed save, in one line (Orbax wraps it several layers deep)."""
-    import re
     cause = e
     while cause is not None:
         if isinstance(cause, OSError) and cause.errno:
@@ -337,7 +340,6 @@ def restore_latest(mngr, abstract_state, run_dir, mc):
     shape raises RunRefused before anything is touched. A checkpoint that then fails to read is moved to
     run_dir/unreadable_checkpoints with a warning naming the cause, once an older one has restored
     (run_dir None: left in place). When none restores: RunRefused, nothing moved."""
-    import jax
     steps = sorted(mngr.all_steps(), reverse=True)
     newest = newest_meta(mngr)         # an unreadable checkpoint is skipped here, reported below
     if newest is not None:
@@ -369,7 +371,6 @@ def restore_latest(mngr, abstract_state, run_dir, mc):
 def newest_meta(mngr):
     """(step, metadata) of the newest checkpoint whose metadata (step, data position, run id, model config)
     reads, without its arrays; None when there is none."""
-    import orbax.checkpoint as ocp
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             return step, mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -379,9 +380,6 @@ def newest_meta(mngr):
 
 
 def _restore(mngr, step, abstract_state):
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
     # Checkpoints from before the aux-loss-free routing bias hold none: they routed with a bias of 0.
     has_bias = "router_bias" in mngr.item_metadata(step)["state"].keys()
     target = abstract_state if has_bias else {k: v for k, v in abstract_state.items() if k != "router_bias"}
@@ -413,16 +411,13 @@ def check_model(saved, mc, where):
 
 
 def _param_shapes(mc):
-    import jax
 
-    import model
     leaves, tree = jax.tree.flatten(jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0)))
     return str(tree), [leaf.shape for leaf in leaves]
 
 
 def _move_aside(src, dst):
     """Rename a checkpoint directory, locally or on any fsspec store (there: copy + delete)."""
-    import fsspec
     fs, src_path = fsspec.core.url_to_fs(src)
     if fs.exists(src_path):
         dst_path = fsspec.core.url_to_fs(dst)[1]
@@ -439,7 +434,6 @@ RUN_FILES = ("checkpoints", "unreadable_checkpoints", "metrics.jsonl", "metrics.
 
 def set_aside_previous_run(run_dir):
     """--restart: move the run's checkpoints and logs to RUN_DIR/replaced/TIME (kept, never deleted)."""
-    import fsspec
     fs, path = fsspec.core.url_to_fs(run_dir)
     names = [n for n in RUN_FILES if fs.exists(f"{path.rstrip('/')}/{n}")]
     if names:
@@ -453,7 +447,6 @@ def lock_run_dir(run_dir):
     """Take RUN_DIR/lock for this process (host, pid, start time) and release it at exit. RunRefused when
     a live run holds it; a lock whose process is gone (killed, host rebooted) is taken over with a
     warning. Local directories only: on an object store the lock is skipped."""
-    import atexit
     if is_url(run_dir):
         return None
     path = os.path.join(run_dir, "lock")
@@ -512,7 +505,6 @@ def _alive(holder):
 
 
 def _hostname():
-    import socket
     return socket.gethostname()
 
 
@@ -541,147 +533,508 @@ def _unlock(path, mine):
 
 
 def data_dir_for(cfg):
-    if cfg.run.data_dir:
-        return cfg.run.data_dir
-    import dataset
-    return dataset.ensure_bundled_shards(dataset.default_cache_dir())
+    return cfg.run.data_dir or dataset.ensure_bundled_shards(dataset.default_cache_dir())
+
+
+def next_batch(batches, grad_step):
+    """The next optimizer step's batch: (xs, ys), each a tuple of --grad_step global batches [DP x
+    --train_batch_size, T] laid out as the trainer's data_sharding."""
+    xs, ys = zip(*[next(batches) for _ in range(grad_step)])
+    return xs, ys
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The training step (bench.py times it and pod.py compiles it for a TPU slice)
+
+
+class Trainer(NamedTuple):
+    step: Callable              # step(state, (xs, ys)) -> (state, metrics), jitted, donates the state
+    eval_step: Callable         # eval_step(params, router_bias, x, y) -> (val CE, balance term), jitted
+    fresh_state: Callable       # fresh_state(seed) -> a new training state on the mesh
+    abstract_state: dict        # the state's shapes, dtypes and shardings (restore targets, compiling)
+    schedule: Callable          # the learning rate of an update, by step index
+    data_sharding: NamedSharding  # a global batch [sequences, T]: sequences over dp, whole rows
+
+
+def build_trainer(cfg, mesh):
+    """The jitted training and eval steps for cfg on mesh, and the training state's layout."""
+    abstract_params = jax.eval_shape(partial(model.init_params, cfg.model), jax.random.key(0))
+    optimizer = make_optimizer(cfg.optim, abstract_params)
+    shardings, abstract_state = state_layout(cfg, optimizer, abstract_params, mesh)
+    replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp", None))
+    micro_steps = (data,) * cfg.optim.grad_step
+    step = jax.jit(partial(train_step, cfg=cfg, mesh=mesh, optimizer=optimizer),
+                   in_shardings=(shardings, (micro_steps, micro_steps)), out_shardings=(shardings, replicated),
+                   donate_argnums=(0,))
+    evaluate = jax.jit(partial(eval_step, cfg=cfg, mesh=mesh),
+                       in_shardings=(shardings["params"], replicated, data, data))
+    return Trainer(step, evaluate, partial(init_state, cfg, optimizer, shardings, mesh), abstract_state,
+                   utils.lr_schedule(cfg.optim), data)
+
+
+def make_optimizer(oc, abstract_params):
+    """Global-norm clipping, then AdamW, inside spikes.skip_spikes: it keeps the running grad-norm median
+    in the optimizer state (checkpointed with it) and, with --skip_spikes F > 0, leaves params and
+    moments untouched on a step whose norm is > F x it."""
+    # Guide: optax.adamw; here the tied embedding table has its own Adam epsilon (spikes.adamw, issue 12).
+    adamw = spikes.adamw(utils.lr_schedule(oc), oc, model.decay_mask(abstract_params),
+                         model.table_mask(abstract_params))
+    return spikes.skip_spikes(optax.chain(optax.clip_by_global_norm(oc.grad_clip_norm), adamw), oc.skip_spikes)
+
+
+def state_layout(cfg, optimizer, abstract_params, mesh):
+    """(shardings, abstract state) of the training state: params and their optimizer moments sharded
+    as model.param_shardings says, everything else replicated. The aux-loss-free routing bias [blocks,
+    E] (model.update_router_bias) is tiny, and equal on every device because every device computes its
+    update from the same global counts."""
+    replicated = NamedSharding(mesh, P())
+    param_shardings = model.param_shardings(abstract_params, mesh)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    shardings = {"params": param_shardings, "key": replicated, "router_bias": replicated,
+                 "opt_state": optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_shardings,
+                                                    transform_non_params=lambda _: replicated)}
+    shapes = {"params": abstract_params, "opt_state": abstract_opt,
+              "key": jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32),
+              "router_bias": jax.ShapeDtypeStruct((cfg.model.blocks, cfg.model.n_experts), jnp.float32)}
+    return shardings, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                                   shardings)
+
+
+def init_state(cfg, optimizer, shardings, mesh, seed):
+    """A fresh training state, computed straight into its shardings (no host holds the whole model)."""
+    init_key, train_key = jax.random.split(jax.random.key(seed))
+    params = model.init_sharded_params(cfg.model, init_key, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+    # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
+    return {"params": params, "opt_state": opt_state,
+            "key": jax.device_put(jax.random.key_data(train_key), shardings["key"]),
+            "router_bias": jax.device_put(jnp.zeros((cfg.model.blocks, cfg.model.n_experts), jnp.float32),
+                                          shardings["router_bias"])}
+
+
+def train_step(state, batch, *, cfg, mesh, optimizer):
+    """One optimizer update from --grad_step micro-steps: (state, (xs, ys)) -> (state, metrics)."""
+    key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
+    grads, metrics = accumulate_gradients(state["params"], state["router_bias"], batch, step_key, cfg, mesh)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    # Guide: the update runs inside shard_map; here outside it, on global arrays that jit partitions.
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    metrics["grad_norm_ratio"], metrics["skipped"] = opt_state.ratio, opt_state.skipped
+    # A step skipped as a spike leaves the routing bias as it was, like the parameters.
+    router_bias = jnp.where(opt_state.skipped > state["opt_state"].skipped, state["router_bias"],
+                            model.update_router_bias(state["router_bias"], metrics["tokens_per_expert"],
+                                                     cfg.optim.bias_update_rate))
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+            "key": jax.random.key_data(key), "router_bias": router_bias}, metrics
+
+
+def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
+    """(gradient, metrics) averaged over the micro-steps of batch = (xs, ys), except the routed-choice
+    counts, which stay sums: the bias update and the log interval's loads count the whole global batch.
+    Gradients of the params only: the routing bias is state the loss reads, not a parameter."""
+    xs, ys = batch
+    G = len(xs)
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: model.loss_and_metrics(
+        model.with_router_bias(p, router_bias), x, y, k, cfg.model, mesh, cfg.run.micro_batch_size, True),
+        has_aux=True)
+
+    def micro(sums, inputs):
+        x, y, i = inputs
+        (loss, metrics), g = grad_fn(params, x, y, jax.random.fold_in(key, i))
+        return jax.tree.map(jnp.add, sums, (g, {"loss": loss, **metrics})), None
+
+    loss, metrics = jax.eval_shape(grad_fn, params, xs[0], ys[0], key)[0]
+    zeros = (jax.tree.map(jnp.zeros_like, params),
+             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {"loss": loss, **metrics}))
+    if G == 1:
+        (grads, sums), _ = micro(zeros, (xs[0], ys[0], 0))
+    else:
+        (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
+        grads = jax.tree.map(lambda g: g / G, grads)
+    return grads, {name: s if name == "tokens_per_expert" else s / G for name, s in sums.items()}
+
+
+def eval_step(params, router_bias, x, y, *, cfg, mesh):
+    _, metrics = model.loss_and_metrics(model.with_router_bias(params, router_bias), x, y, jax.random.key(0),
+                                        cfg.model, mesh, cfg.run.micro_batch_size, False)
+    return metrics["ce"], jnp.sum(metrics["balance"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Setting up a run: its directory, data, and the state to start from
+
+
+@dataclasses.dataclass
+class Run:
+    """What the training loop works with, set up by open_run."""
+    cfg: utils.Config
+    trainer: Trainer
+    mngr: ocp.CheckpointManager
+    logger: "Logger"
+    train_ds: dataset.TokenDataset
+    val_batches: list
+    loader: dataset.BatchLoader
+    state: dict                 # the state to start from: restored, or fresh
+    meta: dict                  # the restored checkpoint's metadata; None for a fresh run
+    start_step: int
+    start_seq: int              # sequences consumed before this process started
+    run_id: str
+    sample_ids: list            # the prompt's token ids
+
+    @property
+    def sequences_per_step(self):
+        return self.cfg.optim.grad_step * self.cfg.run.n_device_axis[0] * self.cfg.run.train_batch_size
+
+
+def open_run(cfg, mesh):
+    """Take the run directory, print the run's header, load the data, restore or start the state."""
+    rc, proc0 = cfg.run, jax.process_index() == 0
+    run_dir = run_dir_of(rc)
+    sample_ids = prompt_ids(cfg.inference, cfg.model.T)  # a prompt that cannot be sampled stops the run here
+    if proc0:
+        make_run_dir(run_dir)
+    on_process_0(lambda: lock_run_dir(run_dir))
+    if rc.restart:                              # every host opens the checkpoints after they moved
+        on_process_0(lambda: set_aside_previous_run(run_dir))
+    print_header(cfg)
+    trainer = build_trainer(cfg, mesh)
+    train_ds, val_batches = load_data(cfg, trainer.data_sharding)
+    mngr = checkpoint_manager(run_dir)
+    restored = restore_latest(mngr, trainer.abstract_state, run_dir, cfg.model)
+    state, meta = restored if restored is not None else (trainer.fresh_state(rc.seed), None)
+    start_step, start_seq, run_id = start_position(meta, cfg)
+    if meta is not None:
+        log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position {start_seq} "
+            f"sequences, run id {run_id}")
+    logger = Logger(cfg, run_dir, run_id, proc0)
+    if meta is not None:
+        logger.metrics(utils.metrics_record("event", start_step, event="resume"))
+    loader = dataset.BatchLoader(train_ds, cfg.model.T, rc.n_device_axis[0] * rc.train_batch_size,
+                                 trainer.data_sharding, rc.seed, consumed=start_seq)
+    return Run(cfg, trainer, mngr, logger, train_ds, val_batches, loader, state, meta, start_step, start_seq,
+               run_id, sample_ids)
+
+
+def start_position(meta, cfg):
+    """(step, sequences consumed, run id) to start from: a checkpoint's metadata, or None for step 0."""
+    if meta is None:
+        return 0, 0, uuid.uuid4().hex[:8]
+    step = int(meta["step"])
+    # sequences consumed, whatever batch layout consumed them (checkpoints before it: data_step batches)
+    global_batch = cfg.run.n_device_axis[0] * cfg.run.train_batch_size
+    sequences = int(meta.get("sequences", meta.get("data_step", step * cfg.optim.grad_step) * global_batch))
+    return step, sequences, meta.get("run_id") or uuid.uuid4().hex[:8]
+
+
+def print_header(cfg):
+    dp, pp, tp = cfg.run.n_device_axis
+    log(utils.describe(cfg))
+    counts = model.count_params(cfg.model)
+    log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
+        f"(active: used per token, without the embedding)")
+    log(f"mesh: dp={dp} pp={pp} tp={tp} over {dp * pp * tp} of {jax.device_count()} "
+        f"{jax.devices()[0].device_kind} device(s), {jax.process_count()} process(es)")
+    log(utils.MFU_FORMULA)
+
+
+def load_data(cfg, data_sharding):
+    """(the training split, the fixed validation batches)."""
+    mc, rc = cfg.model, cfg.run
+    data_dir = data_dir_for(cfg)
+    train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
+    val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
+    val_rows = rc.n_device_axis[0] * rc.val_batch_size
+    val_batches = dataset.validation_batches(val_ds, mc.T, val_rows, data_sharding, rc.eval_steps)
+    if len(val_batches) < rc.eval_steps:
+        log(f"note: the val split holds {val_ds.n_windows(mc.T)} windows of {mc.T + 1} tokens, enough for "
+            f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {val_rows}; "
+            f"evaluating on {len(val_batches)}")
+    return train_ds, val_batches
+
+
+def on_process_0(fn):
+    """fn() on process 0 while the others wait for it; a RunRefused there stops every process."""
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            fn()
+        except RunRefused as e:
+            refused = e
+    if jax.process_count() > 1:
+        if multihost_utils.broadcast_one_to_all(np.int32(refused is not None)) and refused is None:
+            refused = RunRefused("process 0 refused to start this run; its log says why")
+    if refused is not None:
+        raise refused
+
+
+class StopSignals:
+    """SIGTERM and a first Ctrl-C set .requested (and .signal, its name): the loop finishes its step,
+    saves, says where, exits 0. A second Ctrl-C gets the default action, which ends the process at once,
+    even inside a long XLA call (a Python handler would wait for it to return)."""
+
+    def __init__(self):
+        self.requested, self.signal = False, None
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # os.write, not print: the handler may interrupt a print, and print is not reentrant
+            os.write(2, b"\nCtrl-C: finishing this step, then saving and exiting; Ctrl-C again to exit now "
+                        b"without saving\n")
+        self.requested = True
+        self.signal = self.signal or signal.Signals(signum).name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop's interval work: metrics, evaluation, checkpoints, samples
+
+
+class Meter:
+    """Per-step metrics and timing. The loop dispatches a step before the previous one's metrics are
+    fetched (the host stays one step ahead of the device); each fetched step is written to
+    metrics.jsonl, watched for spikes and kept for its interval's record. The first step, which
+    compiles, is timed apart."""
+
+    def __init__(self, run, bar):
+        self.logger, self.schedule, self.bar = run.logger, run.trainer.schedule, bar
+        self.watch = spikes.SpikeWatch(run.cfg.optim.skip_spikes or spikes.RATIO_WARN)
+        self.skipped = int(jax.device_get(run.state["opt_state"].skipped))  # before the next fetched step
+        self.pending, self.interval = [], []
+        self.t0 = time.perf_counter()
+        self.t, self.steps, self.first_step_s = None, 0, None
+
+    def dispatched(self, step, metrics):
+        self.pending.append((step, metrics))
+
+    def fetch(self, everything=True):
+        """Fetch and record the pending steps' metrics: all of them, or all but the newest (never before
+        the first step is timed, so the timer starts after compilation)."""
+        while self.pending and (everything or self.t is None or len(self.pending) > 1):
+            step, metrics = self.pending.pop(0)
+            self.record(step, jax.device_get(metrics))
+
+    def record(self, step, m):
+        rec = utils.metrics_record(
+            "step", step, loss=float(m["loss"]), ce=float(m["ce"]), balance=float(np.sum(m["balance"])),
+            grad_norm=float(m["grad_norm"]), lr=float(self.schedule(step - 1)),
+            drop_rate=float(np.mean(m["drop_rate"])), skipped_steps=int(m["skipped"]),
+            grad_norm_ratio=float(m["grad_norm_ratio"]) if np.isfinite(m["grad_norm_ratio"]) else None,
+            update_skipped=int(m["skipped"]) > self.skipped, loss_jump=None)
+        self.skipped = rec["skipped_steps"]
+        warning = self.watch.step(rec)                   # sets rec["loss_jump"]
+        if warning:
+            say(self.bar, warning)
+        self.logger.metrics(rec)
+        self.interval.append((rec, m))
+        now = time.perf_counter()
+        if self.t is None:
+            self.first_step_s, self.t, self.steps = now - self.t0, now, 0
+        else:
+            self.steps += 1
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+
+    def take_interval(self):
+        """(step records, their device metrics, seconds per step or None) of the interval, which starts
+        over; the step time is the first step's (compilation included) when no other step was timed."""
+        elapsed = time.perf_counter() - self.t if self.t is not None else 0.0
+        recs, device = [r for r, _ in self.interval], [m for _, m in self.interval]
+        step_time = elapsed / self.steps if self.steps and elapsed > 0 else None
+        self.interval, self.steps = [], 0
+        return recs, device, step_time
+
+    def restart_timer(self):
+        """After the interval's evaluation, save and sample: the next steps are timed from here."""
+        self.t, self.steps = time.perf_counter(), 0
+
+
+def say(bar, text):
+    """A line above the progress bar, on process 0."""
+    if jax.process_index() == 0:
+        bar.write(text)
+
+
+def evaluate(trainer, state, val_batches):
+    """(val cross-entropy, val balance term), means over the fixed validation batches."""
+    results = [trainer.eval_step(state["params"], state["router_bias"], x, y) for x, y in val_batches]
+    return float(np.mean([float(r[0]) for r in results])), float(np.mean([float(r[1]) for r in results]))
+
+
+def log_interval(run, meter, state, step):
+    """Evaluate and write the interval's record (utils.METRICS["interval"]) and line; returns val CE."""
+    cfg, (dp, pp, tp) = run.cfg, run.cfg.run.n_device_axis
+    meter.fetch()
+    recs, device, step_time = meter.take_interval()
+    tok_s = run.sequences_per_step * cfg.model.T / step_time if step_time else None
+    step_time = step_time or meter.first_step_s
+    val_ce, val_bal = evaluate(run.trainer, state, run.val_batches)
+    experts = expert_stats(device)
+    spread, idle = load_spread(np.asarray(experts["expert_load"]))
+    peak = utils.peak_flops(jax.devices()[0].device_kind)
+    util = utils.mfu(tok_s, model.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
+    rec = utils.metrics_record(
+        "interval", step, val_loss=val_ce, val_balance=val_bal, train_loss=float(np.mean([r["loss"] for r in recs])),
+        lr=recs[-1]["lr"], grad_norm=recs[-1]["grad_norm"], tokens_per_s=tok_s, step_time_s=step_time, mfu=util,
+        **experts, expert_load_spread=spread if idle is None else None,
+        drop_rate=float(np.mean([r["drop_rate"] for r in recs])), balance=float(np.mean([r["balance"] for r in recs])),
+        skipped_steps=recs[-1]["skipped_steps"], **meter.watch.interval())
+    run.logger.metrics(rec)
+    say(meter.bar, f"step {step:>6} | loss {recs[-1]['loss']:.4f} | val {val_ce:.4f} | lr {rec['lr']:.2e} | "
+                   f"grad {rec['grad_norm']:.3f} | {(f'{tok_s:,.0f}' if tok_s else 'n/a'):>8} tok/s | "
+                   f"step {step_time * 1e3:.0f} ms | MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
+                   f"load max/min {spread:.2f}{idle or ''} | drop {100 * rec['drop_rate']:.2f}%")
+    return val_ce
+
+
+def load_spread(load):
+    """(max/min tokens per expert over the worst MoE layer, a note naming idle experts or None); inf when
+    an expert got no tokens."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spread = float(np.max(load.max(-1) / load.min(-1)))
+    idle = [f"{layer}.{e}" for layer, e in zip(*np.nonzero(load == 0))]
+    if not idle:
+        return spread, None
+    more = f" and {len(idle) - 8} more" if len(idle) > 8 else ""
+    return spread, f" (no tokens: expert {', '.join(idle[:8])}{more}, as layer.expert)"
+
+
+def expert_stats(steps):
+    """Per MoE layer, lists indexed by layer, over a log interval from its steps' device metrics: each
+    expert's share of the routed choices (before capacity drops), the fraction of experts that got
+    none, the busiest expert's load over the mean, the fraction of choices dropped, and the balance
+    term (alpha applied; the loss adds the layers')."""
+    tokens = np.sum([m["tokens_per_expert"] for m in steps], axis=0)          # [layers, experts]
+    return {"expert_load": (tokens / tokens.sum(-1, keepdims=True)).tolist(),
+            "idle_expert_fraction": np.mean(tokens == 0, axis=-1).tolist(),
+            "load_max_over_mean": (tokens.max(-1) / tokens.mean(-1)).tolist(),
+            "layer_drop_rate": np.mean([m["drop_rate"] for m in steps], axis=0).tolist(),
+            "layer_balance": np.mean([m["balance"] for m in steps], axis=0).tolist()}
+
+
+def val_target_reached(val_loss, rc):
+    """Whether an evaluation's val cross-entropy ends the run (--stop_at_val_loss; 0 = never)."""
+    return rc.stop_at_val_loss > 0 and val_loss is not None and val_loss <= rc.stop_at_val_loss
+
+
+def save_checkpoint(run, step, state, val_loss, force=False):
+    """Start the async save of `state` as step `step`, with what resuming needs in its metadata."""
+    meta = {"step": step, "sequences": run.start_seq + (step - run.start_step) * run.sequences_per_step,
+            "run_id": run.run_id, "model": dataclasses.asdict(run.cfg.model), "val_loss": val_loss}
+    save(run.mngr, step, state, meta, force=force)
+    run.logger.flush()                 # on an object store: metrics and samples up to this checkpoint
+
+
+def sample(run, state, step):
+    """A text sample into the log and samples.txt (none with --max_tokens 0). A failed sample is a
+    warning: it never costs the run (the checkpoint is written before it)."""
+    ic = run.cfg.inference
+    if ic.max_tokens == 0:
+        return
+    try:
+        text = sample_text(state, run.cfg, run.sample_ids, step)
+        log(f"sample @ {step}: {ic.prompt}{text!r}")
+        run.logger.sample(step, ic.prompt, text)
+    except Exception as e:
+        log(f"WARNING: sampling at step {step} failed ({type(e).__name__}: {e}); training goes on")
+
+
+def sample_text(state, cfg, ids, step):
+    """--max_tokens new tokens after `ids` (top-k, temperature) from the state's params routed with its
+    bias, decoded; the key depends on the seed and the step only, never on the training key."""
+    ic, enc = cfg.inference, get_tokenizer()
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), step)
+    params = model.with_router_bias(state["params"], state["router_bias"])
+    new = model.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
+    return enc.decode([t for t in new if t < enc.n_vocab])
+
+
+def stopped(run, step, signal_name):
+    """After a stop (SIGTERM, Ctrl-C, or another host's): wait for the step's checkpoint, say where."""
+    wait_for_save(run.mngr)
+    run.mngr.close()
+    log(f"{signal_name or 'stop requested on another host'}: checkpoint of step {step} written to "
+        f"{run.mngr.directory}/{step}; exiting (the same command resumes it)")
+    run.logger.close()
+    run.loader.close()
+    return 0
+
+
+def finish(run, state, step, val_ce, saved, t0):
+    """The end of the run (the last step, --stop_at_val_loss, or a finished run started again): its
+    checkpoint, and the final val cross-entropy against the unigram entropy of the training tokens."""
+    if val_ce is None:                          # resumed a finished run: just report
+        val_ce, _ = evaluate(run.trainer, state, run.val_batches)
+        sample(run, state, step)
+    if not saved:
+        save_checkpoint(run, step, state, val_ce)
+    wait_for_save(run.mngr)
+    run.mngr.close()
+    entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
+    log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
+        f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
+        if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
+        + f" | {time.perf_counter() - t0:.0f} s")
+    run.logger.metrics(utils.metrics_record("final", step, final_val_loss=val_ce, unigram_entropy=entropy))
+    run.logger.close()
+    run.loader.close()
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The run
 
 
-def main(argv=None):
-    cfg = utils.config_from_args(argv)
-    if cfg.run.compile_for:                 # a pod rehearsal on this machine: no devices, no run directory
-        import pod
-        return pod.main(cfg)
-    jax = set_up_devices(cfg)
-    n_devices = jax.device_count()
-    try:
-        if cfg.run.sample:                 # validated with the model config the checkpoint recorded
-            return sample_from_checkpoint(cfg, jax)
-        utils.validate(cfg, n_devices)
-        return train(cfg, jax)
-    except utils.ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    except RunRefused as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SaveFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+def train(cfg, mesh):
+    """Train the run in OUTPUT_DIR/NAME from its newest checkpoint (or from scratch) to --training_steps
+    or --stop_at_val_loss; SIGTERM or Ctrl-C saves and stops early."""
+    oc, rc = cfg.optim, cfg.run
+    run = open_run(cfg, mesh)
+    state, step = run.state, run.start_step
+    bar = tqdm(total=oc.training_steps, initial=step, disable=jax.process_index() != 0, dynamic_ncols=True,
+               desc="train", unit="step", file=sys.stdout,
+               mininterval=0.5 if sys.stdout.isatty() else 60)    # a log file gets a line a minute
+    meter, stop = Meter(run, bar), StopSignals()
+    # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
+    stop_agreed = multihost.StopAgreement(lambda: stop.requested)
+    batches = run.loader.iterate(0)
+    val_ce, stopping, last_saved = None, False, run.start_step if run.meta is not None else None
+    # a run that stopped at --stop_at_val_loss is finished: the same command reports, as after the last step
+    reached = run.meta is not None and val_target_reached(run.meta.get("val_loss"), rc)
+    while step < oc.training_steps and not reached:
+        state, metrics = run.trainer.step(state, next_batch(batches, oc.grad_step))
+        step += 1
+        meter.dispatched(step, metrics)
+        if step == run.start_step + 1:        # every process; launcher.sh waits for this line
+            print(multihost.started_line(jax.process_index(), jax.process_count()), flush=True)
+        meter.fetch(everything=False)
+        interval_ends = step % rc.checkpoint_steps == 0 or step == oc.training_steps
+        stopping = stop_agreed(step, synced=interval_ends)
+        if interval_ends or stopping:
+            val_ce = log_interval(run, meter, state, step)
+            reached = val_target_reached(val_ce, rc)
+            if reached:
+                log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
+                    f"stopping here, as at the last step")
+            if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
+                save_checkpoint(run, step, state, val_ce, force=stopping)
+                last_saved = step
+            sample(run, state, step)
+            meter.restart_timer()
+        if stopping:
+            break
+    meter.fetch()
+    bar.close()
+    if stopping and step < oc.training_steps:
+        return stopped(run, step, stop.signal)
+    return finish(run, state, step, val_ce, last_saved == step, meter.t0)
 
 
-def build_trainer(cfg, mesh):
-    """The training state's shardings, a fresh state, and the jitted training step (bench.py times
-    this same step). The state: params, opt_state, key and router_bias. step(state, xs, ys) -> (state,
-    stats); xs and ys are tuples of --grad_step global batches [dp x train_batch_size, T] laid out as
-    data_sharding. eval_step(params, router_bias, x, y) -> (val CE, balance term)."""
-    import types
-
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import model
-    import spikes
-
-    mc, oc, rc = cfg.model, cfg.optim, cfg.run
-    abstract_params = jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0))
-    p_shard = model.param_shardings(abstract_params, mesh)
-    replicated = NamedSharding(mesh, P())
-    schedule = utils.lr_schedule(oc)
-    # skip_spikes keeps the running grad-norm median in the optimizer state (checkpointed with it) and,
-    # with --skip_spikes F > 0, leaves params and moments untouched on a step whose norm is > F x it.
-    optimizer = spikes.skip_spikes(optax.chain(
-        optax.clip_by_global_norm(oc.grad_clip_norm),
-        spikes.adamw(schedule, oc, model.decay_mask(abstract_params), model.table_mask(abstract_params))),
-        oc.skip_spikes)
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    o_shard = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_shard,
-                                    transform_non_params=lambda _: replicated)
-    # The aux-loss-free routing bias [blocks, E] (model.update_router_bias), replicated: tiny, and equal
-    # on every device because every device computes its update from the same global counts.
-    state_shard = {"params": p_shard, "opt_state": o_shard, "key": replicated, "router_bias": replicated}
-    router_bias = jax.ShapeDtypeStruct((mc.blocks, mc.n_experts), jnp.float32)
-
-    def fresh_state(seed):
-        init_key, train_key = jax.random.split(jax.random.key(seed))
-        params = jax.jit(lambda k: model.init_params(mc, k), out_shardings=p_shard)(init_key)
-        opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
-        # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
-        return {"params": params, "opt_state": opt_state,
-                "key": jax.device_put(jax.random.key_data(train_key), replicated),
-                "router_bias": jax.device_put(jnp.zeros(router_bias.shape, router_bias.dtype), replicated)}
-
-    abstract_state = {"params": abstract_params, "opt_state": abstract_opt,
-                      "key": jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32),
-                      "router_bias": router_bias}
-    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  abstract_state, state_shard)
-    G, M = oc.grad_step, rc.micro_batch_size
-
-    def train_step(state, xs, ys):
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
-        params, opt_state = state["params"], state["opt_state"]
-        # Gradients of the params only: the routing bias is state the loss reads, not a parameter.
-        grad_fn = jax.value_and_grad(lambda p, x, y, k: model.loss_and_metrics(
-            model.with_router_bias(p, state["router_bias"]), x, y, k, mc, mesh, M, True), has_aux=True)
-
-        def micro(sums, inputs):
-            x, y, i = inputs
-            (loss, metrics), g = grad_fn(params, x, y, jax.random.fold_in(step_key, i))
-            return jax.tree.map(jnp.add, sums, (g, {"loss": loss, **metrics})), None
-
-        loss, metrics = jax.eval_shape(grad_fn, params, xs[0], ys[0], step_key)[0]
-        zeros = (jax.tree.map(jnp.zeros_like, params),
-                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {"loss": loss, **metrics}))
-        if G == 1:
-            (grads, sums), _ = micro(zeros, (xs[0], ys[0], 0))
-        else:
-            (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
-            grads = jax.tree.map(lambda g: g / G, grads)
-        # Means over the micro-steps, but the routed-choice counts stay sums: the bias update and the
-        # log interval's loads count the whole global batch.
-        stats = {name: s if name == "tokens_per_expert" else s / G for name, s in sums.items()}
-        stats["grad_norm"] = optax.global_norm(grads)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        stats["grad_norm_ratio"], stats["skipped"] = new_opt_state.ratio, new_opt_state.skipped
-        # A step skipped as a spike leaves the routing bias as it was, like the parameters.
-        router_bias = jnp.where(new_opt_state.skipped > opt_state.skipped, state["router_bias"],
-                                model.update_router_bias(state["router_bias"], stats["tokens_per_expert"],
-                                                         oc.bias_update_rate))
-        return {"params": optax.apply_updates(params, updates), "opt_state": new_opt_state,
-                "key": jax.random.key_data(key), "router_bias": router_bias}, stats
-
-    data_sharding = NamedSharding(mesh, P("dp", None))          # sequences over dp, whole rows
-    data_shards = tuple([data_sharding] * G)
-    train_step = jax.jit(train_step, in_shardings=(state_shard, data_shards, data_shards),
-                         out_shardings=(state_shard, replicated), donate_argnums=(0,))
-
-    def eval_step(params, router_bias, x, y):
-        _, metrics = model.loss_and_metrics(model.with_router_bias(params, router_bias), x, y, jax.random.key(0),
-                                            mc, mesh, M, False)
-        return metrics["ce"], jnp.sum(metrics["balance"])
-    eval_step = jax.jit(eval_step, in_shardings=(p_shard, replicated, data_sharding, data_sharding))
-
-    return types.SimpleNamespace(step=train_step, eval_step=eval_step, fresh_state=fresh_state,
-                                 abstract_state=abstract_state, schedule=schedule, data_sharding=data_sharding)
-
-
-def train(cfg, jax):
-    import model
-    return _train(cfg, jax, model.make_mesh(cfg.run.n_device_axis))
-
-
-def sample_from_checkpoint(cfg, jax):
+def sample_from_checkpoint(cfg):
     """--sample: restore the run's newest readable checkpoint on this mesh (whatever mesh saved it, with
     the model config it recorded), print one sample for --prompt, write nothing. The key is the one
     training samples with at that step, so on the same mesh the text is the one samples.txt holds."""
-    import model
     mngr = checkpoint_manager(run_dir_of(cfg.run), read_only=True)
     newest = newest_meta(mngr)
     if newest is None:
@@ -706,7 +1059,6 @@ def run_dir_of(rc):
 def prompt_ids(ic, T):
     """The prompt's token ids, checked at start: an empty prompt is <|endoftext|> alone (every document
     starts with it, as the guide samples); RunRefused when prompt + --max_tokens do not fit in --T."""
-    from data.tokenizer import get_tokenizer
     enc = get_tokenizer()
     ids = enc.encode_ordinary(ic.prompt) or [enc.eot_token]
     if len(ids) + ic.max_tokens > T:
@@ -716,301 +1068,25 @@ def prompt_ids(ic, T):
     return ids
 
 
-def sample_text(state, cfg, ids, step):
-    """--max_tokens new tokens after `ids` (top-k, temperature) from the state's params routed with its
-    bias, decoded; the key depends on the seed and the step only, never on the training key."""
-    import model
-    from data.tokenizer import get_tokenizer
-    import jax
-    ic, enc = cfg.inference, get_tokenizer()
-    key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), step)
-    params = model.with_router_bias(state["params"], state["router_bias"])
-    new = model.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
-    return enc.decode([t for t in new if t < enc.n_vocab])
-
-
-def on_process_0(jax, fn):
-    """fn() on process 0 while the others wait for it; a RunRefused there stops every process."""
-    refused = None
-    if jax.process_index() == 0:
-        try:
-            fn()
-        except RunRefused as e:
-            refused = e
-    if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-        if multihost_utils.broadcast_one_to_all(np.int32(refused is not None)) and refused is None:
-            refused = RunRefused("process 0 refused to start this run; its log says why")
-    if refused is not None:
-        raise refused
-
-
-def handle_stop_signals(stop):
-    """SIGTERM and a first Ctrl-C set stop["requested"] (and stop["signal"]): the loop finishes its step,
-    saves, says where, exits 0. A second Ctrl-C gets the default action, which ends the process at once,
-    even inside a long XLA call (a Python handler would wait for it to return)."""
-    def on_signal(signum, frame):
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            # os.write, not print: the handler may interrupt a print, and print is not reentrant
-            os.write(2, b"\nCtrl-C: finishing this step, then saving and exiting; Ctrl-C again to exit now "
-                        b"without saving\n")
-        stop["requested"] = True
-        stop.setdefault("signal", signal.Signals(signum).name)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-
-def load_spread(load):
-    """(max/min tokens per expert over the worst MoE layer, a note naming idle experts or None); inf when
-    an expert got no tokens."""
-    import numpy as np
-    with np.errstate(divide="ignore", invalid="ignore"):
-        spread = float(np.max(load.max(-1) / load.min(-1)))
-    idle = [f"{layer}.{e}" for layer, e in zip(*np.nonzero(load == 0))]
-    if not idle:
-        return spread, None
-    more = f" and {len(idle) - 8} more" if len(idle) > 8 else ""
-    return spread, f" (no tokens: expert {', '.join(idle[:8])}{more}, as layer.expert)"
-
-
-def expert_stats(steps):
-    """Per MoE layer, lists indexed by layer, over a log interval from its steps' device metrics: each
-    expert's share of the routed choices (before capacity drops), the fraction of experts that got
-    none, the busiest expert's load over the mean, the fraction of choices dropped, and the balance
-    term (alpha applied; the loss adds the layers')."""
-    import numpy as np
-    tokens = np.sum([m["tokens_per_expert"] for m in steps], axis=0)          # [layers, experts]
-    return {"expert_load": (tokens / tokens.sum(-1, keepdims=True)).tolist(),
-            "idle_expert_fraction": np.mean(tokens == 0, axis=-1).tolist(),
-            "load_max_over_mean": (tokens.max(-1) / tokens.mean(-1)).tolist(),
-            "layer_drop_rate": np.mean([m["drop_rate"] for m in steps], axis=0).tolist(),
-            "layer_balance": np.mean([m["balance"] for m in steps], axis=0).tolist()}
-
-
-def val_target_reached(val_loss, rc):
-    """Whether an evaluation's val cross-entropy ends the run (--stop_at_val_loss; 0 = never)."""
-    return rc.stop_at_val_loss > 0 and val_loss is not None and val_loss <= rc.stop_at_val_loss
-
-
-def _train(cfg, jax, mesh):
-    import numpy as np
-    from tqdm import tqdm
-
-    import dataset
-    import model
-    import spikes
-
-    mc, oc, rc, ic = cfg.model, cfg.optim, cfg.run, cfg.inference
-    proc0 = jax.process_index() == 0
-    dp, pp, tp = rc.n_device_axis
-    n_mesh = dp * pp * tp
-    run_dir = run_dir_of(rc)
-    sample_ids = prompt_ids(ic, mc.T)           # a prompt that cannot be sampled stops the run before it starts
-    if proc0:
-        make_run_dir(run_dir)
-    on_process_0(jax, lambda: lock_run_dir(run_dir))
-    if rc.restart:                              # every host opens the checkpoints after they moved
-        on_process_0(jax, lambda: set_aside_previous_run(run_dir))
-
-    log(utils.describe(cfg))
-    counts = model.count_params(mc)
-    log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
-        f"(active: used per token, without the embedding)")
-    log(f"mesh: dp={dp} pp={pp} tp={tp} over {n_mesh} of {jax.device_count()} {jax.devices()[0].device_kind} "
-        f"device(s), {jax.process_count()} process(es)")
-    log(utils.MFU_FORMULA)
-
-    trainer = build_trainer(cfg, mesh)
-    abstract_state, schedule, data_sharding = trainer.abstract_state, trainer.schedule, trainer.data_sharding
-    G = oc.grad_step
-
-    # --- data
-    data_dir = data_dir_for(cfg)
-    train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
-    val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
-    global_batch = dp * rc.train_batch_size
-    val_batches = dataset.validation_batches(val_ds, mc.T, dp * rc.val_batch_size, data_sharding, rc.eval_steps)
-    if len(val_batches) < rc.eval_steps:
-        log(f"note: the val split holds {val_ds.n_windows(mc.T)} windows of {mc.T + 1} tokens, enough for "
-            f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {dp * rc.val_batch_size}; "
-            f"evaluating on {len(val_batches)}")
-
-    mngr = checkpoint_manager(run_dir)
-    restored = restore_latest(mngr, abstract_state, run_dir, mc)
-    if restored is None:
-        state, start_step, run_id = trainer.fresh_state(rc.seed), 0, uuid.uuid4().hex[:8]
-        start_seq = 0
-    else:
-        state, meta = restored
-        start_step, run_id = int(meta["step"]), meta.get("run_id") or uuid.uuid4().hex[:8]
-        # sequences consumed, whatever batch layout consumed them (checkpoints before it: data_step batches)
-        start_seq = int(meta.get("sequences", meta.get("data_step", start_step * G) * global_batch))
-        log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position {start_seq} "
-            f"sequences, run id {run_id}")
-
-    logger = Logger(cfg, run_dir, run_id, proc0)
-    if restored is not None:
-        logger.metrics({"event": "resume", "step": start_step})
-
-    def evaluate(state):
-        results = [trainer.eval_step(state["params"], state["router_bias"], x, y) for x, y in val_batches]
-        ce, bal = np.mean([float(r[0]) for r in results]), np.mean([float(r[1]) for r in results])
-        return float(ce), float(bal)
-
-    samples_on = os.environ.get("JAXFORMER_NO_SAMPLES") != "1"
-
-    def sample(state, step):
-        """A failed sample is a warning: it never costs the run (the checkpoint is written before it)."""
-        if not samples_on:
-            return
-        try:
-            text = sample_text(state, cfg, sample_ids, step)
-            log(f"sample @ {step}: {ic.prompt}{text!r}")
-            logger.sample(step, ic.prompt, text)
-        except Exception as e:
-            log(f"WARNING: sampling at step {step} failed ({type(e).__name__}: {e}); training goes on")
-
-    def checkpoint(step, state, val_loss, force=False):
-        meta = {"step": step, "sequences": start_seq + (step - start_step) * G * global_batch, "run_id": run_id,
-                "model": dataclasses.asdict(mc), "val_loss": val_loss}
-        save(mngr, step, state, meta, force=force)
-        logger.flush()                 # on an object store: metrics and samples up to this checkpoint
-
-    # --- SIGTERM, Ctrl-C: finish the current step, save, wait, exit 0
-    stop = {"requested": False}
-    handle_stop_signals(stop)
-    test_signal = os.environ.get("JAXFORMER_TEST_SIGNAL")
-    test_signal = (int(test_signal.split(":")[0]), test_signal.split(":")[1]) if test_signal else None
-
-    # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
-    stop_agreed = multihost.StopAgreement(jax, lambda: stop["requested"])
-
-    # --- the loop
-    tokens_per_step = G * global_batch * mc.T
-    flops_per_token = model.flops_per_token(mc)
-    peak = utils.peak_flops(jax.devices()[0].device_kind)
-    step = start_step
-    loader = dataset.BatchLoader(train_ds, mc.T, global_batch, data_sharding, rc.seed, consumed=start_seq)
-    batches = loader.iterate(0)
-    pending = []                       # (step, device metrics) not yet fetched: keeps dispatch one step ahead
-    interval = []                      # fetched metrics of the current log interval
-    watch = spikes.SpikeWatch(oc.skip_spikes or spikes.RATIO_WARN)
-    skipped_before = {"n": int(jax.device_get(state["opt_state"].skipped))}   # count before the next fetched step
-    timer = {"t": None, "steps": 0, "first_step_s": None}
-    bar = tqdm(total=oc.training_steps, initial=start_step, disable=not proc0, dynamic_ncols=True,
-               desc="train", unit="step", file=sys.stdout,
-               mininterval=0.5 if sys.stdout.isatty() else 60)    # a log file gets a line a minute
-    last_saved = start_step if restored is not None else None
-    val_ce, stopping = None, False
-    # a run that stopped at --stop_at_val_loss is finished: the same command reports, as after the last step
-    reached = restored is not None and val_target_reached(restored[1].get("val_loss"), rc)
-
-    def fetch(upto_all):
-        while pending and (upto_all or len(pending) > 1):
-            s, m = pending.pop(0)
-            m = jax.device_get(m)
-            rec = {"step": s, "loss": float(m["loss"]), "ce": float(m["ce"]), "balance": float(np.sum(m["balance"])),
-                   "grad_norm": float(m["grad_norm"]), "lr": float(schedule(s - 1)),
-                   "drop_rate": float(np.mean(m["drop_rate"])), "skipped_steps": int(m["skipped"]),
-                   "grad_norm_ratio": float(m["grad_norm_ratio"]) if np.isfinite(m["grad_norm_ratio"]) else None}
-            rec["update_skipped"] = rec["skipped_steps"] > skipped_before["n"]
-            skipped_before["n"] = rec["skipped_steps"]
-            warning = watch.step(rec)                   # adds rec["loss_jump"]
-            if warning:
-                bar.write(warning) if proc0 else None
-            logger.metrics(rec)
-            interval.append((rec, m))
-            now = time.perf_counter()
-            if timer["t"] is None:     # the first step includes compilation: time from its end
-                timer["first_step_s"] = now - t_start
-                timer["t"], timer["steps"] = now, 0
-            else:
-                timer["steps"] += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
-
-    t_start = time.perf_counter()
-    while step < oc.training_steps and not reached:
-        xs, ys = zip(*[next(batches) for _ in range(G)])
-        state, metrics = trainer.step(state, xs, ys)
-        step += 1
-        pending.append((step, metrics))
-        if step == start_step + 1:
-            print(multihost.started_line(jax), flush=True)     # every process; launcher.sh waits for it
-        fetch(upto_all=timer["t"] is None)      # block on the first step, so the timer starts after compilation
-        stopping = stop_agreed(step, synced=step % rc.checkpoint_steps == 0 or step == oc.training_steps)
-        if step % rc.checkpoint_steps == 0 or step == oc.training_steps or stopping:
-            fetch(upto_all=True)
-            now = time.perf_counter()
-            steps_timed = timer["steps"]
-            elapsed = now - timer["t"] if timer["t"] is not None else 0.0
-            tok_s = steps_timed * tokens_per_step / elapsed if steps_timed and elapsed > 0 else None
-            step_time = elapsed / steps_timed if steps_timed else timer["first_step_s"]
-            val_ce, val_bal = evaluate(state)
-            reached = val_target_reached(val_ce, rc)
-            recs = [r for r, _ in interval]
-            experts = expert_stats([m for _, m in interval])
-            spread, idle = load_spread(np.asarray(experts["expert_load"]))
-            util = utils.mfu(tok_s, flops_per_token, n_mesh, peak) if tok_s else None
-            rec = {"step": step, "val_loss": val_ce, "val_balance": val_bal,
-                   "train_loss": float(np.mean([r["loss"] for r in recs])), "lr": recs[-1]["lr"],
-                   "grad_norm": recs[-1]["grad_norm"], "tokens_per_s": tok_s, "step_time_s": step_time,
-                   "mfu": util, **experts, "expert_load_spread": spread if idle is None else None,
-                   "drop_rate": float(np.mean([r["drop_rate"] for r in recs])),
-                   "balance": float(np.mean([r["balance"] for r in recs])),
-                   "skipped_steps": recs[-1]["skipped_steps"], **watch.interval()}
-            logger.metrics(rec)
-            bar.write(f"step {step:>6} | loss {recs[-1]['loss']:.4f} | val {val_ce:.4f} | lr {rec['lr']:.2e} | "
-                      f"grad {rec['grad_norm']:.3f} | "
-                      f"{(f'{tok_s:,.0f}' if tok_s else 'n/a'):>8} tok/s | step {step_time * 1e3:.0f} ms | "
-                      f"MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
-                      f"load max/min {spread:.2f}{idle or ''} | drop {100 * rec['drop_rate']:.2f}%") if proc0 else None
-            interval.clear()
-            if reached:
-                log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
-                    f"stopping here, as at the last step")
-            if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
-                checkpoint(step, state, val_ce, force=stopping)
-                last_saved = step
-            sample(state, step)
-            timer["t"], timer["steps"] = time.perf_counter(), 0
-        if test_signal and step == test_signal[0]:
-            mngr.wait_until_finished()
-            fetch(upto_all=True)
-            os.kill(os.getpid(), getattr(signal, "SIG" + test_signal[1]))
-            if test_signal[1] == "TERM":
-                stop["requested"] = True    # make sure the handler's flag is seen at the next check
-        if stopping:
-            break
-    fetch(upto_all=True)
-    bar.close()
-    if stopping and step < oc.training_steps:
-        wait_for_save(mngr)
-        mngr.close()
-        log(f"{stop.get('signal', 'stop requested on another host')}: checkpoint of step {step} written to "
-            f"{mngr.directory}/{step}; exiting (the same command resumes it)")
-        logger.close()
-        loader.close()
-        return 0
-
-    if val_ce is None:                          # resumed a finished run: just report
-        val_ce, _ = evaluate(state)
-        sample(state, step)
-    if last_saved != step:
-        checkpoint(step, state, val_ce)
-    wait_for_save(mngr)
-    mngr.close()
-    entropy = train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
-    log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
-        f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
-        if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
-        + f" | {time.perf_counter() - t_start:.0f} s")
-    logger.metrics({"step": step, "final_val_loss": val_ce, "unigram_entropy": entropy})
-    logger.close()
-    loader.close()
-    return 0
+def main(argv=None):
+    cfg = utils.config_from_args(argv)
+    if cfg.run.compile_for:                 # a pod rehearsal on this machine: no devices, no run directory
+        return pod.main(cfg)
+    set_up_devices(cfg)
+    try:
+        if cfg.run.sample:                 # validated with the model config the checkpoint recorded
+            return sample_from_checkpoint(cfg)
+        utils.validate(cfg, jax.device_count())
+        return train(cfg, model.make_mesh(cfg.run.n_device_axis))
+    except utils.ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except RunRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

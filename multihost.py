@@ -13,6 +13,11 @@ import sys
 import threading
 import time
 
+import jax
+import numpy as np
+from jax._src import distributed   # the state initialize() resolved, also when auto-detected
+from jax.experimental import multihost_utils
+
 INIT_TIMEOUT_ENV, INIT_TIMEOUT_S = "JAXFORMER_INIT_TIMEOUT", 300
 STOP_CHECK_ENV, STOP_CHECK_S = "JAXFORMER_STOP_CHECK_S", 5
 
@@ -27,7 +32,7 @@ def seconds_from_env(name, default):
     return int(value)
 
 
-def initialize(jax, **kwargs):
+def initialize(**kwargs):
     """jax.distributed.initialize(**kwargs), bounded by $JAXFORMER_INIT_TIMEOUT. When a process never joins,
     JAX waits and then aborts with a stack trace that says neither where nor who; instead this
     process exits 1 after the timeout with one line saying both."""
@@ -36,7 +41,7 @@ def initialize(jax, **kwargs):
 
     def give_up():
         if not joined.wait(timeout):
-            print(f"error: {_not_joined(jax, timeout)}", file=sys.stderr, flush=True)
+            print(f"error: {_not_joined(timeout)}", file=sys.stderr, flush=True)
             os._exit(1)                 # the main thread is blocked inside JAX: nothing else can end it
     threading.Thread(target=give_up, daemon=True).start()
     # JAX's own limit comes later, so the line above is what the user sees
@@ -46,10 +51,9 @@ def initialize(jax, **kwargs):
         joined.set()                    # also when it raises (a single TPU host): the caller decides
 
 
-def _not_joined(jax, timeout):
+def _not_joined(timeout):
     """The timeout line: on the coordinator's process, how many processes joined it; elsewhere,
     whether this process reached it."""
-    from jax._src import distributed      # what initialize() resolved, also when auto-detected
     state = distributed.global_state
     address = getattr(state, "coordinator_address", None) or os.environ.get("JAX_COORDINATOR_ADDRESS", "?")
     n, pid = getattr(state, "num_processes", None) or "?", getattr(state, "process_id", None)
@@ -85,11 +89,10 @@ def _connections(port, local):
     return count
 
 
-def started_line(jax):
+def started_line(process_index, process_count):
     """Printed by every process once its first training step is dispatched (start-up done: config,
     data, restore, compile); launcher.sh and run.sh --ready wait for it (run.sh: ready_line)."""
-    return (f"jaxformer started: process {jax.process_index()} of {jax.process_count()}, "
-            f"first training step dispatched")
+    return f"jaxformer started: process {process_index} of {process_count}, first training step dispatched"
 
 
 class StopAgreement:
@@ -105,18 +108,16 @@ class StopAgreement:
 
     PROBE_STEPS = 4     # steps to the second check, the first that measures the step time
 
-    def __init__(self, jax, requested):
-        self.jax, self.requested = jax, requested
+    def __init__(self, requested):
+        self.requested = requested
         self.check_s = seconds_from_env(STOP_CHECK_ENV, STOP_CHECK_S)
         self.next_check, self.last_step, self.last_t = None, None, None
 
     def __call__(self, step, synced=False):
-        if self.jax.process_count() == 1:
+        if jax.process_count() == 1:
             return bool(self.requested())
         if self.next_check is not None and step < self.next_check and not synced:
             return False
-        import numpy as np
-        from jax.experimental import multihost_utils
         now = time.monotonic()
         mine = [float(bool(self.requested())), now - self.last_t if self.last_t is not None else 0.0]
         every = np.asarray(multihost_utils.process_allgather(np.array(mine, np.float32)))   # [processes, 2]

@@ -1,8 +1,9 @@
-"""Figures for the README from a run's metrics.jsonl (written by main.py).
+"""Figures from a run's metrics.jsonl (written by main.py; its fields: utils.METRICS).
 
-    python plot.py [RUN_DIR] [--out public]
+    python plot.py [RUN_DIR] [--out DIR]
 
-RUN_DIR defaults to runs/tiny (the embedded default's run). Writes three PNGs:
+RUN_DIR defaults to runs/tiny (the embedded default's run); the PNGs go next to its metrics.jsonl
+unless --out names another directory (the README's figures: `--out public`, on purpose). Three PNGs:
   loss.png         training loss per step and validation cross-entropy per evaluation
   balance.png      the sequence-wise balance loss (training, per step, and validation)
   expert_load.png  per MoE layer, the fraction of routed token-slots each expert received over steps
@@ -15,7 +16,7 @@ import os
 
 import matplotlib
 
-matplotlib.use("Agg")
+matplotlib.use("Agg")                    # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 
@@ -38,7 +39,9 @@ def read_metrics(path):
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
-def plot(run_dir, out_dir):
+def plot(run_dir, out_dir=None):
+    """The figures of run_dir's metrics.jsonl, written to out_dir (default: run_dir); their paths."""
+    out_dir = run_dir if out_dir is None else out_dir
     train, evals = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     if not train:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no training records")
@@ -101,7 +104,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", nargs="?", default=os.path.join("runs", "tiny"),
                         help="run directory holding metrics.jsonl (OUTPUT_DIR/NAME)")
-    parser.add_argument("--out", default="public", help="where to write the PNGs")
+    parser.add_argument("--out", help="where to write the PNGs (default: RUN_DIR; the README's figures: public)")
     args = parser.parse_args(argv)
     for path in plot(args.run_dir, args.out):
         print(path)

@@ -62,6 +62,7 @@ def _jax_for_topologies(tpu):
                         ("TPU_ACCELERATOR_TYPE", tpu.name), ("TPU_WORKER_HOSTNAMES", "localhost")):
         os.environ.setdefault(name, value)
     import jax
+    jax.config.update("jax_platforms", "cpu")     # jax may be imported already (main.py): the variable is too late
     return jax
 
 
@@ -110,7 +111,7 @@ def _batch(cfg, trainer, jax, per_replica):
 def _train_args(cfg, trainer, jax):
     state = trainer.abstract_state
     micro_steps = (_batch(cfg, trainer, jax, cfg.run.train_batch_size),) * cfg.optim.grad_step
-    return state, micro_steps, micro_steps
+    return state, (micro_steps, micro_steps)
 
 
 def _eval_args(cfg, trainer, jax):

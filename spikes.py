@@ -32,7 +32,10 @@ The rest:
 from collections import deque
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 ADAM_EPS = 1e-8            # Adam's epsilon for every leaf but the embedding table (optax's default)
 WINDOW = 20                 # grad norms the running median is taken over
@@ -45,10 +48,6 @@ RATIO_WARN = 5.0            # grad norm over its running median: a spike (or --s
 def adamw(schedule, oc, decay_mask, table_mask):
     """optax.adamw (the same chain: Adam, decoupled weight decay on `decay_mask`, learning rate), except
     that the leaves in `table_mask` divide by sqrt(v) + oc.embed_eps, the rest by sqrt(v) + 1e-8."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
     adam = optax.scale_by_adam(b1=oc.b1, b2=oc.b2)          # its init: the moments and step count
 
     def update(grads, state, params=None):
@@ -66,19 +65,15 @@ def adamw(schedule, oc, decay_mask, table_mask):
 
 
 class SpikeState(NamedTuple):
-    norms: "jax.Array"      # [WINDOW] grad norms of the latest steps, newest first; NaN = not yet seen
-    ratio: "jax.Array"      # this step's grad norm / median of the previous ones (NaN: too little history)
-    skipped: "jax.Array"    # updates skipped so far (int32)
+    norms: jax.Array      # [WINDOW] grad norms of the latest steps, newest first; NaN = not yet seen
+    ratio: jax.Array      # this step's grad norm / median of the previous ones (NaN: too little history)
+    skipped: jax.Array    # updates skipped so far (int32)
     inner: tuple            # the wrapped optimizer's state
 
 
 def skip_spikes(inner, factor):
     """`inner` (an optax.GradientTransformation) whose update becomes a no-op on a step whose global
     grad norm is above factor x the running median (factor 0: never; the ratio is still tracked)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
     def init(params):
         return SpikeState(jnp.full((WINDOW,), jnp.nan, jnp.float32), jnp.full((), jnp.nan, jnp.float32),
                           jnp.zeros((), jnp.int32), inner.init(params))

@@ -1,40 +1,62 @@
 """Configuration, CLI, presets, validation and FLOP/MFU accounting.
 
-Every shape rule the model and the mesh rely on is checked here, before JAX is touched, so that a bad
-flag gets one message naming the flag and the valid values rather than a trace error deep in XLA.
-The CLI keeps the flag names of the JAXformer guide, so its commands paste unchanged.
+Every shape rule the model and the mesh rely on is checked here, before any JAX computation, so that a
+bad flag gets one message naming the flag and the valid values rather than a trace error deep in XLA.
+The CLI keeps the flag names of the JAXformer guide, so its commands paste unchanged. Each config
+field's meaning is written once, as its `flag(default, help)`, and `--help` shows it.
 """
 import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
+
+import model
+
 # The embedding table is padded to a multiple of this many rows, independent of the mesh, so that a
 # checkpoint written on one mesh restores on any other and the vocab splits evenly over tp.
 VOCAB_PAD_MULTIPLE = 128
 
 
+def flag(default, help):
+    """A config field and its --help text: the one place that says what the field means."""
+    return field(default=default, metadata={"help": help})
+
+
+def remat_choices():
+    """--remat values: model.py's checkpoint policies, and none (nothing recomputed)."""
+    return (*model.REMAT_POLICIES, "none")
+
+
+def moe_impl_choices():
+    return tuple(model.MOE_IMPLS)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 100_277          # cl100k_base
-    model_dimension: int = 128         # d_model
-    n_head: int = 4
-    blocks: int = 2                    # B; each block is layers_per_block layers, the last one MoE + NoPE
-    layers_per_block: int = 2
-    T: int = 128                       # context length
-    latent_dim: int = 32               # KV latent width (c_kv)
-    q_latent_dim: int = 32             # query latent width (c_q)
-    dhR: int = 16                      # decoupled RoPE width per head
-    n_experts: int = 4                 # routed experts E
-    k: int = 2                         # experts per token
-    n_shared: int = 1                  # shared experts, always added
-    capacity_factor: float = 1.5       # 0 = dropless
-    dropout_rate: float = 0.0
-    model_dtype: str = "bfloat16"      # matmul dtype; master weights are always fp32
-    alpha: float = 1e-4                # sequence-wise balance loss coefficient
-    rope_base: float = 10_000.0
-    remat: str = "full"                # what the backward pass recomputes: full | dots | none
-    moe_impl: str = "buffers"          # routed-expert compute: buffers (per-expert slots) | ragged (sorted, grouped matmul)
+    vocab_size: int = flag(100_277, "vocabulary size (cl100k_base: 100,277)")
+    model_dimension: int = flag(128, "d_model")
+    n_head: int = flag(4, "attention heads")
+    blocks: int = flag(2, "blocks B (split over pp); each is layers_per_block layers")
+    layers_per_block: int = flag(2, "layers per block; the last is MoE + NoPE, the rest dense + RoPE")
+    T: int = flag(128, "context length")
+    latent_dim: int = flag(32, "KV latent width (c_kv)")
+    q_latent_dim: int = flag(32, "query latent width (c_q)")
+    dhR: int = flag(16, "decoupled RoPE width per head (even)")
+    n_experts: int = flag(4, "routed experts E")
+    k: int = flag(2, "experts per token")
+    n_shared: int = flag(1, "shared experts, always added")
+    capacity_factor: float = flag(1.5, "expert capacity factor; 0 = dropless")
+    dropout_rate: float = flag(0.0, "dropout rate")
+    model_dtype: str = flag("bfloat16", "matmul dtype: bfloat16 or float32; master weights are always fp32")
+    alpha: float = flag(1e-4, "sequence-wise balance loss coefficient, applied in every MoE layer (the loss adds "
+                              "the layers')")
+    rope_base: float = flag(10_000.0, "RoPE frequency base")
+    remat: str = flag("full", "what the backward pass recomputes: full (everything), dots (all but the matmul "
+                              "outputs) or none")
+    moe_impl: str = flag("buffers", "routed-expert compute: buffers (per-expert capacity slots) or ragged "
+                                    "(sorted tokens, lax.ragged_dot)")
 
     @property
     def head_dim(self):
@@ -55,49 +77,66 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    max_lr: float = 3e-3
-    min_lr: float = 3e-4               # lr at step 0, warmed up linearly to max_lr
-    end_lr: float = 3e-4               # lr reached by the cosine at end_steps, held after
-    warmup_steps: int = 30
-    end_steps: int = 300
-    training_steps: int = 300
-    grad_step: int = 1                 # gradient-accumulation steps per optimizer step
-    grad_clip_norm: float = 1.0
-    skip_spikes: float = 0.0           # >0: skip the update of a step whose grad norm > this x its running median
-    weight_decay: float = 0.1          # matrices only
-    b1: float = 0.9
-    b2: float = 0.95
-    embed_eps: float = 1e-4            # Adam epsilon of the tied embedding table (the rest: 1e-8); spikes.py
-    bias_update_rate: float = 0.0      # DeepSeek-V3 aux-loss-free balancing: per-step routing-bias move; 0 = off
+    max_lr: float = flag(3e-3, "peak learning rate")
+    min_lr: float = flag(3e-4, "lr at step 0, warmed up linearly to max_lr")
+    end_lr: float = flag(3e-4, "lr reached by the cosine at end_steps, held after")
+    warmup_steps: int = flag(30, "linear warmup from min_lr to max_lr")
+    end_steps: int = flag(300, "step at which the cosine reaches end_lr")
+    training_steps: int = flag(300, "optimizer steps of the run")
+    grad_step: int = flag(1, "gradient-accumulation steps per optimizer step")
+    grad_clip_norm: float = flag(1.0, "clip the gradient to this global norm (over all shards)")
+    skip_spikes: float = flag(0.0, "skip the optimizer update of a step whose grad norm exceeds this multiple of "
+                                   "the median of the previous 20 steps' (0 = off; e.g. 5); skipped steps are "
+                                   "counted in the metrics")
+    weight_decay: float = flag(0.1, "AdamW weight decay, matrices only")
+    b1: float = flag(0.9, "Adam b1")
+    b2: float = flag(0.95, "Adam b2")
+    embed_eps: float = flag(1e-4, "Adam epsilon of the tied embedding table (every other leaf: 1e-8): rows whose "
+                                  "gradient is below it, i.e. tokens rarer than about this probability, move in "
+                                  "proportion to it instead of at Adam's full step, which would collapse the rows "
+                                  "of unseen tokens into one vector (spikes.py); > 0")
+    bias_update_rate: float = flag(0.0, "DeepSeek-V3 aux-loss-free balancing: top-k picks experts on score + a "
+                                        "per-expert bias that moves this much after every step toward the mean "
+                                        "load (0 = off; DeepSeek-V3: 1e-3)")
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = "tiny"
-    output_dir: str = "runs"
-    data_dir: str = ""                 # token shards (local dir or fsspec URL); "" = the bundled corpus, cached
-    train_batch_size: int = 16         # sequences per data-parallel replica per micro-step
-    val_batch_size: int = 16
-    micro_batch_size: int = 2          # NUMBER of pipeline micro-batches M per step (the guide's meaning)
-    checkpoint_steps: int = 50         # eval/log interval; a checkpoint is saved every 10 of them and at the end
-    eval_steps: int = 4                # validation batches per evaluation
-    seed: int = 0
-    stop_at_val_loss: float = 0.0      # end the run at the first evaluation with val CE <= this; 0 = off
-    wandb: bool = False
-    n_device_axis: tuple = (1, 1, 1)   # dp pp tp
-    cpu_devices: int = 0               # >0: simulate this many CPU devices (to try a mesh on a laptop)
-    compile_for: str = ""              # a TPU slice (v4-64, ...): compile the step for it here and report; no training
-    restart: bool = False              # start over: move the run's checkpoints and logs aside first
-    sample: bool = False               # no training: sample from the run's newest checkpoint and exit
+    name: str = flag("tiny", "the run's name: it lives in OUTPUT_DIR/NAME")
+    output_dir: str = flag("runs", "runs live in OUTPUT_DIR/NAME: a local dir or any fsspec URL (gs://bucket/runs), "
+                                   "where every host writes its checkpoint parts and process 0 the metrics and "
+                                   "samples")
+    data_dir: str = flag("", "token shards (dir or gs:// URL) with a manifest; empty = the bundled corpus, cached")
+    train_batch_size: int = flag(16, "sequences per data-parallel replica per micro-step (global batch = DP x this)")
+    val_batch_size: int = flag(16, "validation sequences per data-parallel replica")
+    micro_batch_size: int = flag(2, "NUMBER of pipeline micro-batches per step (not their size; the guide's "
+                                    "meaning)")
+    checkpoint_steps: int = flag(50, "eval/log interval in steps; a checkpoint is saved every 10 intervals, at the "
+                                     "end and on SIGTERM or Ctrl-C")
+    eval_steps: int = flag(4, "validation batches per evaluation")
+    seed: int = flag(0, "seed of the init, the data order, dropout and the samples")
+    stop_at_val_loss: float = flag(0.0, "end the run, with a checkpoint, at the first evaluation whose val "
+                                        "cross-entropy is <= this (0 = off; the guide's moe1B run stopped at 3.28)")
+    wandb: bool = flag(False, "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)")
+    n_device_axis: tuple = flag((1, 1, 1), "mesh sizes DP PP TP")
+    cpu_devices: int = flag(0, "simulate N CPU devices (try a 3-D mesh on one machine); 0 = the real devices")
+    compile_for: str = flag("", "do not train: compile this run's training and eval steps for a TPU slice (v4-64, "
+                                "v5p-8, v5litepod-16, v6e-8, ...) on this machine with libtpu's ahead-of-time "
+                                "compiler and print the per-chip memory plan, FLOPs and compile time (pip install "
+                                "-r requirements-tpu.txt)")
+    restart: bool = flag(False, "start the run over: its checkpoints and logs are moved to NAME/replaced/TIME first, "
+                                "never deleted (without it, a changed model flag is an error and nothing is touched)")
+    sample: bool = flag(False, "do not train: load the newest checkpoint of --name (saved on any mesh), print a "
+                               "sample for --prompt and exit; writes nothing")
 
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    prompt: str = "And God said,"
-    top_k: int = 20
-    temperature: float = 0.8
-    max_tokens: int = 64
-    use_cache: bool = True
+    prompt: str = flag("And God said,", "prompt of the text samples; empty = <|endoftext|>")
+    top_k: int = flag(20, "sample from the k most likely tokens")
+    temperature: float = flag(0.8, "sampling temperature")
+    max_tokens: int = flag(64, "tokens per sample; 0 = no samples during training")
+    use_cache: bool = flag(True, "KV-cached generation (true/false)")
 
 
 @dataclass(frozen=True)
@@ -142,49 +181,11 @@ PRESETS["moe1B-v4-32"] = dataclasses.replace(PRESETS["moe1B"], run=dataclasses.r
     micro_batch_size=8))
 PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
 
-SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
+# Flags whose values are the keys of a table in model.py (read when the CLI is built, not at import:
+# model.py may import this module).
+CHOICES = {"remat": remat_choices, "moe_impl": moe_impl_choices}
 
-HELP = {
-    "model_dimension": "d_model", "n_head": "attention heads", "blocks": "blocks B (split over pp)",
-    "layers_per_block": "layers per block; the last is MoE + NoPE, the rest dense + RoPE",
-    "T": "context length", "latent_dim": "KV latent width", "q_latent_dim": "query latent width",
-    "dhR": "decoupled RoPE width per head (even)", "n_experts": "routed experts", "k": "experts per token",
-    "n_shared": "shared experts", "capacity_factor": "expert capacity factor; 0 = dropless",
-    "model_dtype": "matmul dtype: bfloat16 or float32",
-    "alpha": "sequence-wise balance loss coefficient, applied in every MoE layer (the loss adds the layers')",
-    "bias_update_rate": "DeepSeek-V3 aux-loss-free balancing: top-k picks experts on score + a per-expert bias "
-                        "that moves this much after every step toward the mean load (0 = off; DeepSeek-V3: 1e-3)",
-    "stop_at_val_loss": "end the run, with a checkpoint, at the first evaluation whose val cross-entropy is <= "
-                        "this (0 = off; the guide's moe1B run stopped at 3.28)",
-    "remat": "rematerialisation: full (recompute all), dots (save matmul outputs), none",
-    "moe_impl": "routed experts: buffers (per-expert capacity slots) or ragged (sort + lax.ragged_dot)",
-    "train_batch_size": "sequences per data-parallel replica (global batch = DP x this)",
-    "val_batch_size": "validation sequences per data-parallel replica",
-    "micro_batch_size": "NUMBER of pipeline micro-batches per step (not their size)",
-    "grad_step": "gradient-accumulation steps per optimizer step",
-    "checkpoint_steps": "eval/log interval in steps; a checkpoint is saved every 10 intervals, at the end "
-                        "and on SIGTERM or Ctrl-C",
-    "eval_steps": "validation batches per evaluation", "warmup_steps": "linear warmup from min_lr to max_lr",
-    "end_steps": "step at which the cosine reaches end_lr", "n_device_axis": "mesh sizes DP PP TP",
-    "data_dir": "token shards (dir or gs:// URL) with a manifest; empty = bundled corpus",
-    "output_dir": "runs live in OUTPUT_DIR/NAME: a local dir or any fsspec URL (gs://bucket/runs), where every "
-                  "host writes its checkpoint parts and process 0 the metrics and samples",
-    "cpu_devices": "simulate N CPU devices (try a 3-D mesh on one machine)",
-    "wandb": "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)",
-    "use_cache": "KV-cached generation (true/false)",
-    "embed_eps": "Adam epsilon of the tied embedding table (every other leaf: 1e-8): rows whose gradient is below "
-                 "it, i.e. tokens rarer than about this probability, move in proportion to it instead of at Adam's "
-                 "full step, which would collapse the rows of unseen tokens into one vector (spikes.py); > 0",
-    "skip_spikes": "skip the optimizer update of a step whose grad norm exceeds this multiple of the median of "
-                   "the previous 20 steps' (0 = off; e.g. 5); skipped steps are counted in the metrics",
-    "compile_for": "do not train: compile this run's training and eval steps for a TPU slice (v4-64, v5p-8, "
-                   "v5litepod-16, v6e-8, ...) on this machine with libtpu's ahead-of-time compiler and print "
-                   "the per-chip memory plan, FLOPs and compile time (pip install -r requirements-tpu.txt)",
-    "restart": "start the run over: its checkpoints and logs are moved to NAME/replaced/TIME first, never "
-               "deleted (without it, a changed model flag is an error and nothing is touched)",
-    "sample": "do not train: load the newest checkpoint of --name (saved on any mesh), print a sample for "
-              "--prompt and exit; writes nothing",
-}
+SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
 
 
 def _parse_bool(text):
@@ -196,6 +197,7 @@ def _parse_bool(text):
 
 
 def build_parser():
+    """The CLI: --preset, then one flag per config field, named as the field, with its help text."""
     parser = argparse.ArgumentParser(
         description="Train, evaluate and sample a sharded MoE + MLA transformer. With no flags: the tiny "
                     "preset on the bundled corpus.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -205,7 +207,8 @@ def build_parser():
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
-            kwargs = {"default": None, "help": HELP.get(f.name, f.name.replace("_", " "))}
+            kwargs = {"default": None, "help": f.metadata["help"],
+                      "choices": CHOICES[f.name]() if f.name in CHOICES else None}
             if f.name == "n_device_axis":
                 kwargs.update(nargs=3, type=int, metavar=("DP", "PP", "TP"))
             elif f.type is bool or f.type == "bool":
@@ -271,7 +274,7 @@ def validate(cfg, n_devices=None):
                              ("--min_lr", o.min_lr, 0), ("--end_lr", o.end_lr, 0), ("--weight_decay", o.weight_decay, 0),
                              ("--bias_update_rate", o.bias_update_rate, 0),
                              ("--stop_at_val_loss", r.stop_at_val_loss, 0),
-                             ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 1),
+                             ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 0),
                              ("--cpu_devices", r.cpu_devices, 0)]:
         _at_least(errors, value, flag, low)
     if not o.embed_eps > 0:
@@ -288,10 +291,10 @@ def validate(cfg, n_devices=None):
         errors.append(f"--b1 and --b2 must be in [0, 1), got {o.b1}, {o.b2}")
     if m.model_dtype not in ("bfloat16", "float32"):
         errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
-    if m.remat not in ("full", "dots", "none"):
-        errors.append(f"--remat must be full, dots or none, got {m.remat!r}")
-    if m.moe_impl not in ("buffers", "ragged"):
-        errors.append(f"--moe_impl must be buffers or ragged, got {m.moe_impl!r}")
+    for name, value in (("remat", m.remat), ("moe_impl", m.moe_impl)):
+        choices = CHOICES[name]()
+        if value not in choices:
+            errors.append(f"--{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
     if m.n_experts >= 1 and m.k > m.n_experts:
         errors.append(f"--k ({m.k}) must be <= --n_experts ({m.n_experts}); valid values are 1..{m.n_experts}")
     if m.dhR % 2:
@@ -335,7 +338,6 @@ def describe(cfg):
 
 def lr_schedule(o):
     """Linear warmup min_lr -> max_lr, cosine max_lr -> end_lr at end_steps, then end_lr. Pure Python + jnp."""
-    import jax.numpy as jnp
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
@@ -344,6 +346,62 @@ def lr_schedule(o):
         cosine = o.end_lr + 0.5 * (o.max_lr - o.end_lr) * (1 + jnp.cos(math.pi * progress))
         return jnp.where(step < o.warmup_steps, warm, cosine)
     return schedule
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics: every field main.py writes to RUN_DIR/metrics.jsonl, and what it means (plot.py and the
+# README read them from here). Each record has "step"; its other fields are those of one kind. A
+# per-MoE-layer value is a list indexed by layer (expert_load: per layer, per expert); wandb gets
+# NAME/layerI (and NAME/layerI/expertJ).
+
+METRICS = {
+    "step": {       # one per optimizer step
+        "loss": "training loss of the step (cross-entropy + balance term)",
+        "ce": "training cross-entropy",
+        "balance": "balance term (alpha applied, summed over MoE layers)",
+        "grad_norm": "global grad norm before clipping",
+        "lr": "learning rate of the update",
+        "drop_rate": "fraction of routed choices dropped for capacity",
+        "skipped_steps": "updates skipped as spikes so far (--skip_spikes)",
+        "grad_norm_ratio": "grad norm over the median of the previous 20 steps' (null until 10 are seen)",
+        "update_skipped": "whether this step's update was skipped",
+        "loss_jump": "loss minus the median of the previous 10 losses (null before 10)",
+    },
+    "interval": {   # one per evaluation, every --checkpoint_steps
+        "val_loss": "validation cross-entropy (without the balance term)",
+        "val_balance": "validation balance term",
+        "train_loss": "mean training loss over the interval",
+        "lr": "learning rate of the interval's last update",
+        "grad_norm": "grad norm of the interval's last step",
+        "tokens_per_s": "training tokens per second (compilation excluded)",
+        "step_time_s": "seconds per step",
+        "mfu": "model FLOPs utilisation (null where the device's peak is unknown)",
+        "expert_load": "per MoE layer, each expert's share of the routed choices (1/E: balanced)",
+        "idle_expert_fraction": "per MoE layer, the fraction of experts that got no token",
+        "load_max_over_mean": "per MoE layer, the busiest expert's load over the mean",
+        "layer_drop_rate": "per MoE layer, the fraction of routed choices dropped",
+        "layer_balance": "per MoE layer, the balance term (alpha applied; balance is their sum)",
+        "expert_load_spread": "max/min expert load over the worst MoE layer (null when an expert is idle)",
+        "drop_rate": "mean drop rate over the interval",
+        "balance": "mean balance term over the interval",
+        "skipped_steps": "updates skipped as spikes so far",
+        "max_loss_jump": "largest loss_jump of the interval",
+        "max_grad_norm_ratio": "largest grad_norm_ratio of the interval",
+    },
+    "final": {      # once, when the run ends
+        "final_val_loss": "validation cross-entropy at the end",
+        "unigram_entropy": "entropy of the training tokens' unigram distribution (the no-context baseline)",
+    },
+    "event": {"event": "resume: the run restarted from the checkpoint of this step"},
+}
+
+
+def metrics_record(kind, step, **values):
+    """A metrics.jsonl record of `kind`; every field must be in METRICS[kind] (ValueError otherwise)."""
+    unknown = set(values) - set(METRICS[kind])
+    if unknown:
+        raise ValueError(f"metrics {sorted(unknown)} are not in utils.METRICS[{kind!r}]")
+    return {"step": step, **values}
 
 
 # ----------------------------------------------------------------------------------------------------------

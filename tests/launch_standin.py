@@ -1,4 +1,4 @@
-"""Stand-in for main.py in the launcher tests, fast (no jax): what process I does comes from its
+"""Stand-in for main.py in the launcher tests, fast (it computes nothing): what process I does comes from its
 argument I (I = $JAX_PROCESS_ID, 0 without a coordinator):
   ready    print main.py's start-up line (multihost.started_line) and a step line, then sleep
   fail:N   print an error and exit N at once, before start-up
@@ -9,7 +9,6 @@ usage: python tests/launch_standin.py ACTION_FOR_PROCESS_0 [ACTION_FOR_PROCESS_1
 import os
 import sys
 import time
-import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import multihost  # noqa: E402
@@ -22,7 +21,6 @@ if action.startswith("fail:"):
     print("error: the stand-in fails before start-up", file=sys.stderr, flush=True)
     sys.exit(int(action.split(":")[1]))
 if action == "ready":
-    print(multihost.started_line(types.SimpleNamespace(process_index=lambda: pid, process_count=lambda: n)),
-          flush=True)
+    print(multihost.started_line(pid, n), flush=True)
     print("step     12 | loss 7.2500 | val 7.3000 | lr 1.00e-03", flush=True)
 time.sleep(300)

@@ -5,8 +5,10 @@ directory on gs:// (checkpoints through Orbax/tensorstore, metrics as part objec
 exactly, and two processes sharing one gs:// run directory."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import fsspec
 import numpy as np
@@ -59,13 +61,34 @@ def gs_shards(gcs, reference_run):
     return url
 
 
-def _main(env, out, data_dir, steps, hook=None, extra_env=None, args=()):
-    e = dict(env, **(extra_env or {}))
-    if hook:
-        e["JAXFORMER_TEST_SIGNAL"] = hook
-    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, *MESH1, "--output_dir", out, "--name", "run",
-           "--training_steps", str(steps), "--data_dir", data_dir, *args]
-    return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=900)
+def _cmd(out, data_dir, steps, args=()):
+    return [sys.executable, os.path.join(REPO, "main.py"), *TINY, *MESH1, "--output_dir", out, "--name", "run",
+            "--training_steps", str(steps), "--data_dir", data_dir, *args]
+
+
+def _main(env, out, data_dir, steps, extra_env=None, args=()):
+    return subprocess.run(_cmd(out, data_dir, steps, args), cwd=REPO, env=dict(env, **(extra_env or {})),
+                          capture_output=True, text=True, timeout=900)
+
+
+def _kill_after_checkpoint(env, out, data_dir, step, log):
+    """main.py on out, SIGKILLed (from outside) once Orbax lists its checkpoint of `step` as complete; the
+    run is given 100 x more steps, so it cannot end first. Returns the newest complete checkpoint's step."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_cmd(out, data_dir, 100 * step), cwd=REPO, env=env, stdout=f, stderr=f)
+    deadline = time.time() + 900
+    while (newest := _newest_checkpoint(out)) is None or newest < step:
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    return _newest_checkpoint(out)
+
+
+def _newest_checkpoint(out):
+    fsspec.filesystem("gs").invalidate_cache()
+    with jmain.checkpoint_manager(f"{out}/run", read_only=True) as mngr:
+        return mngr.latest_step()
 
 
 def _losses(text):
@@ -81,18 +104,16 @@ def local_losses(env, reference_run, tmp_path_factory):
     return _losses((out / "run" / "metrics.jsonl").read_text())
 
 
-def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, env, gs_shards, local_losses):
-    """Same shards, local vs gs://: the same losses; on gs:// a kill -9 after step 12 (last checkpoint
-    10) and a restart continue bit-for-bit. Nothing is written to a local 'gs:' directory."""
+def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, env, gs_shards, local_losses, tmp_path):
+    """Same shards, local vs gs://: the same losses; on gs:// a kill -9 once the checkpoint of step 10 is
+    complete and a restart continue bit-for-bit. Nothing is written to a local 'gs:' directory."""
     env, want = dict(env, **gcs), local_losses
     out = f"gs://{BUCKET}/runs"
-    killed = _main(env, out, gs_shards, 14, hook="12:KILL")
-    assert killed.returncode == -9, killed.stderr[-4000:]
+    assert _kill_after_checkpoint(env, out, gs_shards, 10, tmp_path / "killed.log") == 10
     fs = fsspec.filesystem("gs")
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/runs/run/checkpoints", detail=False)) == ["10"]
     resumed = _main(env, out, gs_shards, 14)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout
+    assert f"resumed from {out}/run/checkpoints/10: step 10," in resumed.stdout
     fs.invalidate_cache()
     got = _losses(jmain.read_run_file(f"{out}/run", "metrics.jsonl"))
     assert sorted(got) == list(range(1, 15)) and got == want

@@ -104,8 +104,8 @@ def test_stop_on_one_host_is_agreed_without_a_per_step_sync(env, two_hosts, tmp_
     p = sh("launcher.sh", *where, "--name", "agree", "--coordinator", f"127.0.0.1:{free_port()}",
            "--python", sys.executable, "--main", "tests/launch_count_allgather.py",
            "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=20",
-           "--env", f"COUNT_OUT={count}", "--env", "JAXFORMER_NO_SAMPLES=1",
-           "--", *SMALL, "--training_steps", "100000", "--checkpoint_steps", "1000",
+           "--env", f"COUNT_OUT={count}",
+           "--", *SMALL, "--max_tokens", "0", "--training_steps", "100000", "--checkpoint_steps", "1000",
            "--output_dir", tmp_path / "runs", "--name", "agree", env=env, timeout=600)
     assert p.returncode == 0, p.out
     assert p.stdout.count("main.py passed start-up") == 2

@@ -1,4 +1,5 @@
-"""plot.py turns a run's metrics.jsonl (with a resume and a line cut short by a kill) into the PNGs."""
+"""plot.py turns a run's metrics.jsonl (with a resume and a line cut short by a kill) into the PNGs, next to
+the run unless told where."""
 import json
 import os
 import sys
@@ -21,8 +22,10 @@ def test_plot_writes_the_three_figures(tmp_path):
     (run / "metrics.jsonl").write_text(text)
     train, evals = plot.read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in train] == list(range(1, 9)) and [r["step"] for r in evals] == [2, 4, 6, 8]
+    # By default next to the run (never over the README's figures in public/); elsewhere with --out.
+    plot.main([str(run)])
     written = plot.plot(str(run), str(tmp_path / "public"))
     assert sorted(os.path.basename(p) for p in written) == ["balance.png", "expert_load.png", "loss.png"]
-    for p in written:
+    for p in written + [str(run / os.path.basename(p)) for p in written]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

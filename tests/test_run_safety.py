@@ -22,18 +22,14 @@ import time
 import numpy as np
 import pytest
 
-from test_main import MESH1, MESH8, REPO, TINY, env, run  # noqa: F401  (env: the fixture)
+from test_main import (MESH1, MESH8, REPO, checkpoints, env, records, run, start, wait_for,  # noqa: F401
+                       wait_for_step)  # (env: the fixture)
 
 
 def snapshot(path):
     """Every file under path with its size and mtime: equal snapshots mean nothing was touched."""
     return {os.path.join(root, n): (os.stat(os.path.join(root, n)).st_size, os.stat(os.path.join(root, n)).st_mtime_ns)
             for root, _, names in os.walk(path) for n in names}
-
-
-def records(out, name="run"):
-    with open(os.path.join(out, name, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def meta(out, step, name="run"):
@@ -49,34 +45,8 @@ def trained(env, tmp_path_factory):
     return out
 
 
-def start(env, out, log, *args, steps=100_000):
-    """main.py in the background, its stdout and stderr in the files LOG.out and LOG.err."""
-    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(out), "--name", "run",
-           "--training_steps", str(steps), *args]
-    with open(f"{log}.out", "w") as stdout, open(f"{log}.err", "w") as stderr:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
-
-
-def wait_for(proc, log, condition, what, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"exit {proc.returncode} before {what}:\n{open(f'{log}.err').read()[-3000:]}"
-        if condition():
-            return
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"no {what} in {timeout} s")
-
-
-def wait_for_step(proc, out, log, step):
-    """Until metrics.jsonl shows `step` (the process is then inside the training loop)."""
-    path = os.path.join(out, "run", "metrics.jsonl")
-    wait_for(proc, log, lambda: os.path.exists(path) and any(r.get("step", 0) >= step and "loss" in r
-                                                             for r in records(out)), f"step {step}")
-
-
 def newest_checkpoint(out):
-    return max(int(d) for d in os.listdir(os.path.join(out, "run", "checkpoints")) if d.isdigit())
+    return max(checkpoints(out))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -159,10 +129,9 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
 
 
 def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpoint(env, tmp_path):
-    e = {k: v for k, v in env.items() if k != "JAXFORMER_NO_SAMPLES"}
     os.makedirs(tmp_path / "run" / "samples.txt")           # writing a sample fails: it is a directory
     # 64 experts, one per token, and 32 tokens a step: at least 32 experts get no token.
-    proc = run(e, tmp_path, *MESH1, "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
+    proc = run(env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
                "--micro_batch_size", "1", steps=2, timeout=300)
     assert "sample @ 2: " in proc.stdout                     # sampled from <|endoftext|>
     assert "WARNING: sampling at step 2 failed (IsADirectoryError" in proc.stdout
@@ -173,7 +142,8 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
 
 
 def test_prompt_too_long_for_T_is_refused_at_start(env, tmp_path):
-    proc = run(env, tmp_path, *MESH1, "--prompt", "And God said, " * 8, steps=2, expect=2, timeout=300)
+    proc = run(env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "And God said, " * 8, steps=2, expect=2,
+               timeout=300)
     assert "--prompt is " in proc.stderr and "--max_tokens 4" in proc.stderr and "--T 32" in proc.stderr
     assert not os.path.exists(tmp_path / "run")
 

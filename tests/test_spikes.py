@@ -86,7 +86,7 @@ def _run(shape, factor):
     for s in range(STEPS):
         x, y = (jax.device_put(tokens[s, :, part], trainer.data_sharding) for part in (slice(None, -1), slice(1, None)))
         before = jax.device_get(state["params"])
-        state, stats = trainer.step(state, (x,), (y,))
+        state, stats = trainer.step(state, ((x,), (y,)))
         after = jax.device_get(state["params"])
         same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
         out.append((int(stats["skipped"]), float(stats["grad_norm_ratio"]), same))
@@ -158,7 +158,7 @@ def first_steps(shape, dtype, steps):
     state, watch, warnings = trainer.fresh_state(cfg.run.seed), spikes.SpikeWatch(), []
     for step in range(1, steps + 1):
         x, y = loader.batch(step - 1)
-        state, stats = trainer.step(state, (x,), (y,))
+        state, stats = trainer.step(state, ((x,), (y,)))
         ratio = float(stats["grad_norm_ratio"])
         warnings.append(watch.step({"step": step, "loss": float(stats["loss"]), "grad_norm": float(stats["grad_norm"]),
                                     "grad_norm_ratio": ratio if np.isfinite(ratio) else None}))
