@@ -9,8 +9,6 @@ test modules share.
 - `cpu_env`: the environment for a subprocess of this repository on CPU (main.py, bench.py, ...): no
   inherited JAXFORMER_/WANDB_ variables or device-count flag, wandb disabled, unbuffered output, the
   session's cache directory, and one persistent XLA compilation cache for the whole session.
-- `tiny_args`, `mesh1_args`, `mesh8_args`: the CLI flags of a model that compiles in seconds, and two
-  meshes that see the same global batch of 8 sequences.
 - `gcs_emulator`: a local GCS server (data/emulator.py) for a test module, this process pointed at it;
   the value is the environment that points a subprocess at it.
 - `tmux_env`: tests/launch_util.py's environment for a launch script, its private tmux server killed
@@ -69,24 +67,6 @@ def cpu_env(jaxformer_cache, tmp_path_factory):
              JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return e
-
-
-@pytest.fixture(scope="session")
-def tiny_args():
-    return ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 "
-            "--q_latent_dim 16 --dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 "
-            "--model_dtype float32 --val_batch_size 2 --eval_steps 1 --max_tokens 4 --checkpoint_steps 1 "
-            "--bias_update_rate 1e-2").split()
-
-
-@pytest.fixture(scope="session")
-def mesh1_args():
-    return "--n_device_axis 1 1 1 --train_batch_size 8".split()
-
-
-@pytest.fixture(scope="session")
-def mesh8_args():
-    return "--n_device_axis 2 2 2 --train_batch_size 4 --cpu_devices 8".split()
 
 
 @pytest.fixture(scope="module")

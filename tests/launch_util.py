@@ -31,16 +31,6 @@ def launch_env(tmp_path, **extra):
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (CI installs it)")
 
 
-@pytest.fixture
-def env(tmp_path):
-    """launch_env for one test; its tmux server is killed afterwards, and no session may outlive it.
-    (A fixture: test modules import it by name.)"""
-    e = launch_env(tmp_path)
-    yield e
-    kill_tmux(e)
-    assert sessions(e) == [], "a tmux session outlived the test"
-
-
 def sh(script, *args, env, timeout=60, check=None, cwd=ROOT):
     """Run ROOT/script args in cwd; return CompletedProcess with .out = stdout + stderr."""
     p = subprocess.run([os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env, timeout=timeout,

@@ -13,17 +13,13 @@ import fsspec
 import numpy as np
 import pytest
 
-import conftest
 import dataset
 import fakegcs
 import tokenize_faults
 from data import shards
 from data import tokenizer as tok
-from data_util import (REPO, SHARD, corpus_documents, kill_chain, output_files, reference_tokens,  # noqa: F401
+from data_util import (SHARD, corpus_documents, kill_chain, output_files, reference_tokens,
                        run_driver, shard_tokens, tokenize_docs)
-
-# the names test_gcs imports from here (it can take data_util's and conftest.py's fixtures instead)
-_files, _kill_chain, reference_run, src = output_files, kill_chain, conftest.reference_run, conftest.src
 
 
 def test_shards_equal_tiktoken_encoding(reference_run):
@@ -74,7 +70,7 @@ def crash():
 @pytest.mark.parametrize("event", tokenize_faults.EVENTS)
 def test_resume_after_crash_at_every_point_in_process(src, reference_run, tmp_path, monkeypatch, event):
     """Crash (an exception where tokenize_faults.py would SIGKILL) at every n, resume, compare byte for byte."""
-    want = _files(reference_run)
+    want = output_files(reference_run)
     plan = shards.make_plan(src, val_shards=1)
     n_max = len(tokenize_docs()) if event == "doc" else len([k for k in want if k.endswith(".bin")])
     for n in range(1, n_max + 1, 2 if event == "doc" else 1):
@@ -84,7 +80,7 @@ def test_resume_after_crash_at_every_point_in_process(src, reference_run, tmp_pa
             with pytest.raises(_Crash):
                 shards.tokenize(out, plan, SHARD)
         shards.tokenize(out, plan, SHARD, resume=True)
-        assert _files(out) == want, (event, n)
+        assert output_files(out) == want, (event, n)
 
 
 def test_sigkill_resume_local(src, reference_run, tmp_path):
@@ -93,17 +89,17 @@ def test_sigkill_resume_local(src, reference_run, tmp_path):
     # (the in-process test above covers every point; this checks that a real kill -9 of the driver and
     # its pool behaves the same)
     points = ["doc:7", "tmp:2", "manifest:2", "shard:1"]
-    carries = _kill_chain(src, str(tmp_path / "out"), points, {})
+    carries = kill_chain(src, str(tmp_path / "out"), points, {})
     assert carries[2] > 0                       # that kill really was mid-document
-    assert _files(str(tmp_path / "out")) == _files(reference_run)
+    assert output_files(str(tmp_path / "out")) == output_files(reference_run)
 
 
 def test_sigkill_resume_fake_gcs(src, reference_run, tmp_path, monkeypatch):
     env = {fakegcs.ROOT_ENV: str(tmp_path / "bucketroot")}
     monkeypatch.setenv(fakegcs.ROOT_ENV, env[fakegcs.ROOT_ENV])
     url = "fakegcs://bucket/tok"
-    _kill_chain(src, url, ["tmp:1", "manifest:3"], env, workers=1)
-    assert _files(url) == _files(reference_run)
+    kill_chain(src, url, ["tmp:1", "manifest:3"], env, workers=1)
+    assert output_files(url) == output_files(reference_run)
     ds = dataset.TokenDataset(url, "train", tok.VOCAB_SIZE)
     ref = dataset.TokenDataset(reference_run, "train", tok.VOCAB_SIZE)
     assert ds.n_tokens == ref.n_tokens and np.array_equal(ds.read(0, ds.n_tokens), ref.read(0, ref.n_tokens))
@@ -112,7 +108,7 @@ def test_sigkill_resume_fake_gcs(src, reference_run, tmp_path, monkeypatch):
 def test_memory_fs_write_and_read(src, reference_run, tmp_path):
     url = "memory://jaxformer-test/tok"
     shards.tokenize(url, shards.make_plan(src, val_shards=1), SHARD)
-    assert _files(url) == _files(reference_run)
+    assert output_files(url) == output_files(reference_run)
     for split in ("train", "val"):
         ds = dataset.TokenDataset(url, split, tok.VOCAB_SIZE)                  # range reads, no local copy
         ref = dataset.TokenDataset(reference_run, split, tok.VOCAB_SIZE)
@@ -147,8 +143,8 @@ def test_multiprocessing_and_ray_drivers_are_byte_identical(local_ray, tmp_path)
     p = run_driver(["--source", "bundled", "--out", mp_out, "--shard_size", "100000", "--workers", "2"], {})
     assert "val: 1 shards" in p.stdout
     tokenize_ray.run(ray_out, plan, 100_000, progress=False, batch_docs=64)
-    got = _files(ray_out)
-    assert got == _files(mp_out) and len(got) == 12          # 11 shards + manifest
+    got = output_files(ray_out)
+    assert got == output_files(mp_out) and len(got) == 12          # 11 shards + manifest
     _, toks = shard_tokens(ray_out)
     assert np.array_equal(toks, reference_tokens(corpus_documents("val") + corpus_documents("train")))
 

@@ -14,12 +14,12 @@ import fsspec
 import numpy as np
 import pytest
 
-from data import emulator, shards
+from data import emulator
 from data import tokenizer as tok
 import dataset
 import main as jmain
-from test_data_pipeline import REPO, SHARD, _files, _kill_chain, reference_run, src  # noqa: F401 (fixtures)
-from test_main import MESH1, TINY, env  # noqa: F401 (fixture)
+from data_util import REPO, SHARD, kill_chain, output_files
+from test_main import MESH1, TINY
 
 BUCKET = "jaxformer"
 
@@ -40,9 +40,9 @@ def test_tokenize_to_gcs_kill_9_resume_is_byte_identical(gcs, src, reference_run
     right after a manifest update mid-document, after a shard upload before the manifest lists it:
     resumed, the bucket holds exactly the clean local run's bytes."""
     url = f"gs://{BUCKET}/tok"
-    carries = _kill_chain(src, url, ["doc:7", "tmp:2", "manifest:2", "shard:1"], gcs, workers=1)
+    carries = kill_chain(src, url, ["doc:7", "tmp:2", "manifest:2", "shard:1"], gcs, workers=1)
     assert carries[2] > 0
-    assert _files(url) == _files(reference_run)
+    assert output_files(url) == output_files(reference_run)
     # the loader reads it by range, and it is what the local loader reads
     ds, ref = dataset.TokenDataset(url, "train", tok.VOCAB_SIZE), dataset.TokenDataset(reference_run, "train",
                                                                                          tok.VOCAB_SIZE)
@@ -66,16 +66,16 @@ def _cmd(out, data_dir, steps, args=()):
             "--training_steps", str(steps), "--data_dir", data_dir, *args]
 
 
-def _main(env, out, data_dir, steps, extra_env=None, args=()):
-    return subprocess.run(_cmd(out, data_dir, steps, args), cwd=REPO, env=dict(env, **(extra_env or {})),
+def _main(cpu_env, out, data_dir, steps, extra_env=None, args=()):
+    return subprocess.run(_cmd(out, data_dir, steps, args), cwd=REPO, env=dict(cpu_env, **(extra_env or {})),
                           capture_output=True, text=True, timeout=900)
 
 
-def _kill_after_checkpoint(env, out, data_dir, step, log):
+def _kill_after_checkpoint(cpu_env, out, data_dir, step, log):
     """main.py on out, SIGKILLed (from outside) once Orbax lists its checkpoint of `step` as complete; the
     run is given 100 x more steps, so it cannot end first. Returns the newest complete checkpoint's step."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(_cmd(out, data_dir, 100 * step), cwd=REPO, env=env, stdout=f, stderr=f)
+        proc = subprocess.Popen(_cmd(out, data_dir, 100 * step), cwd=REPO, env=cpu_env, stdout=f, stderr=f)
     deadline = time.time() + 900
     while (newest := _newest_checkpoint(out)) is None or newest < step:
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
@@ -96,22 +96,22 @@ def _losses(text):
 
 
 @pytest.fixture(scope="module")
-def local_losses(env, reference_run, tmp_path_factory):
+def local_losses(cpu_env, reference_run, tmp_path_factory):
     """The reference: the same shards from a local directory, run dir local, one process."""
     out = tmp_path_factory.mktemp("local")
-    p = _main(env, str(out), reference_run, 14)
+    p = _main(cpu_env, str(out), reference_run, 14)
     assert p.returncode == 0, p.stderr[-4000:]
     return _losses((out / "run" / "metrics.jsonl").read_text())
 
 
-def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, env, gs_shards, local_losses, tmp_path):
+def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, cpu_env, gs_shards, local_losses, tmp_path):
     """Same shards, local vs gs://: the same losses; on gs:// a kill -9 once the checkpoint of step 10 is
     complete and a restart continue bit-for-bit. Nothing is written to a local 'gs:' directory."""
-    env, want = dict(env, **gcs), local_losses
+    cpu_env, want = dict(cpu_env, **gcs), local_losses
     out = f"gs://{BUCKET}/runs"
-    assert _kill_after_checkpoint(env, out, gs_shards, 10, tmp_path / "killed.log") == 10
+    assert _kill_after_checkpoint(cpu_env, out, gs_shards, 10, tmp_path / "killed.log") == 10
     fs = fsspec.filesystem("gs")
-    resumed = _main(env, out, gs_shards, 14)
+    resumed = _main(cpu_env, out, gs_shards, 14)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {out}/run/checkpoints/10: step 10," in resumed.stdout
     fs.invalidate_cache()
@@ -123,13 +123,13 @@ def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, env, gs_
     assert not os.path.exists(os.path.join(REPO, "gs:")) and not os.path.exists(os.path.join(REPO, "gs"))
 
 
-def test_two_processes_share_one_gcs_run_dir(gcs, env, gs_shards, local_losses, tmp_path):
+def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_losses, tmp_path):
     """Two jax processes (one CPU device each, gloo) on one dp=2 mesh, reading gs:// shards and
     writing one gs:// run directory: each writes its own part of every checkpoint (Orbax, through
     tensorstore), process 0 the metrics; the losses are the one-process run's."""
     from launch_util import free_port
     out, steps = f"gs://{BUCKET}/two", 6
-    e = dict(env, **gcs, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
+    e = dict(cpu_env, **gcs, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
              XLA_FLAGS="--xla_force_host_platform_device_count=1")
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--n_device_axis", "2", "1", "1",
            "--train_batch_size", "4", "--output_dir", out, "--name", "run", "--training_steps", str(steps),

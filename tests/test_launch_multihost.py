@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from launch_util import ROOT, SECRET, all_text, env, free_port, needs_tmux, sh  # noqa: F401 (env: fixture)
+from launch_util import ROOT, SECRET, all_text, free_port, needs_tmux, sh
 
 pytestmark = needs_tmux
 
@@ -23,18 +23,18 @@ def two_hosts(tmp_path):
     return f
 
 
-def launch(env, hosts, tmp_path, name, main_args, main=None, timeout=120):
+def launch(tmux_env, hosts, tmp_path, name, main_args, main=None, timeout=120):
     extra = ["--main", main] if main else []
     return sh("launcher.sh", "--hosts", hosts, "--name", name, "--coordinator", f"127.0.0.1:{free_port()}",
               "--python", sys.executable, "--log-dir", tmp_path / "host-logs", "--local-logs",
-              tmp_path / "local-logs", "--wait", *extra, "--", *main_args, env=env, timeout=timeout)
+              tmp_path / "local-logs", "--wait", *extra, "--", *main_args, env=tmux_env, timeout=timeout)
 
 
-def test_two_processes_psum_over_gloo(env, two_hosts, tmp_path):
+def test_two_processes_psum_over_gloo(tmux_env, two_hosts, tmp_path):
     """The launch machinery end to end with a stand-in program: a psum over all 8 devices of both
     processes gives 1 + 2 + ... + 8 on every device of every process."""
     out = tmp_path / "psum-{pid}.json"
-    p = launch(env, two_hosts, tmp_path, "psum", [str(out)], main="tests/launch_psum.py")
+    p = launch(tmux_env, two_hosts, tmp_path, "psum", [str(out)], main="tests/launch_psum.py")
     assert p.returncode == 0, p.out + all_text(tmp_path / "local-logs")
     for pid in (0, 1):
         r = json.loads((tmp_path / f"psum-{pid}.json").read_text())
@@ -55,19 +55,19 @@ def read_losses(path):
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "main.py")), reason="main.py not written yet")
-def test_two_host_training_matches_single_process(env, two_hosts, tmp_path):
+def test_two_host_training_matches_single_process(tmux_env, two_hosts, tmp_path):
     """A tiny config trained on a (2, 2, 2) mesh spanning two processes (4 devices each) through
     launcher.sh and run.sh checkpoints and logs the same losses as one process with 8 devices."""
     common = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--training_steps", "4",
               "--checkpoint_steps", "2", "--output_dir", str(tmp_path / "runs")]
-    p = launch(env, two_hosts, tmp_path, "multi", common + ["--name", "multi"], timeout=600)
+    p = launch(tmux_env, two_hosts, tmp_path, "multi", common + ["--name", "multi"], timeout=600)
     assert p.returncode == 0, p.out + all_text(tmp_path / "local-logs")
     run_dir = tmp_path / "runs" / "multi"
     saved = [os.path.join(b, x) for b, ds, fs in os.walk(run_dir) for x in ds + fs]
     assert any("checkpoint" in s or "ckpt" in s for s in saved), saved
     assert SECRET not in p.out + all_text(tmp_path / "host-logs", tmp_path / "local-logs")
 
-    single_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    single_env = dict(tmux_env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     single_env.pop("WANDB_API_KEY")
     s = subprocess.run([sys.executable, "main.py", *common, "--name", "single"], cwd=ROOT, env=single_env,
                        capture_output=True, text=True, timeout=600)
@@ -83,19 +83,19 @@ SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32",
          "--train_batch_size", "2", "--val_batch_size", "2", "--eval_steps", "1", "--max_tokens", "8"]
 
 
-def status(env, where, name):
-    return sh("launcher.sh", "--status", name, *where, env=env, check=0).stdout
+def status(tmux_env, where, name):
+    return sh("launcher.sh", "--status", name, *where, env=tmux_env, check=0).stdout
 
 
-def wait_for(env, where, name, pattern, timeout):
+def wait_for(tmux_env, where, name, pattern, timeout):
     deadline = time.time() + timeout
-    while not re.search(pattern, shown := status(env, where, name)):
+    while not re.search(pattern, shown := status(tmux_env, where, name)):
         assert time.time() < deadline, f"no {pattern!r} within {timeout} s:\n{shown}"
         time.sleep(2)
     return shown
 
 
-def test_stop_on_one_host_is_agreed_without_a_per_step_sync(env, two_hosts, tmp_path):
+def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, two_hosts, tmp_path):
     """SIGTERM to process 1 only: both processes stop and save at the same step and exit 0, and the
     training driver synchronised the processes far less often than once a step (it used to gather
     the stop flag every step, which waits for the device and undoes the one-step-ahead dispatch)."""
@@ -103,17 +103,17 @@ def test_stop_on_one_host_is_agreed_without_a_per_step_sync(env, two_hosts, tmp_
     count = tmp_path / "count-{pid}.json"
     p = sh("launcher.sh", *where, "--name", "agree", "--coordinator", f"127.0.0.1:{free_port()}",
            "--python", sys.executable, "--main", "tests/launch_count_allgather.py",
-           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=20",
-           "--env", f"COUNT_OUT={count}",
+           "--local-logs", tmp_path / "local-logs", "--tmux_env", "JAXFORMER_STOP_CHECK_S=20",
+           "--tmux_env", f"COUNT_OUT={count}",
            "--", *SMALL, "--max_tokens", "0", "--training_steps", "100000", "--checkpoint_steps", "1000",
-           "--output_dir", tmp_path / "runs", "--name", "agree", env=env, timeout=600)
+           "--output_dir", tmp_path / "runs", "--name", "agree", env=tmux_env, timeout=600)
     assert p.returncode == 0, p.out
     assert p.stdout.count("main.py passed start-up") == 2
     time.sleep(15)                                     # a few steps, then SIGTERM to process 1 alone
     p = sh("run.sh", "127.0.0.1", "--name", "agree", "--index", "1", "--log-dir", tmp_path / "host-logs",
-           "--stop", "--timeout", "300", env=env, check=0, timeout=330)
+           "--stop", "--timeout", "300", env=tmux_env, check=0, timeout=330)
     assert "exit status 0" in p.stdout, p.out
-    shown = wait_for(env, where, "agree", r"host 0 127\.0\.0\.1: ended", 120)
+    shown = wait_for(tmux_env, where, "agree", r"host 0 127\.0\.0\.1: ended", 120)
     assert "host 0 127.0.0.1: ended, exit status 0 |" in shown, shown
     ckpt = tmp_path / "runs" / "agree" / "checkpoints"
     steps = sorted(int(d) for d in os.listdir(ckpt) if d.isdigit())
@@ -124,7 +124,7 @@ def test_stop_on_one_host_is_agreed_without_a_per_step_sync(env, two_hosts, tmp_
     assert SECRET not in all_text(tmp_path / "host-logs", tmp_path / "local-logs")
 
 
-def test_missing_host_times_out_with_one_line(env, tmp_path):
+def test_missing_host_times_out_with_one_line(tmux_env, tmp_path):
     """One of two processes never starts: main.py on the other one used to wait in
     jax.distributed.initialize with no message; now it exits after JAXFORMER_INIT_TIMEOUT with one
     line naming the coordinator and how many processes joined."""
@@ -133,8 +133,8 @@ def test_missing_host_times_out_with_one_line(env, tmp_path):
     port = free_port()
     p = sh("launcher.sh", "--hosts", hosts, "--name", "lonely", "--coordinator", f"127.0.0.1:{port}",
            "--keep-going", "--python", sys.executable, "--log-dir", tmp_path / "host-logs",
-           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_INIT_TIMEOUT=5", "--", "--preset", "tiny",
-           env=env, timeout=180, check=1)
+           "--local-logs", tmp_path / "local-logs", "--tmux_env", "JAXFORMER_INIT_TIMEOUT=5", "--", "--preset", "tiny",
+           env=tmux_env, timeout=180, check=1)
     assert "host 1 unreachable-1: FAILED, unreachable over SSH" in p.stderr
     assert "host 0 127.0.0.1: FAILED, exit status 1" in p.stderr, p.out
     log = (tmp_path / "host-logs" / "lonely-0.log").read_text()

@@ -30,19 +30,8 @@ MESH1 = "--n_device_axis 1 1 1 --train_batch_size 8".split()
 MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --cpu_devices 8".split()
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "JAXFORMER_"))}
-    e.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=" ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f),
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-             WANDB_MODE="disabled")
-    return e
-
-
-def run(env, out, *args, steps=N, extra_env=None, expect=0, timeout=600):
-    e = dict(env, **(extra_env or {}))
+def run(cpu_env, out, *args, steps=N, extra_env=None, expect=0, timeout=600):
+    e = dict(cpu_env, **(extra_env or {}))
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(out), "--name", "run",
            "--training_steps", str(steps), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
@@ -52,12 +41,12 @@ def run(env, out, *args, steps=N, extra_env=None, expect=0, timeout=600):
     return proc
 
 
-def start(env, out, log, *args, steps=100_000):
+def start(cpu_env, out, log, *args, steps=100_000):
     """main.py in the background, its stdout and stderr in the files LOG.out and LOG.err."""
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(out), "--name", "run",
            "--training_steps", str(steps), *args]
     with open(f"{log}.out", "w") as stdout, open(f"{log}.err", "w") as stderr:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+        return subprocess.Popen(cmd, cwd=REPO, env=cpu_env, stdout=stdout, stderr=stderr)
 
 
 def wait_for(proc, log, condition, what, timeout=300):
@@ -126,9 +115,9 @@ def assert_same_params(a, b):
 
 
 @pytest.fixture(scope="module")
-def baseline(env, tmp_path_factory):
+def baseline(cpu_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    run(env, out, *MESH1)
+    run(cpu_env, out, *MESH1)
     return out, losses(out)
 
 
@@ -150,20 +139,20 @@ def test_straight_run_logs_every_step_and_checkpoints(baseline):
     assert np.any(params(out, N)["router_bias"] != 0)
 
 
-def test_resume_after_sigkill_is_exact(env, baseline, tmp_path):
+def test_resume_after_sigkill_is_exact(cpu_env, baseline, tmp_path):
     out, curve = baseline
     # Killed a couple of steps after the checkpoint of step 10 is on disk, wherever that lands (the run
     # is given more steps than it will live for, so it cannot end first; the schedule does not depend
     # on --training_steps).
     log = tmp_path / "killed"
-    proc = start(env, tmp_path, log, *MESH1, steps=10 * N)
+    proc = start(cpu_env, tmp_path, log, *MESH1, steps=10 * N)
     wait_for(proc, log, lambda: N // 2 in checkpoints(tmp_path) and last_step(tmp_path) >= N // 2 + 2,
              f"the checkpoint of step {N // 2} and step {N // 2 + 2}")
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     newest = max(checkpoints(tmp_path))
     assert newest < N, "killed too late to test a resume"
-    proc = run(env, tmp_path, *MESH1)
+    proc = run(cpu_env, tmp_path, *MESH1)
     assert f"resumed from {tmp_path}/run/checkpoints/{newest}: step {newest}," in proc.stdout
     resumed = losses(tmp_path)
     for s in range(newest + 1, N + 1):
@@ -171,29 +160,29 @@ def test_resume_after_sigkill_is_exact(env, baseline, tmp_path):
     assert_same_params(params(tmp_path, N), params(out, N))
 
 
-def test_resume_after_sigterm_is_exact(env, baseline, tmp_path):
+def test_resume_after_sigterm_is_exact(cpu_env, baseline, tmp_path):
     out, curve = baseline
     # SIGTERM once step 7 is logged: the step in flight finishes, is checkpointed (not a regular save
     # step), and the process exits 0.
     log = tmp_path / "terminated"
-    proc = start(env, tmp_path, log, *MESH1, steps=10 * N)
+    proc = start(cpu_env, tmp_path, log, *MESH1, steps=10 * N)
     wait_for_step(proc, tmp_path, log, 7)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=300) == 0, open(f"{log}.err").read()[-3000:]
     saved = max(checkpoints(tmp_path))
     assert 7 < saved < N and saved == last_step(tmp_path), (saved, last_step(tmp_path))
     assert f"SIGTERM: checkpoint of step {saved} written" in open(f"{log}.out").read()
-    run(env, tmp_path, *MESH1)
+    run(cpu_env, tmp_path, *MESH1)
     resumed = losses(tmp_path)
     for s in range(saved + 1, N + 1):
         assert resumed[s] == curve[s], (s, resumed[s], curve[s])
     assert_same_params(params(tmp_path, N), params(out, N))
 
 
-def test_same_curve_on_mesh_222_and_restore_across_meshes(env, baseline, tmp_path):
+def test_same_curve_on_mesh_222_and_restore_across_meshes(cpu_env, baseline, tmp_path):
     out, curve = baseline
     # From scratch on (2,2,2): the first half of the curve.
-    run(env, tmp_path / "scratch", *MESH8, steps=N // 2)
+    run(cpu_env, tmp_path / "scratch", *MESH8, steps=N // 2)
     mesh_curve = losses(tmp_path / "scratch")
     for s in range(1, N // 2 + 1):
         np.testing.assert_allclose(mesh_curve[s], curve[s], rtol=2e-4, err_msg=f"step {s}")
@@ -203,14 +192,14 @@ def test_same_curve_on_mesh_222_and_restore_across_meshes(env, baseline, tmp_pat
     # The (1,1,1) checkpoint at step 10 restored onto (2,2,2): the second half.
     ckpt = tmp_path / "cross" / "run" / "checkpoints"
     shutil.copytree(os.path.join(out, "run", "checkpoints", str(N // 2)), ckpt / str(N // 2))
-    proc = run(env, tmp_path / "cross", *MESH8)
+    proc = run(cpu_env, tmp_path / "cross", *MESH8)
     assert "resumed from" in proc.stdout
     cross = losses(tmp_path / "cross")
     for s in range(N // 2 + 1, N + 1):
         np.testing.assert_allclose(cross[s], curve[s], rtol=5e-4, err_msg=f"step {s}")
 
 
-def test_corrupted_newest_checkpoint_falls_back_with_warning(env, baseline, tmp_path):
+def test_corrupted_newest_checkpoint_falls_back_with_warning(cpu_env, baseline, tmp_path):
     out, curve = baseline
     shutil.copytree(os.path.join(out, "run", "checkpoints"), tmp_path / "run" / "checkpoints")
     state = tmp_path / "run" / "checkpoints" / str(N) / "state"
@@ -218,7 +207,7 @@ def test_corrupted_newest_checkpoint_falls_back_with_warning(env, baseline, tmp_
         for name in files:
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"\x00garbage" * 7)
-    proc = run(env, tmp_path, *MESH1, steps=N // 2 + 2)
+    proc = run(cpu_env, tmp_path, *MESH1, steps=N // 2 + 2)
     assert "unreadable" in proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and f"step {N // 2}," in proc.stdout
     resumed = losses(tmp_path)
@@ -228,8 +217,8 @@ def test_corrupted_newest_checkpoint_falls_back_with_warning(env, baseline, tmp_
 
 @pytest.mark.parametrize("wandb_env", [{}, {"WANDB_API_KEY": "x" * 40, "WANDB_INIT_TIMEOUT": "10"}],
                          ids=["no-key", "key-no-network"])
-def test_wandb_without_network_or_key_does_not_hang(env, tmp_path, wandb_env):
-    e = {k: v for k, v in env.items() if k != "WANDB_MODE"}
+def test_wandb_without_network_or_key_does_not_hang(cpu_env, tmp_path, wandb_env):
+    e = {k: v for k, v in cpu_env.items() if k != "WANDB_MODE"}
     e.update(wandb_env, WANDB_BASE_URL="http://127.0.0.1:9")      # nothing listens there
     proc = run(e, tmp_path, *MESH1, "--wandb", "--max_tokens", "4", steps=2, timeout=240)
     assert "final: val cross-entropy" in proc.stdout
@@ -239,19 +228,19 @@ def test_wandb_without_network_or_key_does_not_hang(env, tmp_path, wandb_env):
         assert os.path.isdir(tmp_path / "run" / "wandb")
 
 
-def test_stop_at_val_loss_ends_at_the_first_evaluation_reaching_it(env, baseline, tmp_path):
+def test_stop_at_val_loss_ends_at_the_first_evaluation_reaching_it(cpu_env, baseline, tmp_path):
     out, _ = baseline
     val = {r["step"]: r["val_loss"] for r in map(json.loads, open(os.path.join(out, "run", "metrics.jsonl")))
            if "val_loss" in r}
     target = val[5]
     stop = min(s for s, v in val.items() if v <= target)
-    proc = run(env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
+    proc = run(cpu_env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
     assert f"<= --stop_at_val_loss {target} at step {stop}: stopping" in proc.stdout
     assert "final: val cross-entropy" in proc.stdout
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [str(stop)]
     assert max(losses(tmp_path)) == stop
     # The same command again: the run is finished, as after its last step; nothing more is trained.
-    proc = run(env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
+    proc = run(cpu_env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
     assert "resumed from" in proc.stdout and max(losses(tmp_path)) == stop
 
 
@@ -275,13 +264,13 @@ def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_pa
     np.testing.assert_array_equal(state["router_bias"], np.zeros((2, 4)))
 
 
-def test_config_error_names_the_flag(env, tmp_path):
-    proc = run(env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2, timeout=120)
+def test_config_error_names_the_flag(cpu_env, tmp_path):
+    proc = run(cpu_env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2, timeout=120)
     assert "TP of --n_device_axis" in proc.stderr
 
 
-def test_eval_steps_beyond_the_val_split_are_capped_with_a_note(env, tmp_path):
+def test_eval_steps_beyond_the_val_split_are_capped_with_a_note(cpu_env, tmp_path):
     # The bundled val split holds 21,264 tokens: 664 windows of T+1 = 33, i.e. 2 batches of 300.
-    proc = run(env, tmp_path, *MESH1, "--val_batch_size", "300", "--eval_steps", "3", steps=1, timeout=240)
+    proc = run(cpu_env, tmp_path, *MESH1, "--val_batch_size", "300", "--eval_steps", "3", steps=1, timeout=240)
     assert "enough for 2 of --eval_steps 3 batches of 300; evaluating on 2" in proc.stdout
     assert "final: val cross-entropy" in proc.stdout

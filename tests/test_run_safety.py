@@ -22,8 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from test_main import (MESH1, MESH8, REPO, checkpoints, env, records, run, start, wait_for,  # noqa: F401
-                       wait_for_step)  # (env: the fixture)
+from test_main import MESH1, MESH8, REPO, checkpoints, records, run, start, wait_for, wait_for_step
 
 
 def snapshot(path):
@@ -38,10 +37,10 @@ def meta(out, step, name="run"):
 
 
 @pytest.fixture(scope="module")
-def trained(env, tmp_path_factory):
+def trained(cpu_env, tmp_path_factory):
     """A finished 2-step run on (1,1,1): checkpoint at step 2."""
     out = tmp_path_factory.mktemp("trained")
-    run(env, out, *MESH1, steps=2)
+    run(cpu_env, out, *MESH1, steps=2)
     return out
 
 
@@ -53,10 +52,10 @@ def newest_checkpoint(out):
 # 1. a changed model flag
 
 
-def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_run_aside(env, trained, tmp_path):
+def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_run_aside(cpu_env, trained, tmp_path):
     shutil.copytree(trained / "run", tmp_path / "run")
     before = snapshot(tmp_path)
-    proc = run(env, tmp_path, *MESH1, "--model_dimension", "64", "--n_head", "4", "--dropout_rate", "0.1",
+    proc = run(cpu_env, tmp_path, *MESH1, "--model_dimension", "64", "--n_head", "4", "--dropout_rate", "0.1",
                steps=4, expect=2, timeout=300)
     assert "--model_dimension: 32 in the checkpoint, 64 now" in proc.stderr
     assert "--n_head: 2 in the checkpoint, 4 now" in proc.stderr
@@ -66,7 +65,7 @@ def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_r
 
     # A change that keeps every shape is a note, not an error (dropout may change on resume) -- here with
     # --restart, which sets the old run aside and starts from step 0.
-    proc = run(env, tmp_path, *MESH1, "--restart", "--dropout_rate", "0.1", steps=1, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, "--restart", "--dropout_rate", "0.1", steps=1, timeout=300)
     replaced = os.listdir(tmp_path / "run" / "replaced")
     assert len(replaced) == 1
     old = tmp_path / "run" / "replaced" / replaced[0]
@@ -81,7 +80,7 @@ def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_r
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"\x00garbage")
     before = snapshot(tmp_path)
-    proc = run(env, tmp_path, *MESH1, "--dropout_rate", "0.1", steps=2, expect=2, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, "--dropout_rate", "0.1", steps=2, expect=2, timeout=300)
     assert "no checkpoint in" in proc.stderr and "step 1:" in proc.stderr and "--restart" in proc.stderr
     assert snapshot(tmp_path) == before
 
@@ -90,12 +89,12 @@ def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_r
 # 2 and 5. Ctrl-C, and one run per directory
 
 
-def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_refused(env, tmp_path):
+def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_refused(cpu_env, tmp_path):
     log = tmp_path / "first"
-    first = start(env, tmp_path, log, *MESH1)
+    first = start(cpu_env, tmp_path, log, *MESH1)
     wait_for_step(first, tmp_path, log, 2)
     # 5: a second run in the same directory is refused at start, naming the holder.
-    proc = run(env, tmp_path, *MESH1, expect=2, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, expect=2, timeout=300)
     assert f"pid {first.pid} on {socket.gethostname()}" in proc.stderr
     # 2: Ctrl-C finishes the step, saves, says where, exits 0.
     first.send_signal(signal.SIGINT)
@@ -109,7 +108,7 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
 
     # A second Ctrl-C while the first is being handled ends the process at once, without saving.
     log = tmp_path / "second"
-    second = start(env, tmp_path, log, *MESH1)
+    second = start(cpu_env, tmp_path, log, *MESH1)
     wait_for_step(second, tmp_path, log, saved + 2)
     second.send_signal(signal.SIGINT)
     wait_for(second, log, lambda: "Ctrl-C again to exit now" in open(f"{log}.err").read(), "Ctrl-C message")
@@ -119,7 +118,7 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
     # Its lock is left behind by a process that is gone: the next run takes it over and resumes.
     assert json.load(open(tmp_path / "run" / "lock"))["pid"] == second.pid
     latest = newest_checkpoint(tmp_path)
-    proc = run(env, tmp_path, *MESH1, steps=latest + 1, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, steps=latest + 1, timeout=300)
     assert f"taking over {tmp_path}/run/lock" in proc.stdout
     assert f"resumed from {tmp_path}/run/checkpoints/{latest}: step {latest}," in proc.stdout
 
@@ -128,10 +127,10 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
 # 3. the prompt, a failed sample, and the expert-load line
 
 
-def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpoint(env, tmp_path):
+def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpoint(cpu_env, tmp_path):
     os.makedirs(tmp_path / "run" / "samples.txt")           # writing a sample fails: it is a directory
     # 64 experts, one per token, and 32 tokens a step: at least 32 experts get no token.
-    proc = run(env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
                "--micro_batch_size", "1", steps=2, timeout=300)
     assert "sample @ 2: " in proc.stdout                     # sampled from <|endoftext|>
     assert "WARNING: sampling at step 2 failed (IsADirectoryError" in proc.stdout
@@ -141,8 +140,8 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
                for r in records(tmp_path) if "val_loss" in r)
 
 
-def test_prompt_too_long_for_T_is_refused_at_start(env, tmp_path):
-    proc = run(env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "And God said, " * 8, steps=2, expect=2,
+def test_prompt_too_long_for_T_is_refused_at_start(cpu_env, tmp_path):
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "And God said, " * 8, steps=2, expect=2,
                timeout=300)
     assert "--prompt is " in proc.stderr and "--max_tokens 4" in proc.stderr and "--T 32" in proc.stderr
     assert not os.path.exists(tmp_path / "run")
@@ -158,8 +157,8 @@ def _mount(*args):
         pytest.skip(f"cannot mount here ({proc.stderr.strip()}): a read-only or full directory needs a mount")
 
 
-def _save_fails_fast(env, out, expected):
-    proc = run(env, out, *MESH1, steps=4, expect=1, timeout=300)
+def _save_fails_fast(cpu_env, out, expected):
+    proc = run(cpu_env, out, *MESH1, steps=4, expect=1, timeout=300)
     last_metric = os.stat(out / "run" / "metrics.jsonl").st_mtime
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -168,13 +167,13 @@ def _save_fails_fast(env, out, expected):
     assert time.time() - last_metric < 30            # from the last record before the save to the exit
 
 
-def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_last_checkpoint(env, trained,
+def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_last_checkpoint(cpu_env, trained,
                                                                                                tmp_path):
     shutil.copytree(trained / "run", tmp_path / "ro" / "run")
     ckpts = tmp_path / "ro" / "run" / "checkpoints"
     _mount("--bind", "-o", "ro", str(ckpts), str(ckpts))
     try:
-        _save_fails_fast(env, tmp_path / "ro", f"[Errno 30] Read-only file system: '{ckpts}/.write-test-")
+        _save_fails_fast(cpu_env, tmp_path / "ro", f"[Errno 30] Read-only file system: '{ckpts}/.write-test-")
     finally:
         subprocess.run(["umount", str(ckpts)], check=True)
 
@@ -184,11 +183,11 @@ def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_la
     _mount("-t", "tmpfs", "-o", f"size={used + (2 << 20)}", "tmpfs", str(full))
     try:
         shutil.copytree(trained / "run", full / "run")
-        _save_fails_fast(env, full, "[Errno 28] No space left on device")
+        _save_fails_fast(cpu_env, full, "[Errno 28] No space left on device")
     finally:
         subprocess.run(["umount", str(full)], check=True)
 
-    proc = run(env, tmp_path / "ro", *MESH1, steps=3, timeout=300)
+    proc = run(cpu_env, tmp_path / "ro", *MESH1, steps=3, timeout=300)
     assert f"resumed from {ckpts}/2: step 2," in proc.stdout
 
 
@@ -208,17 +207,17 @@ def ce(out, after):
     return {r["step"]: r["ce"] for r in records(out) if "ce" in r and r["step"] > after}
 
 
-def test_new_batch_layout_resumes_after_the_last_sequence_consumed(env, tmp_path):
-    run(env, tmp_path / "first", *MESH1, *DROPLESS, "--train_batch_size", "4", "--max_lr", "0.02",
+def test_new_batch_layout_resumes_after_the_last_sequence_consumed(cpu_env, tmp_path):
+    run(cpu_env, tmp_path / "first", *MESH1, *DROPLESS, "--train_batch_size", "4", "--max_lr", "0.02",
         "--warmup_steps", "0", steps=2, timeout=300)
     assert meta(tmp_path / "first", 2)["sequences"] == 8
     for name in ("one", "six"):
         shutil.copytree(tmp_path / "first" / "run", tmp_path / name / "run")
     # One sequence per step: the cross-entropy of each of sequences 8..19 in turn.
-    run(env, tmp_path / "one", *DROPLESS, *FROZEN, "--train_batch_size", "1", "--micro_batch_size", "1",
+    run(cpu_env, tmp_path / "one", *DROPLESS, *FROZEN, "--train_batch_size", "1", "--micro_batch_size", "1",
         steps=14, timeout=300)
     # dp 2 x 1 sequence x 3 accumulation steps: 6 sequences a step, 8..13 and 14..19.
-    run(env, tmp_path / "six", *DROPLESS, *FROZEN, "--n_device_axis", "2", "1", "1", "--cpu_devices", "2",
+    run(cpu_env, tmp_path / "six", *DROPLESS, *FROZEN, "--n_device_axis", "2", "1", "1", "--cpu_devices", "2",
         "--train_batch_size", "1", "--micro_batch_size", "1", "--grad_step", "3", steps=4, timeout=300)
     one, six = ce(tmp_path / "one", after=2), ce(tmp_path / "six", after=2)
     assert sorted(one) == list(range(3, 15)) and sorted(six) == [3, 4]
@@ -232,16 +231,16 @@ def test_new_batch_layout_resumes_after_the_last_sequence_consumed(env, tmp_path
 # 7. --sample
 
 
-def test_sample_from_a_run_trained_on_222_on_111_writes_nothing(env, tmp_path):
-    run(env, tmp_path, *MESH8, steps=1, timeout=400)
+def test_sample_from_a_run_trained_on_222_on_111_writes_nothing(cpu_env, tmp_path):
+    run(cpu_env, tmp_path, *MESH8, steps=1, timeout=400)
     before = snapshot(tmp_path)
     cmd = [sys.executable, os.path.join(REPO, "main.py"), "--output_dir", str(tmp_path), "--name", "run", "--sample",
            "--prompt", "And God said,", "--max_tokens", "6"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"sample @ 1 of {tmp_path}/run/checkpoints: And God said," in proc.stdout
     assert snapshot(tmp_path) == before
-    proc = subprocess.run(cmd[:5] + ["nothing", "--sample"], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run(cmd[:5] + ["nothing", "--sample"], cwd=REPO, env=cpu_env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2 and "--sample: no readable checkpoint in" in proc.stderr
     assert not os.path.exists(tmp_path / "nothing")
