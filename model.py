@@ -375,8 +375,8 @@ class MLA(nnx.Module):
     def __init__(self, cfg, rngs, use_rope):
         D, Lq, Lkv = cfg.model_dimension, cfg.q_latent_dim, cfg.latent_dim
         HK, HR = cfg.n_head * cfg.head_dim, cfg.n_head * cfg.dhR
-        self.w_dq = _variable(rngs, _normal(0.02), (D, Lq), "embed", "q_latent")       # down to the query latent
-        self.w_dkv = _variable(rngs, _normal(0.02), (D, Lkv), "embed", "kv_latent")    # down to the KV latent (the cache)
+        self.w_dq = _variable(rngs, _normal(0.02), (D, Lq), "embed", "q_latent")     # down to the query latent
+        self.w_dkv = _variable(rngs, _normal(0.02), (D, Lkv), "embed", "kv_latent")  # down to the KV latent (the cache)
         self.w_uq = _variable(rngs, _normal(0.02), (Lq, HK), "q_latent", "heads")
         self.w_uk = _variable(rngs, _normal(0.02), (Lkv, HK), "kv_latent", "heads")
         self.w_uv = _variable(rngs, _normal(0.02), (Lkv, HK), "kv_latent", "heads")
@@ -667,15 +667,18 @@ def _logical_axes(router_bias):
     return {path: variable.out_sharding for path, variable in _flat_variables(model, nnx.Variable)}
 
 
-def _map_logical_axes(f, params):
-    """f(logical axes) for every leaf of params."""
-    names = _logical_axes(_has_router_bias(params))
-    return jax.tree_util.tree_map_with_path(lambda path, _: f(names[tuple(k.key for k in path)]), params)
+@functools.cache
+def _axes_by_leaf_name():
+    """{leaf name: its logical axes less the stacking ones}: a name is one kind of parameter wherever
+    it sits (every "scale" is ("norm",)), so masks apply to any dict of such leaves."""
+    return {path[-1]: tuple(a for a in axes if a not in (LAYERS, DENSE_LAYERS))
+            for path, axes in _logical_axes(True).items()}
 
 
 def param_specs(params):
     """PartitionSpec of every parameter: its logical axes through AXIS_RULES."""
-    return _map_logical_axes(_mesh_spec, params)
+    axes = _logical_axes(_has_router_bias(params))
+    return jax.tree_util.tree_map_with_path(lambda path, _: _mesh_spec(axes[tuple(k.key for k in path)]), params)
 
 
 def param_shardings(params, mesh):
@@ -683,14 +686,15 @@ def param_shardings(params, mesh):
 
 
 def decay_mask(params):
-    """True for the leaves AdamW decays: matrices (two or more axes besides the stacking ones), not
-    norm scales and shifts."""
-    return _map_logical_axes(lambda axes: len(set(axes) - {LAYERS, DENSE_LAYERS}) >= 2, params)
+    """True for the leaves AdamW decays: matrices (two or more logical axes besides the stacking
+    ones), not norm scales and shifts."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: len(_axes_by_leaf_name()[path[-1].key]) >= 2, params)
 
 
 def table_mask(params):
     """True for the tied embedding / output table, the one leaf with its own Adam epsilon (spikes.py)."""
-    return _map_logical_axes(lambda axes: axes == ("vocab", "embed"), params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: _axes_by_leaf_name()[path[-1].key] == ("vocab", "embed"),
+                                            params)
 
 
 def moe(w, x_BTD, cfg, axes, fill_BE=None):
