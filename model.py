@@ -5,24 +5,25 @@ Why nnx: the modules carry the guide's names (Embedding, MLA, FeedForward, MoE, 
 and every parameter is an `nnx.Param` that carries its logical axes ("vocab", "embed", "heads", ...).
 One table, `AXIS_RULES`, maps logical axes to mesh axes; the PartitionSpecs (`param_specs`) and the
 dim each FSDP gather runs along (`fetch`) are derived from it, and nothing else names a mesh axis for
-a parameter. The math and every collective stay written out in the modules' `__call__` (all-gather
-over dp, psum over tp, ppermute over pp, ...), with shapes in the names. The same modules serve the
-single-device reference (`Axes()` = no mesh, every collective a no-op) and the sharded path inside
-one `jax.shard_map` with `check_vma=True`, which makes JAX derive the gradient reductions.
+a parameter. The math and every collective stay written out, in the modules' `__call__` and the
+pipeline (all-gather over dp, psum over tp, ppermute over pp, ...), with shapes in the names. The
+same modules serve the
+single-device reference (`Axes()` = no mesh, every collective a no-op) and the sharded path
+inside one `jax.shard_map` with `check_vma=True`, which makes JAX derive the gradient reductions.
 
-What crosses jit, shard_map, optax and orbax is a plain nested dict of arrays (`init_params`), keyed
-by the modules' attribute names. `nnx.merge` rebuilds the modules from it (inside shard_map, from the
-local shards), and the stacked blocks run under a visible `lax.scan` that merges one block per step.
-nnx.vmap is used once, to initialise stacked layers; no other nnx transform runs.
+What crosses jit, shard_map, optax and orbax is a plain nested dict of arrays (`init_params`, each
+drawn by the initializer its module declared), keyed by the modules' attribute names. `nnx.merge`
+rebuilds the modules from it (inside shard_map, from the local shards), and the stacked blocks run
+under a visible `lax.scan` that merges one block per step. nnx.vmap builds the stacked layers (and
+prepends the stacking axis to their logical axes); no nnx transform runs in the forward pass.
 
 Shape suffixes: B batch (sequences), T query positions, S key positions, D model width, H heads
 (local to the tp shard inside shard_map), K content head width, R rotary width, L latent width,
 E experts, C expert capacity, F FFN width (local to the tp shard), V vocab (local to the tp shard).
 """
 import dataclasses
-import functools
 import math
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -620,7 +621,7 @@ def _has_router_bias(params):
     return "router_bias" in params["blocks"]["moe"]["moe"]
 
 
-@functools.cache
+@cache
 def _graphdef(module_type, cfg, router_bias):
     """The structure of module_type(cfg, router_bias=...) (Transformer or MoE), without its values."""
     return nnx.graphdef(nnx.eval_shape(lambda: module_type(cfg, nnx.Rngs(0), router_bias)))
@@ -660,14 +661,14 @@ class _SizeOne:
         return 1
 
 
-@functools.cache
+@cache
 def _logical_axes(router_bias):
     """{path in the params: that parameter's logical axes}, read from the modules' Variables."""
     model = nnx.eval_shape(lambda: Transformer(_SizeOne(), nnx.Rngs(0), router_bias))
     return {path: variable.out_sharding for path, variable in _flat_variables(model, nnx.Variable)}
 
 
-@functools.cache
+@cache
 def _axes_by_leaf_name():
     """{leaf name: its logical axes less the stacking ones}: a name is one kind of parameter wherever
     it sits (every "scale" is ("norm",)), so masks apply to any dict of such leaves."""
