@@ -1,13 +1,21 @@
-"""The MoE + MLA transformer, its sharding over the ("dp", "pp", "tp") mesh, the pipeline, generation.
+"""The MoE + MLA transformer as flax.nnx modules, its sharding over the ("dp", "pp", "tp") mesh, the
+pipeline, generation.
 
-Why plain JAX functions over a parameter pytree rather than flax modules: every weight here is
-all-gathered by hand (FSDP), split by hand (tensor parallel) and scanned over a stacked block axis
-that is itself sharded (pipeline). Linen checks each parameter against the shape its module declares
-and NNX keeps mutable module graphs; both would put a layer of framework between the reader and the
-collectives this file exists to show. So parameters are a nested dict of arrays, one table
-(`LEAF_SPECS`) maps each kind to mesh axes, and the layer functions below are shared by the
-single-device reference path (`Axes()` = no mesh, every collective a no-op) and the sharded path
+Why nnx: the modules carry the guide's names (Embedding, MLA, FeedForward, MoE, Block, Transformer),
+and every parameter is an `nnx.Param` that carries its logical axes ("vocab", "embed", "heads", ...).
+One table, `AXIS_RULES`, maps logical axes to mesh axes; the PartitionSpecs (`param_specs`) and the
+dim each FSDP gather runs along (`fetch`) are derived from it, and nothing else names a mesh axis for
+a parameter. The math and every collective stay written out, in the modules' `__call__` and the
+pipeline (all-gather over dp, psum over tp, ppermute over pp, ...), with shapes in the names. The
+same modules serve the
+single-device reference (`Axes()` = no mesh, every collective a no-op) and the sharded path
 inside one `jax.shard_map` with `check_vma=True`, which makes JAX derive the gradient reductions.
+
+What crosses jit, shard_map, optax and orbax is a plain nested dict of arrays (`init_params`, each
+drawn by the initializer its module declared), keyed by the modules' attribute names. `nnx.merge`
+rebuilds the modules from it (inside shard_map, from the local shards), and the stacked blocks run
+under a visible `lax.scan` that merges one block per step. nnx.vmap builds the stacked layers (and
+prepends the stacking axis to their logical axes); no nnx transform runs in the forward pass.
 
 Shape suffixes: B batch (sequences), T query positions, S key positions, D model width, H heads
 (local to the tp shard inside shard_map), K content head width, R rotary width, L latent width,
@@ -15,40 +23,33 @@ E experts, C expert capacity, F FFN width (local to the tp shard), V vocab (loca
 """
 import dataclasses
 import math
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from flax.linen import logical_to_mesh_axes
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("dp", "pp", "tp")
 
-# The one sharding table: parameter kind -> mesh axis of each dim ("dp" = FSDP shard, all-gathered
-# just in time; "tp" = Megatron split: heads, FFN hidden units, vocab rows). Stacking prefixes are
-# added by `param_specs`: ("pp",) for the block axis, then None for the dense-layer axis in a block.
-LEAF_SPECS = {
-    "embed": ("tp", "dp"),                 # [V, D] vocab-parallel, tied with the output projection
-    "scale": (None,), "shift": (None,),    # RMSNorm, replicated
-    "w_dq": ("dp", None),                  # [D, Lq]   down to the query latent
-    "w_dkv": ("dp", None),                 # [D, Lkv]  down to the KV latent (the cache)
-    "w_kr": ("dp", None),                  # [D, R]    the rotary key shared by all heads
-    "w_uq": ("dp", "tp"),                  # [Lq, H*K]
-    "w_qr": ("dp", "tp"),                  # [Lq, H*R] per-head rotary query
-    "w_uk": ("dp", "tp"),                  # [Lkv, H*K]
-    "w_uv": ("dp", "tp"),                  # [Lkv, H*K]
-    "w_o": ("tp", "dp"),                   # [H*K, D]
-    "w_up": ("dp", "tp"), "w_down": ("tp", "dp"),                      # dense FFN [D, F], [F, D]
-    "router": ("dp", None),                                            # [D, E]
-    "router_bias": (None,),                # [E] routing state, not trained: see with_router_bias
-    "expert_up": (None, "dp", "tp"), "expert_down": (None, "tp", "dp"),  # [E, D, F], [E, F, D]
-    "shared_up": (None, "dp", "tp"), "shared_down": (None, "tp", "dp"),  # [n_shared, D, F], ...
-}
-STACK_PREFIX = {"blocks": ("pp",), "dense": (None,)}
-MATRICES = {name for name, spec in LEAF_SPECS.items() if len(spec) >= 2}
-# Kept in fp32 inside the layer too: norms (cheap) and the router (top-k decisions are brittle).
-KEEP_FP32 = {"scale", "shift", "router", "router_bias"}
+# The one sharding table: logical axis -> mesh axis, in order of precedence. A mesh axis shards at
+# most one dim of a parameter (flax's logical_to_mesh_axes), so dp splits D in w_dq [D, Lq] and the
+# latent in w_uq [Lq, H*K]. "dp" = FSDP shard, all-gathered just in time; "tp" = Megatron split;
+# "pp" = pipeline stage. Logical axes not listed are replicated: "dense_layers" (a block's stacked
+# dense layers), "norm", "rope", "expert" and "shared" (the expert index).
+AXIS_RULES = (
+    ("layers", "pp"),        # the stacked blocks: stage s holds blocks [s B/pp, (s+1) B/pp)
+    ("vocab", "tp"),         # rows of the tied table
+    ("heads", "tp"),         # the H*K (and H*R) columns of the attention projections
+    ("mlp", "tp"),           # FFN hidden units, in the dense FFN and inside every expert
+    ("embed", "dp"),         # the model width D
+    ("q_latent", "dp"),      # the latent widths, in the matrices without D
+    ("kv_latent", "dp"),
+)
+LAYERS, DENSE_LAYERS = "layers", "dense_layers"     # the logical names of the two stacking axes
 NORM_EPS = 1e-6
 
 
@@ -91,126 +92,68 @@ def _varying_axes(x):
 
 
 # ----------------------------------------------------------------------------------------------
-# Parameters: shapes, init, specs, counts
+# Parameters: logical axes, stacking, the FSDP gather
 
 
-def param_shapes(cfg):
-    """Global shape of every parameter, as a nested dict mirroring the params."""
-    D, H, K, R, F = cfg.model_dimension, cfg.n_head, cfg.head_dim, cfg.dhR, cfg.ffn_dim
-    Lq, Lkv, E, Bk, n_dense = cfg.q_latent_dim, cfg.latent_dim, cfg.n_experts, cfg.blocks, cfg.layers_per_block - 1
-    norm = {"scale": (D,), "shift": (D,)}
-
-    def attention(rope):
-        shapes = {"w_dq": (D, Lq), "w_dkv": (D, Lkv), "w_uq": (Lq, H * K), "w_uk": (Lkv, H * K),
-                  "w_uv": (Lkv, H * K), "w_o": (H * K, D)}
-        return shapes | ({"w_qr": (Lq, H * R), "w_kr": (D, R)} if rope else {})
-
-    dense = {"attn_norm": norm, "attn": attention(True), "ffn_norm": norm, "ffn": {"w_up": (D, F), "w_down": (F, D)}}
-    moe = {"attn_norm": norm, "attn": attention(False), "ffn_norm": norm,
-           "moe": {"router": (D, E), "expert_up": (E, D, F), "expert_down": (E, F, D),
-                   "shared_up": (cfg.n_shared, D, F), "shared_down": (cfg.n_shared, F, D)}}
-    stack = lambda tree, *lead: jax.tree.map(lambda s: (*lead, *s), tree, is_leaf=lambda s: isinstance(s, tuple))
-    return {"embed": (cfg.padded_vocab, D), "final_norm": norm,
-            "blocks": {"dense": stack(dense, Bk, n_dense), "moe": stack(moe, Bk)}}
+class RouterBias(nnx.Variable):
+    """DeepSeek-V3's aux-loss-free routing bias [E]: routing state beside a router, set by the driver
+    (`with_router_bias`), never trained."""
 
 
-def _leaf_name(path):
-    return path[-1].key
+def _variable(rngs, initializer, shape, *axes, kind=nnx.Param):
+    """An nnx Variable (a Param unless told) holding initializer(key, shape), carrying its logical
+    axes and its initializer (`init_params` draws the params with it). Not sharded when created
+    (eager_sharding=False): the layout comes from `param_specs`, applied by jit's out_shardings and
+    shard_map's in_specs."""
+    return kind(initializer(rngs.params(), shape), out_sharding=axes, initializer=initializer, eager_sharding=False)
 
 
-def init_params(cfg, key):
-    """fp32 parameters with global shapes. The values depend only on (cfg, key), not on any mesh."""
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    keys = jax.random.split(key, len(leaves))
-    # Output projections of each residual branch start smaller so the residual stream's variance
-    # does not grow with depth (GPT-2's scheme).
-    out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-
-    def init(path, shape, k):
-        name = _leaf_name(path)
-        if name == "scale":
-            return jnp.ones(shape, jnp.float32)
-        if name == "shift":
-            return jnp.zeros(shape, jnp.float32)
-        std = out_std if name in ("w_o", "w_down", "expert_down", "shared_down") else 0.02
-        if name == "embed":
-            # Guide: nn.Embed's default, std 1/sqrt(D). At 0.02 a row the data rarely moves enters the
-            # first RMSNorm at RMS 0.02, which scales its gradient by 1/RMS = 50: one sequence opening
-            # with such tokens gave 20-30x the median grad norm (spikes.py).
-            std = cfg.model_dimension ** -0.5
-        w = std * jax.random.normal(k, shape, jnp.float32)
-        if name == "embed":  # padding rows are never looked up and their logits are masked: keep them 0
-            w = jnp.where(jnp.arange(shape[0])[:, None] < cfg.vocab_size, w, 0.0)
-        return w
-
-    return jax.tree_util.tree_unflatten(treedef, [init(p, s, k) for (p, s), k in zip(leaves, keys)])
+_normal, _ones, _zeros = jax.nn.initializers.normal, jax.nn.initializers.ones, jax.nn.initializers.zeros
 
 
-def param_specs(params):
-    """PartitionSpec of every parameter: the stacking prefix of its position plus LEAF_SPECS."""
-    def spec(path, _):
-        prefix = tuple(a for entry in path for a in STACK_PREFIX.get(getattr(entry, "key", None), ()))
-        return P(*prefix, *LEAF_SPECS[_leaf_name(path)])
-    return jax.tree_util.tree_map_with_path(spec, params)
+def _output_std(cfg):
+    """Output projections of each residual branch start smaller, so that the residual stream's
+    variance does not grow with depth (GPT-2's scheme)."""
+    return 0.02 / math.sqrt(2 * cfg.n_layers)
 
 
-def param_shardings(params, mesh):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
+def _stacked(make, n, axis, rngs):
+    """n independently initialised make(rngs), their parameters stacked on a new leading dim whose
+    logical axis `axis` nnx.vmap prepends to each parameter's axes."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+    def make_stacked(rngs):
+        return make(rngs)
+    return make_stacked(rngs)
 
 
-def init_sharded_params(cfg, key, mesh):
-    """init_params computed directly into the mesh layout (no host ever holds the full model)."""
-    abstract = jax.eval_shape(partial(init_params, cfg), key)
-    return jax.jit(partial(init_params, cfg), out_shardings=param_shardings(abstract, mesh))(key)
+def scan_stacked(stack, axis, body, carry, xs, policy=None):
+    """lax.scan of body(layer, carry, x) over the layers of `stack` (a module made by `_stacked`) and
+    xs: each step rebuilds one layer with nnx.merge from its slice of the stacked state, the stacking
+    axis dropped from its parameters' logical axes. policy: rematerialise each step (jax.checkpoint)."""
+    graphdef, state = nnx.split(stack)
+
+    def step(carry, inputs):
+        layer_state, x = inputs
+        layer = nnx.merge(graphdef, nnx.spmd.remove_axis(layer_state, 0, {nnx.PARTITION_NAME: axis}))
+        return body(layer, carry, x)
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy)
+    return lax.scan(step, carry, (state, xs))
 
 
-def decay_mask(params):
-    """True for the leaves AdamW decays: matrices, not norm scales and shifts."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in MATRICES, params)
+def _mesh_spec(logical_axes):
+    """The PartitionSpec of a parameter with these logical axes."""
+    return logical_to_mesh_axes(logical_axes, AXIS_RULES)
 
 
-def table_mask(params):
-    """True for the tied embedding / output table, the one leaf with its own Adam epsilon (spikes.py)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) == "embed", params)
-
-
-def count_params(cfg):
-    """total: every real parameter (padding rows excluded); active: those one token uses, without the
-    embedding (the guide's convention); embedding: the tied table."""
-    shapes = param_shapes(cfg)
-    size = lambda tree: sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, tuple)))
-    embedding = cfg.vocab_size * cfg.model_dimension
-    body = size(shapes["blocks"]) + size(shapes["final_norm"])
-    routed = size({k: shapes["blocks"]["moe"]["moe"][k] for k in ("expert_up", "expert_down")})
-    active = body - routed + routed * cfg.k // cfg.n_experts
-    return {"total": body + embedding, "active": active, "embedding": embedding}
-
-
-def flops_per_token(cfg):
-    """Training FLOPs per token: 6 x (active params + the output projection V x D), plus causal
-    attention 3 x T x H x (2K + R) per layer (QK^T over K+R channels and AV over K, forward 2 FLOPs a
-    multiply-add, backward twice the forward, half the positions masked). Bubbles and remat excluded."""
-    matmul = 6 * (count_params(cfg)["active"] + cfg.vocab_size * cfg.model_dimension)
-    n_rope = cfg.blocks * (cfg.layers_per_block - 1)
-    attn = 3 * cfg.T * cfg.n_head * (2 * cfg.head_dim * cfg.n_layers + cfg.dhR * n_rope)
-    return float(matmul + attn)
-
-
-# ----------------------------------------------------------------------------------------------
-# Layers. Activations are fp32 in the residual stream; matmuls run in cfg.model_dtype.
-
-
-def fetch(weights, axes, dtype):
-    """This layer's weights in the matmul dtype (KEEP_FP32 leaves in fp32) and, under FSDP,
-    all-gathered over dp just in time (`gather_over_dp`)."""
-    def one(path, w):
-        spec = LEAF_SPECS[_leaf_name(path)]
-        w_dtype = w.dtype if _leaf_name(path) in KEEP_FP32 else dtype
-        if axes.dp is None or "dp" not in spec:
-            return w.astype(w_dtype)
-        return gather_over_dp(w, w_dtype, axes.dp, spec.index("dp"))
-    return jax.tree_util.tree_map_with_path(one, weights)
+def fetch(param, axes, dtype):
+    """A parameter's value in dtype and, under FSDP, all-gathered over dp just in time along the dim
+    that its logical axes map to dp (`gather_over_dp`)."""
+    spec = _mesh_spec(param.out_sharding)
+    if axes.dp is None or "dp" not in spec:
+        return param[...].astype(dtype)
+    return gather_over_dp(param[...], dtype, axes.dp, spec.index("dp"))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -245,14 +188,10 @@ def matmul(x, w, spec):
     return jnp.einsum(spec, *_operands(w.dtype, x, w), preferred_element_type=jnp.float32)
 
 
-def rms_norm(p, x):
-    x = x.astype(jnp.float32)
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * p["scale"] + p["shift"]
-
-
 def rope(x, positions, base):
     """Rotate channel pairs (i, i + R/2) of x[..., T, (heads,) R] by position x frequency. Queries and
     keys call this with the same R, hence the same frequency table."""
+    # Guide: one frequency table over R for queries and keys (the guide's query uses dhR x heads channels).
     half = x.shape[-1] // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle = positions.astype(jnp.float32)[:, None] * freq                       # [T, R/2]
@@ -261,43 +200,6 @@ def rope(x, positions, base):
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-
-
-def attention(w, x_BTD, positions_T, cfg, axes, cache=None):
-    """Multi-head latent attention (DeepSeek-V2) with decoupled RoPE when w has w_qr/w_kr.
-
-    Keys and values are up-projected from the KV latent c_kv; with a cache, c_kv and the rotated
-    shared key are written at `positions_T` and attention runs over every cached position."""
-    K, R = cfg.head_dim, cfg.dhR
-    use_rope = "w_qr" in w
-    B, T, _ = x_BTD.shape
-    c_q_BTL = matmul(x_BTD, w["w_dq"], "btd,dl->btl")
-    c_kv_BTL = matmul(x_BTD, w["w_dkv"], "btd,dl->btl")
-    q_BTHK = matmul(c_q_BTL, w["w_uq"], "btl,lf->btf").reshape(B, T, -1, K)
-    new_cache = {"c_kv": c_kv_BTL}
-    if use_rope:
-        q_rope_BTHR = rope(matmul(c_q_BTL, w["w_qr"], "btl,lf->btf").reshape(B, T, -1, R), positions_T, cfg.rope_base)
-        new_cache["k_rope"] = rope(matmul(x_BTD, w["w_kr"], "btd,dr->btr"), positions_T, cfg.rope_base)
-    if cache is None:
-        kv, key_positions_S = new_cache, positions_T
-    else:
-        kv = {name: lax.dynamic_update_slice_in_dim(cache[name], new_cache[name].astype(cache[name].dtype),
-                                                    positions_T[0], axis=1) for name in cache}
-        new_cache, key_positions_S = kv, jnp.arange(kv["c_kv"].shape[1])
-    H = q_BTHK.shape[2]
-    k_BSHK = matmul(kv["c_kv"], w["w_uk"], "bsl,lf->bsf").reshape(B, -1, H, K)
-    v_BSHK = matmul(kv["c_kv"], w["w_uv"], "bsl,lf->bsf").reshape(B, -1, H, K)
-    if use_rope:
-        # Decoupled RoPE: append the rotary parts to the content parts so that one dot product
-        # gives q_C.k_C + q_R.k_R, the shared rotary key repeated for every head.
-        k_rope_BSHR = jnp.broadcast_to(kv["k_rope"][:, :, None, :], (*k_BSHK.shape[:3], R))
-        q_BTHK = jnp.concatenate([q_BTHK, q_rope_BTHR], axis=-1)
-        k_BSHK = jnp.concatenate([k_BSHK, k_rope_BSHR], axis=-1)
-    mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
-    out_BTHK = attend(q_BTHK, k_BSHK, v_BSHK, mask_TS, w["w_uk"].dtype)
-    # Each tp rank holds H/tp heads: its W_o rows give a partial sum of the output.
-    out_BTD = matmul(out_BTHK.reshape(B, T, -1), w["w_o"], "btf,fd->btd")
-    return _psum(out_BTD, axes.tp), (new_cache if cache is not None else None)
 
 
 CUDNN_MAX_HEAD_DIM = 256
@@ -332,6 +234,7 @@ def expert_capacity(cfg):
     """Slots per expert per sequence: ceil(capacity_factor * k * T / E), counting all k choices, with
     T the padded length (cfg.T) whatever the length of one call (1 in cached decode); capacity_factor
     0 means dropless (an expert can receive each token at most once: T slots)."""
+    # Guide: capacity counts all k choices, per sequence (the guide's is B T factor / E over the batch).
     if cfg.capacity_factor == 0:
         return cfg.T
     return min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
@@ -356,6 +259,7 @@ def route(router_DE, x_BTD, cfg, bias_E=None):
     chosen_BNE = jax.nn.one_hot(experts_BTk, E, dtype=jnp.int32).reshape(B, T * k, E)
     slot_BTk = jnp.sum((jnp.cumsum(chosen_BNE, axis=1) - 1) * chosen_BNE, axis=-1).reshape(B, T, k)
     tokens_per_expert_BE = jnp.sum(chosen_BNE, axis=1)
+    # Guide: DeepSeek-V3's sequence-wise balance loss in every MoE layer, summed over the layers.
     # DeepSeek-V3 sequence-wise balance: f_i = E/(kT) * tokens routed to i, P_i = mean_t s_i / sum_j s_j.
     f_BE = E / (k * T) * tokens_per_expert_BE
     p_BE = jnp.mean(scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True), axis=1)
@@ -397,29 +301,428 @@ def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
 MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}
 
 
-def moe(w, x_BTD, cfg, axes, fill_BE=None):
+def dropout(x_BTD, rate, key, seq_ids_B):
+    """Inverted dropout whose mask depends only on (key, global sequence id), so any mesh (and any
+    micro-batching) draws the same mask for the same sequence."""
+    def one(x_TD, seq):
+        keep = jax.random.bernoulli(jax.random.fold_in(key, seq), 1.0 - rate, x_TD.shape)
+        return jnp.where(keep, x_TD / (1.0 - rate), 0.0)
+    return jax.vmap(one)(x_BTD, seq_ids_B)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules. Activations are fp32 in the residual stream; matmuls run in cfg.model_dtype. Each
+# module's __call__ takes the mesh axes it runs under (`Axes`): none on the reference path.
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, D, rngs):
+        self.scale = _variable(rngs, _ones, (D,), "norm")
+        self.shift = _variable(rngs, _zeros, (D,), "norm")
+
+    def __call__(self, x):
+        """Statistics, scale and shift in fp32."""
+        x = x.astype(jnp.float32)
+        return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * self.scale[...] + self.shift[...]
+
+
+class Embedding(nnx.Module):
+    """The token table [V, D] tied with the output projection: vocab-parallel (each tp rank holds V/tp
+    rows) and split over D for FSDP. One gathered table (`gathered`) serves the lookup and the output
+    layer (`logits`, `cross_entropy_sum`)."""
+
+    def __init__(self, cfg, rngs):
+        # Guide: nn.Embed's default, std 1/sqrt(D). At 0.02 a row the data rarely moves enters the
+        # first RMSNorm at RMS 0.02, which scales its gradient by 1/RMS = 50: one sequence opening
+        # with such tokens gave 20-30x the median grad norm (spikes.py).
+        normal = _normal(cfg.model_dimension ** -0.5)
+
+        def init(key, shape):
+            # Guide: the vocabulary is padded (cfg.padded_vocab) so that a checkpoint restores on any tp.
+            # The padding rows are never looked up and their logits are masked: they stay 0.
+            real_V1 = (jnp.arange(shape[0]) < cfg.vocab_size)[:, None]
+            return jnp.where(real_V1, normal(key, shape), 0.0)
+        self.table = _variable(rngs, init, (cfg.padded_vocab, cfg.model_dimension), "vocab", "embed")
+        self.cfg = cfg
+
+    def gathered(self, axes):
+        """The table in the matmul dtype, gathered over dp: [V/tp, D/dp] -> [V/tp, D]."""
+        return fetch(self.table, axes, jnp.dtype(self.cfg.model_dtype))
+
+    def __call__(self, ids_BT, axes, table_VD=None):
+        """Vocab-parallel lookup: each tp rank holds rows [start, start + V) and contributes zeros for
+        ids outside them; the psum over tp assembles the embedding."""
+        # Guide: the table is split over tp by vocabulary rows (Megatron's vocab-parallel embedding).
+        table_VD = self.gathered(axes) if table_VD is None else table_VD
+        V = table_VD.shape[0]
+        local_BT = ids_BT - _index(axes.tp) * V
+        inside_BT = (local_BT >= 0) & (local_BT < V)
+        x_BTD = jnp.where(inside_BT[..., None], table_VD[jnp.clip(local_BT, 0, V - 1)].astype(jnp.float32), 0.0)
+        return _psum(x_BTD, axes.tp)
+
+    def logits(self, h_BTD, axes, table_VD=None):
+        """fp32 logits of this tp rank's vocab rows, padding rows masked to -inf."""
+        table_VD = self.gathered(axes) if table_VD is None else table_VD
+        V = table_VD.shape[0]
+        logits_BTV = matmul(h_BTD, table_VD, "btd,vd->btv")
+        vocab_ids_V = _index(axes.tp) * V + jnp.arange(V)
+        return jnp.where(vocab_ids_V < self.cfg.vocab_size, logits_BTV, -jnp.inf)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2), with decoupled RoPE in the dense layers (use_rope)
+    and none (NoPE) in the MoE layers. Under tp each rank holds H/tp heads."""
+
+    def __init__(self, cfg, rngs, use_rope):
+        D, Lq, Lkv = cfg.model_dimension, cfg.q_latent_dim, cfg.latent_dim
+        HK, HR = cfg.n_head * cfg.head_dim, cfg.n_head * cfg.dhR
+        self.w_dq = _variable(rngs, _normal(0.02), (D, Lq), "embed", "q_latent")     # down to the query latent
+        self.w_dkv = _variable(rngs, _normal(0.02), (D, Lkv), "embed", "kv_latent")  # down to the KV latent (the cache)
+        self.w_uq = _variable(rngs, _normal(0.02), (Lq, HK), "q_latent", "heads")
+        self.w_uk = _variable(rngs, _normal(0.02), (Lkv, HK), "kv_latent", "heads")
+        self.w_uv = _variable(rngs, _normal(0.02), (Lkv, HK), "kv_latent", "heads")
+        self.w_o = _variable(rngs, _normal(_output_std(cfg)), (HK, D), "heads", "embed")
+        if use_rope:
+            self.w_qr = _variable(rngs, _normal(0.02), (Lq, HR), "q_latent", "heads")  # per-head rotary query
+            self.w_kr = _variable(rngs, _normal(0.02), (D, cfg.dhR), "embed", "rope")  # one rotary key for all heads
+        self.use_rope = use_rope
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, positions_T, axes, cache=None):
+        """Keys and values are up-projected from the KV latent c_kv; with a cache, c_kv and the rotated
+        shared key are written at `positions_T` and attention runs over every cached position.
+        Returns the output and the updated cache (None without one)."""
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.model_dtype)
+        K, R = cfg.head_dim, cfg.dhR
+        B, T, _ = x_BTD.shape
+        w_uk, w_uv = fetch(self.w_uk, axes, dtype), fetch(self.w_uv, axes, dtype)      # [Lkv, H*K] each
+        c_q_BTL = matmul(x_BTD, fetch(self.w_dq, axes, dtype), "btd,dl->btl")
+        c_kv_BTL = matmul(x_BTD, fetch(self.w_dkv, axes, dtype), "btd,dl->btl")
+        q_BTHK = matmul(c_q_BTL, fetch(self.w_uq, axes, dtype), "btl,lf->btf").reshape(B, T, -1, K)
+        new_cache = {"c_kv": c_kv_BTL}
+        if self.use_rope:
+            q_rope_BTHR = rope(matmul(c_q_BTL, fetch(self.w_qr, axes, dtype), "btl,lf->btf").reshape(B, T, -1, R),
+                               positions_T, cfg.rope_base)
+            new_cache["k_rope"] = rope(matmul(x_BTD, fetch(self.w_kr, axes, dtype), "btd,dr->btr"), positions_T,
+                                       cfg.rope_base)
+        if cache is None:
+            kv, key_positions_S = new_cache, positions_T
+        else:
+            kv = {name: lax.dynamic_update_slice_in_dim(cache[name], new_cache[name].astype(cache[name].dtype),
+                                                        positions_T[0], axis=1) for name in cache}
+            new_cache, key_positions_S = kv, jnp.arange(kv["c_kv"].shape[1])
+        H = q_BTHK.shape[2]
+        k_BSHK = matmul(kv["c_kv"], w_uk, "bsl,lf->bsf").reshape(B, -1, H, K)
+        v_BSHK = matmul(kv["c_kv"], w_uv, "bsl,lf->bsf").reshape(B, -1, H, K)
+        if self.use_rope:
+            # Decoupled RoPE: append the rotary parts to the content parts so that one dot product
+            # gives q_C.k_C + q_R.k_R, the shared rotary key repeated for every head.
+            k_rope_BSHR = jnp.broadcast_to(kv["k_rope"][:, :, None, :], (*k_BSHK.shape[:3], R))
+            q_BTHK = jnp.concatenate([q_BTHK, q_rope_BTHR], axis=-1)
+            k_BSHK = jnp.concatenate([k_BSHK, k_rope_BSHR], axis=-1)
+        mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
+        out_BTHK = attend(q_BTHK, k_BSHK, v_BSHK, mask_TS, dtype)
+        # Each tp rank holds H/tp heads: its W_o rows give a partial sum of the output.
+        out_BTD = matmul(out_BTHK.reshape(B, T, -1), fetch(self.w_o, axes, dtype), "btf,fd->btd")
+        # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
+        return _psum(out_BTD, axes.tp), (new_cache if cache is not None else None)
+
+
+class FeedForward(nnx.Module):
+    """The dense FFN, d -> 4d -> d with GELU; under tp each rank holds F/tp hidden units."""
+
+    def __init__(self, cfg, rngs):
+        D, F = cfg.model_dimension, cfg.ffn_dim
+        self.w_up = _variable(rngs, _normal(0.02), (D, F), "embed", "mlp")
+        self.w_down = _variable(rngs, _normal(_output_std(cfg)), (F, D), "mlp", "embed")
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, axes):
+        dtype = jnp.dtype(self.cfg.model_dtype)
+        # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
+        return _psum(ffn(fetch(self.w_up, axes, dtype), fetch(self.w_down, axes, dtype), x_BTD), axes.tp)
+
+
+class MoE(nnx.Module):
     """Routed experts plus shared experts, added. Under tp every rank routes the same tokens and holds
     F/tp hidden units of every expert, so one psum completes routed and shared outputs together.
+    router_bias: this layer has DeepSeek-V3's aux-loss-free bias (a RouterBias, not a Param)."""
 
-    fill_BE: tokens each sequence queued per expert in earlier calls (cached decode); they come
-    first in the queue, so a token is kept or dropped as in one call over the whole sequence.
-    Returns the output, the stats and the fill counts after this call."""
-    experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(w["router"], x_BTD, cfg,
-                                                                              w.get("router_bias"))
-    B, T, _ = x_BTD.shape
-    C = expert_capacity(cfg)
-    fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
-    kept_BTk = fill_BE[jnp.arange(B)[:, None, None], experts_BTk] + place_BTk < C
-    # A kept choice's place in this call's queue is below C and below T: buffers of min(C, T) slots
-    # hold every kept one, so a one-token decode step computes one slot per expert, not C.
-    n_slots = min(C, T)
-    y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
-    routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
-    shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
-    out_BTD = _psum(routed_BTD + shared_BTD, axes.tp)
-    stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
-             "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
-    return out_BTD, stats, fill_BE + tokens_per_expert_BE
+    def __init__(self, cfg, rngs, router_bias=False):
+        D, F, E, n_shared = cfg.model_dimension, cfg.ffn_dim, cfg.n_experts, cfg.n_shared
+        # Guide: the router is a matrix without a bias term.
+        self.router = _variable(rngs, _normal(0.02), (D, E), "embed", "expert")
+        self.expert_up = _variable(rngs, _normal(0.02), (E, D, F), "expert", "embed", "mlp")
+        self.expert_down = _variable(rngs, _normal(_output_std(cfg)), (E, F, D), "expert", "mlp", "embed")
+        self.shared_up = _variable(rngs, _normal(0.02), (n_shared, D, F), "shared", "embed", "mlp")
+        self.shared_down = _variable(rngs, _normal(_output_std(cfg)), (n_shared, F, D), "shared", "mlp", "embed")
+        self.router_bias = _variable(rngs, _zeros, (E,), "expert", kind=RouterBias) if router_bias else None
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, axes, fill_BE=None):
+        """fill_BE: tokens each sequence queued per expert in earlier calls (cached decode); they come
+        first in the queue, so a token is kept or dropped as in one call over the whole sequence.
+        Returns the output, the stats and the fill counts after this call."""
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.model_dtype)
+        # The router stays in fp32: top-k decisions are brittle.
+        bias_E = None if self.router_bias is None else self.router_bias[...]
+        experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(
+            fetch(self.router, axes, jnp.float32), x_BTD, cfg, bias_E)
+        w = {name: fetch(getattr(self, name), axes, dtype)
+             for name in ("expert_up", "expert_down", "shared_up", "shared_down")}
+        B, T, _ = x_BTD.shape
+        C = expert_capacity(cfg)
+        fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
+        kept_BTk = fill_BE[jnp.arange(B)[:, None, None], experts_BTk] + place_BTk < C
+        # A kept choice's place in this call's queue is below C and below T: buffers of min(C, T) slots
+        # hold every kept one, so a one-token decode step computes one slot per expert, not C.
+        n_slots = min(C, T)
+        y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
+        routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
+        # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
+        shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
+        # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
+        out_BTD = _psum(routed_BTD + shared_BTD, axes.tp)
+        stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
+                 "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
+        return out_BTD, stats, fill_BE + tokens_per_expert_BE
+
+
+class Layer(nnx.Module):
+    """One pre-norm residual layer: MLA, then a FeedForward (dense layers, with RoPE) or a MoE (the
+    block's last layer, NoPE)."""
+
+    def __init__(self, cfg, rngs, use_moe, router_bias=False):
+        self.attn_norm = RMSNorm(cfg.model_dimension, rngs)
+        self.attn = MLA(cfg, rngs, use_rope=not use_moe)
+        self.ffn_norm = RMSNorm(cfg.model_dimension, rngs)
+        self.ffn = None if use_moe else FeedForward(cfg, rngs)
+        self.moe = MoE(cfg, rngs, router_bias) if use_moe else None
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, positions_T, axes, ctx, cache=None):
+        """Returns (x, MoE stats (None in a dense layer), new cache). cache (`init_caches`): {"attn":
+        the latent KV cache, "expert_fill": MoE layers' fill counts}."""
+        cfg = self.cfg
+        attn_cache, fill_BE = (None, None) if cache is None else (cache["attn"], cache.get("expert_fill"))
+
+        def residual(x_BTD, branch_BTD, i):
+            if ctx["train"] and cfg.dropout_rate:
+                branch_BTD = dropout(branch_BTD, cfg.dropout_rate, jax.random.fold_in(ctx["key"], i), ctx["seq_ids"])
+            return x_BTD + branch_BTD
+
+        attn_BTD, attn_cache = self.attn(self.attn_norm(x_BTD), positions_T, axes, attn_cache)
+        x_BTD = residual(x_BTD, attn_BTD, 0)
+        h_BTD = self.ffn_norm(x_BTD)
+        new_cache = {"attn": attn_cache}
+        if self.moe is not None:
+            ffn_BTD, stats, new_cache["expert_fill"] = self.moe(h_BTD, axes, fill_BE)
+        else:
+            ffn_BTD, stats = self.ffn(h_BTD, axes), None
+        return residual(x_BTD, ffn_BTD, 1), stats, None if cache is None else new_cache
+
+
+class Block(nnx.Module):
+    """layers_per_block layers: the dense RoPE layers (stacked, scanned), then one MoE NoPE layer."""
+
+    def __init__(self, cfg, rngs, router_bias=False):
+        dense_layer = lambda rngs: Layer(cfg, rngs, use_moe=False)
+        self.dense = _stacked(dense_layer, cfg.layers_per_block - 1, DENSE_LAYERS, rngs)
+        self.moe = Layer(cfg, rngs, use_moe=True, router_bias=router_bias)
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, positions_T, axes, ctx, cache=None):
+        """Returns x, this block's MoE stats and its updated cache (None without one)."""
+        def dense(layer, x_BTD, inputs):
+            i, cache_l = inputs
+            ctx_l = ctx | {"key": jax.random.fold_in(ctx["key"], i)}
+            x_BTD, _, cache_l = layer(x_BTD, positions_T, axes, ctx_l, cache_l)
+            return x_BTD, cache_l
+
+        n_dense = self.cfg.layers_per_block - 1
+        x_BTD, dense_cache = scan_stacked(self.dense, DENSE_LAYERS, dense, x_BTD,
+                                          (jnp.arange(n_dense), None if cache is None else cache["dense"]))
+        ctx_moe = ctx | {"key": jax.random.fold_in(ctx["key"], n_dense)}
+        x_BTD, stats, moe_cache = self.moe(x_BTD, positions_T, axes, ctx_moe, None if cache is None else cache["moe"])
+        return x_BTD, stats, None if cache is None else {"dense": dense_cache, "moe": moe_cache}
+
+
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+class Transformer(nnx.Module):
+    """Embedding -> blocks (stacked on the "layers" axis, which pp splits) -> final RMSNorm; the
+    output layer is the embedding table again (`Embedding.logits`, `cross_entropy_sum`)."""
+
+    def __init__(self, cfg, rngs, router_bias=False):
+        self.embed = Embedding(cfg, rngs)
+        self.blocks = _stacked(lambda rngs: Block(cfg, rngs, router_bias), cfg.blocks, LAYERS, rngs)
+        self.final_norm = RMSNorm(cfg.model_dimension, rngs)
+        self.cfg = cfg
+
+    def run_blocks(self, x_BTD, positions_T, axes, ctx, first_block=0, caches=None):
+        """The blocks this device holds, in a scan (compile time independent of depth), each
+        rematerialised per cfg.remat. Returns x, per-block MoE stats (stacked over blocks) and the
+        updated caches (None without a cache)."""
+        def block(block, x_BTD, inputs):
+            index, cache = inputs
+            ctx_b = ctx | {"key": jax.random.fold_in(ctx["key"], index)}
+            x_BTD, stats, cache = block(x_BTD, positions_T, axes, ctx_b, cache)
+            return x_BTD, (stats, cache)
+
+        n_blocks = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
+        policy = None if self.cfg.remat == "none" else REMAT_POLICIES[self.cfg.remat]
+        x_BTD, (stats, caches) = scan_stacked(self.blocks, LAYERS, block, x_BTD,
+                                              (first_block + jnp.arange(n_blocks), caches), policy)
+        return x_BTD, stats, caches
+
+    def __call__(self, ids_BT, positions_T=None, caches=None, ctx=None):
+        """The single-device reference: final hidden states [B, T, D] (after the last norm), MoE stats
+        and caches."""
+        axes = Axes()
+        positions_T = jnp.arange(ids_BT.shape[1]) if positions_T is None else positions_T
+        ctx = ctx or {"train": False, "key": jax.random.key(0), "seq_ids": jnp.arange(ids_BT.shape[0])}
+        x_BTD, stats, caches = self.run_blocks(self.embed(ids_BT, axes), positions_T, axes, ctx, caches=caches)
+        return self.final_norm(x_BTD), stats, caches
+
+
+# ----------------------------------------------------------------------------------------------
+# The params: a plain nested dict of arrays, the modules' Param attributes by name, except that the
+# tied table sits at the top as params["embed"] (not params["embed"]["table"]), as in every checkpoint.
+
+
+def _params_path(path):
+    return ("embed",) if path == ("embed", "table") else path
+
+
+def _as_state(params):
+    """params in the Transformer's layout (the inverse of `_params_path`)."""
+    return params | {"embed": {"table": params["embed"]}}
+
+
+def _flat_variables(model, kind):
+    """[(path in the params, Variable)] of the `kind` Variables of model, in the params' order."""
+    return sorted((_params_path(path), v) for path, v in nnx.to_flat_state(nnx.state(model, kind)))
+
+
+def _nested(flat):
+    """The nested dict holding each (path, value) of flat."""
+    tree = {}
+    for path, value in flat:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _has_router_bias(params):
+    return "router_bias" in params["blocks"]["moe"]["moe"]
+
+
+@cache
+def _graphdef(module_type, cfg, router_bias):
+    """The structure of module_type(cfg, router_bias=...) (Transformer or MoE), without its values."""
+    return nnx.graphdef(nnx.eval_shape(lambda: module_type(cfg, nnx.Rngs(0), router_bias)))
+
+
+def build(params, cfg):
+    """The Transformer holding params (global arrays, or inside shard_map this device's shards)."""
+    return nnx.merge(_graphdef(Transformer, cfg, _has_router_bias(params)), _as_state(params))
+
+
+def init_params(cfg, key):
+    """fp32 parameters with global shapes, each drawn by its initializer (stacked ones whole) with its
+    own key split from `key` in the params' order. The values depend only on (cfg, key), not on any
+    mesh, and are those this file drew before its modules were nnx modules."""
+    params = _flat_variables(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    keys = jax.random.split(key, len(params))
+    return _nested([(path, v.initializer(k, v.shape)) for (path, v), k in zip(params, keys)])
+
+
+def init_sharded_params(cfg, key, mesh):
+    """init_params computed directly into the mesh layout (no host ever holds the full model)."""
+    abstract = jax.eval_shape(partial(init_params, cfg), key)
+    return jax.jit(partial(init_params, cfg), out_shardings=param_shardings(abstract, mesh))(key)
+
+
+def param_shapes(cfg):
+    """Global shape of every parameter, as a nested dict mirroring the params."""
+    return jax.tree.map(lambda p: p.shape, jax.eval_shape(partial(init_params, cfg), jax.random.key(0)))
+
+
+class _SizeOne:
+    """A stand-in config whose every size is 1: the logical axes of a parameter depend on where it
+    sits in the modules, not on any size."""
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return 1
+
+
+@cache
+def _logical_axes(router_bias):
+    """{path in the params: that parameter's logical axes}, read from the modules' Variables."""
+    model = nnx.eval_shape(lambda: Transformer(_SizeOne(), nnx.Rngs(0), router_bias))
+    return {path: variable.out_sharding for path, variable in _flat_variables(model, nnx.Variable)}
+
+
+@cache
+def _axes_by_leaf_name():
+    """{leaf name: its logical axes less the stacking ones}: a name is one kind of parameter wherever
+    it sits (every "scale" is ("norm",)), so masks apply to any dict of such leaves."""
+    return {path[-1]: tuple(a for a in axes if a not in (LAYERS, DENSE_LAYERS))
+            for path, axes in _logical_axes(True).items()}
+
+
+def param_specs(params):
+    """PartitionSpec of every parameter: its logical axes through AXIS_RULES."""
+    axes = _logical_axes(_has_router_bias(params))
+    return jax.tree_util.tree_map_with_path(lambda path, _: _mesh_spec(axes[tuple(k.key for k in path)]), params)
+
+
+def param_shardings(params, mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
+
+
+def decay_mask(params):
+    """True for the leaves AdamW decays: matrices (two or more logical axes besides the stacking
+    ones), not norm scales and shifts."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: len(_axes_by_leaf_name()[path[-1].key]) >= 2, params)
+
+
+def table_mask(params):
+    """True for the tied embedding / output table, the one leaf with its own Adam epsilon (spikes.py)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _axes_by_leaf_name()[path[-1].key] == ("vocab", "embed"),
+                                            params)
+
+
+def moe(w, x_BTD, cfg, axes, fill_BE=None):
+    """The MoE layer with weights w (a dict: router, expert_up, ..., optionally router_bias) on x_BTD."""
+    return nnx.merge(_graphdef(MoE, cfg, "router_bias" in w), w)(x_BTD, axes, fill_BE)
+
+
+def count_params(cfg):
+    """total: every real parameter (padding rows excluded); active: those one token uses, without the
+    embedding (the guide's convention); embedding: the tied table."""
+    shapes = param_shapes(cfg)
+    size = lambda tree: sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, tuple)))
+    embedding = cfg.vocab_size * cfg.model_dimension
+    body = size(shapes["blocks"]) + size(shapes["final_norm"])
+    routed = size({k: shapes["blocks"]["moe"]["moe"][k] for k in ("expert_up", "expert_down")})
+    active = body - routed + routed * cfg.k // cfg.n_experts
+    return {"total": body + embedding, "active": active, "embedding": embedding}
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token: 6 x (active params + the output projection V x D), plus causal
+    attention 3 x T x H x (2K + R) per layer (QK^T over K+R channels and AV over K, forward 2 FLOPs a
+    multiply-add, backward twice the forward, half the positions masked). Bubbles and remat excluded."""
+    matmul = 6 * (count_params(cfg)["active"] + cfg.vocab_size * cfg.model_dimension)
+    n_rope = cfg.blocks * (cfg.layers_per_block - 1)
+    attn = 3 * cfg.T * cfg.n_head * (2 * cfg.head_dim * cfg.n_layers + cfg.dhR * n_rope)
+    return float(matmul + attn)
 
 
 def with_router_bias(params, router_bias):
@@ -441,96 +744,13 @@ def update_router_bias(router_bias, tokens_per_expert, rate):
     return router_bias + rate * jnp.sign(below_mean).astype(router_bias.dtype)
 
 
-def dropout(x_BTD, rate, key, seq_ids_B):
-    """Inverted dropout whose mask depends only on (key, global sequence id), so any mesh (and any
-    micro-batching) draws the same mask for the same sequence."""
-    def one(x_TD, seq):
-        keep = jax.random.bernoulli(jax.random.fold_in(key, seq), 1.0 - rate, x_TD.shape)
-        return jnp.where(keep, x_TD / (1.0 - rate), 0.0)
-    return jax.vmap(one)(x_BTD, seq_ids_B)
-
-
-def layer(w, x_BTD, positions_T, cfg, axes, ctx, cache=None):
-    """One pre-norm residual layer: attention, then FFN or MoE. Returns (x, MoE stats, new cache).
-    cache (`init_caches`): {"attn": the latent KV cache, "expert_fill": MoE layers' fill counts}."""
-    w = fetch(w, axes, jnp.dtype(cfg.model_dtype))
-    residual = lambda x, branch, i: x + (dropout(branch, cfg.dropout_rate, jax.random.fold_in(ctx["key"], i),
-                                                 ctx["seq_ids"]) if ctx["train"] and cfg.dropout_rate else branch)
-    attn_BTD, attn_cache = attention(w["attn"], rms_norm(w["attn_norm"], x_BTD), positions_T, cfg, axes,
-                                     None if cache is None else cache["attn"])
-    x_BTD = residual(x_BTD, attn_BTD, 0)
-    h_BTD = rms_norm(w["ffn_norm"], x_BTD)
-    new_cache = {"attn": attn_cache}
-    if "moe" in w:
-        ffn_BTD, stats, new_cache["expert_fill"] = moe(w["moe"], h_BTD, cfg, axes,
-                                                       None if cache is None else cache["expert_fill"])
-    else:
-        ffn_BTD, stats = _psum(ffn(w["ffn"]["w_up"], w["ffn"]["w_down"], h_BTD), axes.tp), None
-    return residual(x_BTD, ffn_BTD, 1), stats, None if cache is None else new_cache
-
-
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
-def run_blocks(blocks, x_BTD, positions_T, cfg, axes, ctx, first_block=0, caches=None):
-    """Scan over stacked blocks (compile time independent of depth), each rematerialised; inside a
-    block, scan over its dense RoPE layers, then its MoE NoPE layer. Returns x, per-block MoE stats
-    (stacked over blocks) and the updated caches (None without a cache)."""
-    def block(x_BTD, inputs):
-        w, index, cache = inputs
-        ctx_b = ctx | {"key": jax.random.fold_in(ctx["key"], index)}
-
-        def dense(x_BTD, layer_inputs):
-            w_l, i, cache_l = layer_inputs
-            ctx_l = ctx_b | {"key": jax.random.fold_in(ctx_b["key"], i)}
-            x_BTD, _, cache_l = layer(w_l, x_BTD, positions_T, cfg, axes, ctx_l, cache_l)
-            return x_BTD, cache_l
-
-        n_dense = cfg.layers_per_block - 1
-        x_BTD, dense_cache = lax.scan(dense, x_BTD, (w["dense"], jnp.arange(n_dense),
-                                                     None if cache is None else cache["dense"]))
-        ctx_m = ctx_b | {"key": jax.random.fold_in(ctx_b["key"], n_dense)}
-        x_BTD, stats, moe_cache = layer(w["moe"], x_BTD, positions_T, cfg, axes, ctx_m,
-                                        None if cache is None else cache["moe"])
-        return x_BTD, (stats, None if cache is None else {"dense": dense_cache, "moe": moe_cache})
-
-    if cfg.remat != "none":
-        block = jax.checkpoint(block, policy=REMAT_POLICIES[cfg.remat])
-    n_blocks = jax.tree.leaves(blocks)[0].shape[0]
-    x_BTD, (stats, caches) = lax.scan(block, x_BTD, (blocks, first_block + jnp.arange(n_blocks), caches))
-    return x_BTD, stats, caches
-
-
-def _table(params, cfg, axes):
-    """The tied embedding / output table in the matmul dtype, gathered over dp: [V/tp, D]."""
-    return fetch({"embed": params["embed"]}, axes, jnp.dtype(cfg.model_dtype))["embed"]
-
-
-def embed(table_VD, ids_BT, axes):
-    """Vocab-parallel lookup: each tp rank holds rows [start, start + V) and contributes zeros for
-    ids outside them; the psum over tp assembles the embedding."""
-    V = table_VD.shape[0]
-    local_BT = ids_BT - _index(axes.tp) * V
-    inside_BT = (local_BT >= 0) & (local_BT < V)
-    x_BTD = jnp.where(inside_BT[..., None], table_VD[jnp.clip(local_BT, 0, V - 1)].astype(jnp.float32), 0.0)
-    return _psum(x_BTD, axes.tp)
-
-
-def logits_local(table_VD, h_BTD, cfg, axes):
-    """fp32 logits of this tp rank's vocab rows, padding rows masked to -inf."""
-    V = table_VD.shape[0]
-    logits_BTV = matmul(h_BTD, table_VD, "btd,vd->btv")
-    vocab_ids_V = _index(axes.tp) * V + jnp.arange(V)
-    return jnp.where(vocab_ids_V < cfg.vocab_size, logits_BTV, -jnp.inf)
-
-
 def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
     """Summed cross-entropy with the vocab split over tp (Megatron's parallel softmax), a chunk of
     whole sequences at a time. Per chunk each rank reduces its vocab rows to three numbers per token
     (`_vocab_softmax_stats`); the ranks then combine maxima, rescaled sums of exponentials and the
     target logit, which exactly one rank holds. No fp32 logits outlive one chunk, in the forward or
     the backward pass (which recomputes them): memory is O(chunk x V/tp) whatever the batch."""
+    # Guide: vocab-parallel cross-entropy over the tp-split table; no [B, T, V] logits are formed.
     V, dtype = table_VD.shape[0], table_VD.dtype
     vocab_start = _index(axes.tp) * V
     n_real = jnp.clip(cfg.vocab_size - vocab_start, 0, V)          # rows past the real vocab are padding
@@ -637,18 +857,14 @@ def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
 
 def forward(params, ids_BT, cfg, positions_T=None, caches=None, ctx=None):
     """Final hidden states [B, T, D] (after the last norm), MoE stats and caches; no mesh."""
-    axes = Axes()
-    positions_T = jnp.arange(ids_BT.shape[1]) if positions_T is None else positions_T
-    ctx = ctx or {"train": False, "key": jax.random.key(0), "seq_ids": jnp.arange(ids_BT.shape[0])}
-    x_BTD = embed(_table(params, cfg, axes), ids_BT, axes)
-    x_BTD, stats, caches = run_blocks(params["blocks"], x_BTD, positions_T, cfg, axes, ctx, caches=caches)
-    return rms_norm(params["final_norm"], x_BTD), stats, caches
+    return build(params, cfg)(ids_BT, positions_T, caches, ctx)
 
 
 def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
     ctx = {"train": train, "key": key, "seq_ids": jnp.arange(x_BT.shape[0])}
-    h_BTD, stats, _ = forward(params, x_BT, cfg, ctx=ctx)
-    ce_sum = cross_entropy_sum(_table(params, cfg, Axes()), h_BTD, y_BT, cfg, Axes())
+    model = build(params, cfg)
+    h_BTD, stats, _ = model(x_BT, ctx=ctx)
+    ce_sum = cross_entropy_sum(model.embed.gathered(Axes()), h_BTD, y_BT, cfg, Axes())
     return _summarise(ce_sum, stats, x_BT.size, x_BT.shape[0], cfg)
 
 
@@ -660,16 +876,18 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     """Runs on one device with its shards: x_BT is this dp replica's [b, T] tokens (all pp/tp ranks of
     the replica hold the same rows); params["blocks"] holds this stage's B/pp blocks."""
     axes = SHARDED
+    model = build(params, cfg)
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     b, T = x_BT.shape
     M, mb = n_micro, b // n_micro
     positions_T = jnp.arange(T)
-    table_VD = _table(params, cfg, axes)                                      # [V/tp, D/dp] -> [V/tp, D]
+    table_VD = model.embed.gathered(axes)                                    # [V/tp, D/dp] -> [V/tp, D]
     x_MbT, y_MbT = x_BT.reshape(M, mb, T), y_BT.reshape(M, mb, T)
-    emb_MbTD = embed(table_VD, x_MbT, axes)                                   # [M, mb, T, D]
+    emb_MbTD = model.embed(x_MbT, axes, table_VD)                             # [M, mb, T, D]
     blocks_per_stage = jax.tree.leaves(params["blocks"])[0].shape[0]
     seq_base = lax.axis_index("dp") * b
 
+    # Guide: one stage per device per tick (the guide runs every stage on every device).
     def tick(carry, t):
         """Every stage works on one micro-batch: stage s on micro-batch t - s (a bubble when outside
         [0, M): computed on stale data and masked out of every sum)."""
@@ -679,8 +897,7 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
         m_clipped = jnp.clip(m, 0, M - 1)
         x_bTD = jnp.where(stage == 0, emb_MbTD[jnp.minimum(t, M - 1)], received_bTD)
         ctx = {"train": train, "key": key, "seq_ids": seq_base + m_clipped * mb + jnp.arange(mb)}
-        y_bTD, stats, _ = run_blocks(params["blocks"], x_bTD, positions_T, cfg, axes, ctx,
-                                     first_block=stage * blocks_per_stage)
+        y_bTD, stats, _ = model.run_blocks(x_bTD, positions_T, axes, ctx, first_block=stage * blocks_per_stage)
         stats_sum = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats_sum, stats)
         # The last stage files finished micro-batches; other stages keep their buffer at zero.
         keep = (stage == n_stages - 1) & valid
@@ -699,7 +916,7 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     # so the (large-vocab) output layer's work is split over the stages: [M, mb, T, D] -> [M/pp, ...].
     mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
     targets_MbT = lax.dynamic_slice_in_dim(y_MbT, stage * (M // n_stages), M // n_stages)
-    h_MbTD = rms_norm(params["final_norm"], mine_MbTD)
+    h_MbTD = model.final_norm(mine_MbTD)
     ce_sum = lax.psum(cross_entropy_sum(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T),
                                         cfg, axes), ("dp", "pp"))
     # Per-block stats: stage s has blocks [s B/pp, (s+1) B/pp); gather them in order, sum over dp.
@@ -775,19 +992,19 @@ def _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, u
     """Fill tokens_T[n_prompt:n_total] one position at a time. Returns tokens and the fp32 logits
     (real vocab) that chose each position. The cached path feeds one token per step; the uncached
     path recomputes the whole prefix each step. Both draw position p with fold_in(key, p)."""
-    table = _table(params, cfg, Axes())
+    model = build(params, cfg)
     T = tokens_T.shape[0]
 
     def logits_at(h_D):
-        return logits_local(table, h_D[None, None], cfg, Axes())[0, 0, :cfg.vocab_size]
+        return model.embed.logits(h_D[None, None], Axes())[0, 0, :cfg.vocab_size]
 
     def step(carry, p):
         tokens_T, caches = carry
         if use_cache:
-            h_1TD, _, caches = forward(params, tokens_T[p][None, None], cfg, positions_T=p[None], caches=caches)
+            h_1TD, _, caches = model(tokens_T[p][None, None], positions_T=p[None], caches=caches)
             logits_V = logits_at(h_1TD[0, 0])
         else:
-            h_1TD, _, _ = forward(params, tokens_T[None], cfg)
+            h_1TD, _, _ = model(tokens_T[None])
             logits_V = logits_at(h_1TD[0, p])
         chosen = _sample(logits_V, jax.random.fold_in(key, p + 1), top_k, temperature)
         write = p + 1 >= n_prompt
