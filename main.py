@@ -576,7 +576,7 @@ def make_optimizer(oc, abstract_params):
     """Global-norm clipping, then AdamW, inside spikes.skip_spikes: it keeps the running grad-norm median
     in the optimizer state (checkpointed with it) and, with --skip_spikes F > 0, leaves params and
     moments untouched on a step whose norm is > F x it."""
-    # Guide: optax.adamw; here the tied embedding table has its own Adam epsilon (spikes.adamw, issue 12).
+    # Guide: optax.adamw; here the tied embedding table has its own Adam epsilon (spikes.adamw).
     adamw = spikes.adamw(utils.lr_schedule(oc), oc, model.decay_mask(abstract_params),
                          model.table_mask(abstract_params))
     return spikes.skip_spikes(optax.chain(optax.clip_by_global_norm(oc.grad_clip_norm), adamw), oc.skip_spikes)

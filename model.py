@@ -887,7 +887,7 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     blocks_per_stage = jax.tree.leaves(params["blocks"])[0].shape[0]
     seq_base = lax.axis_index("dp") * b
 
-    # Guide: one stage per device per tick (the guide runs every stage on every device).
+    # Guide: one block group per device per tick (the guide vmaps over every layer a device holds, each tick).
     def tick(carry, t):
         """Every stage works on one micro-batch: stage s on micro-batch t - s (a bubble when outside
         [0, M): computed on stale data and masked out of every sum)."""

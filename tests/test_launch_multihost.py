@@ -103,8 +103,8 @@ def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, two_hosts,
     count = tmp_path / "count-{pid}.json"
     p = sh("launcher.sh", *where, "--name", "agree", "--coordinator", f"127.0.0.1:{free_port()}",
            "--python", sys.executable, "--main", "tests/launch_count_allgather.py",
-           "--local-logs", tmp_path / "local-logs", "--tmux_env", "JAXFORMER_STOP_CHECK_S=20",
-           "--tmux_env", f"COUNT_OUT={count}",
+           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=20",
+           "--env", f"COUNT_OUT={count}",
            "--", *SMALL, "--max_tokens", "0", "--training_steps", "100000", "--checkpoint_steps", "1000",
            "--output_dir", tmp_path / "runs", "--name", "agree", env=tmux_env, timeout=600)
     assert p.returncode == 0, p.out
@@ -133,7 +133,7 @@ def test_missing_host_times_out_with_one_line(tmux_env, tmp_path):
     port = free_port()
     p = sh("launcher.sh", "--hosts", hosts, "--name", "lonely", "--coordinator", f"127.0.0.1:{port}",
            "--keep-going", "--python", sys.executable, "--log-dir", tmp_path / "host-logs",
-           "--local-logs", tmp_path / "local-logs", "--tmux_env", "JAXFORMER_INIT_TIMEOUT=5", "--", "--preset", "tiny",
+           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_INIT_TIMEOUT=5", "--", "--preset", "tiny",
            env=tmux_env, timeout=180, check=1)
     assert "host 1 unreachable-1: FAILED, unreachable over SSH" in p.stderr
     assert "host 0 127.0.0.1: FAILED, exit status 1" in p.stderr, p.out
