@@ -165,11 +165,11 @@ def first_steps(shape, dtype, steps):
     return [w for w in warnings if w], watch.interval(), float(stats["loss"])
 
 
-# One mesh and one dtype each, to keep CI short; all four pairs over 200 steps:
+# One mesh and dtype, to keep CI short: the pair on which the code before the fix spikes within 40 steps
+# ((1,1,1) bf16 first spiked at step 50). All four pairs over 200 steps:
 #   for s in "1 1 1" "2 2 2"; do for d in bfloat16 float32; do python -c "import sys; sys.path[:0] = ['.', 'tests'];
 #   import conftest, test_spikes; print(test_spikes.first_steps(tuple(map(int, '$s'.split())), '$d', 200))"; done; done
-@pytest.mark.parametrize("shape,dtype", [((1, 1, 1), "bfloat16"), ((2, 2, 2), "float32")])
-def test_tiny_preset_trains_without_spikes(shape, dtype):
+def test_tiny_preset_trains_without_spikes(shape=(2, 2, 2), dtype="float32"):
     """main.py's spike watch flags none of the first SPIKE_STEPS steps: no loss more than 0.5 nat above
     the median of the previous 10, no grad norm above 5x the running median. Before the fix the tied
     table's unseen rows collapsed into one vector: on (2,2,2) fp32 step 29 had loss 9.25 (median 6.78)
