@@ -36,6 +36,12 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import main as driver
+import model
 import utils
 
 
@@ -72,11 +78,6 @@ def parse_args(argv=None):
 def build_step(cfg, mesh):
     """main.py's jitted training step (main.build_trainer) with a fresh state, random batches and
     abstract arguments for compiling without data. Returns (step, make_state, make_batch, abstract_args)."""
-    import jax
-    import jax.numpy as jnp
-
-    import main as driver
-
     trainer = driver.build_trainer(cfg, mesh)
     data_shard = trainer.data_sharding
     G, rows, T = cfg.optim.grad_step, cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T
@@ -285,7 +286,7 @@ def hlo_flops(hlo_text):
     return result
 
 
-def count_step_flops(cfg, jax, model):
+def count_step_flops(cfg):
     """Per-device FLOPs of the compiled step for cfg: XLA's cost analysis and the loop-aware count."""
     mesh = model.make_mesh(cfg.run.n_device_axis)
     step, _, _, abstract_args = build_step(cfg, mesh)
@@ -308,7 +309,7 @@ def expected_pipeline_ratio(M, pp, R=1):
     return (R * M + pp - 1) / (R * M * pp)
 
 
-def pipeline_flops(cfg, jax, model):
+def pipeline_flops(cfg):
     """Per-device FLOPs of the step on (dp, pp, tp) and on (dp, 1, tp), same global batch and M,
     and in "by_pp" the same for every pp of 1, 2, 4, ... up to the mesh's (those the config allows).
 
@@ -329,7 +330,7 @@ def pipeline_flops(cfg, jax, model):
             if stage_count in (1, pp):
                 raise
             continue                  # an intermediate pp the config does not allow (blocks, M)
-        counts[stage_count] = count_step_flops(variant, jax, model)
+        counts[stage_count] = count_step_flops(variant)
     with_pp, without = counts[pp], counts[1]
     ratio = lambda a, b, key: (a[key] / b[key]) if a.get(key) and b.get(key) else None
     expected = expected_pipeline_ratio(M, pp, R)
@@ -383,10 +384,9 @@ def print_pipeline_table(result, out):
 GRAD_ERROR_SLACK = 1.1
 
 
-def grad_error(cfg, jax, model):
+def grad_error(cfg):
     """Largest per-leaf relative gradient error, max|g - g_ref| / max|g_ref|, on cfg's mesh and on one
     device (same M micro-batches) in cfg's matmul dtype against the fp32 single-device reference."""
-    import numpy as np
     m, M = cfg.model, cfg.run.micro_batch_size
     params = model.init_params(m, jax.random.key(cfg.run.seed))
     key = jax.random.key(cfg.run.seed + 1)
@@ -416,9 +416,8 @@ def grad_error(cfg, jax, model):
 # Timing
 
 
-def matmul_peak(jax, device, size):
+def matmul_peak(device, size):
     """Sustained FLOP/s of one square matmul on `device` (bf16 on accelerators, fp32 on CPU)."""
-    import jax.numpy as jnp
     cpu = device.platform == "cpu"
     n = size or (1024 if cpu else 8192)
     dtype = jnp.float32 if cpu else jnp.bfloat16
@@ -459,7 +458,7 @@ def compiled_memory(compiled):
         return None
 
 
-def run_benchmark(args, cfg, jax, model):
+def run_benchmark(args, cfg):
     dp, pp, tp = cfg.run.n_device_axis
     n_mesh = dp * pp * tp
     mesh = model.make_mesh(cfg.run.n_device_axis)
@@ -488,7 +487,7 @@ def run_benchmark(args, cfg, jax, model):
     tok_s = tokens_per_step / median
     fpt = model.flops_per_token(cfg.model)
     spec_peak = utils.peak_flops(device_kind)
-    measured_peak, matmul_shape = matmul_peak(jax, jax.devices()[0], args.matmul_size)
+    measured_peak, matmul_shape = matmul_peak(jax.devices()[0], args.matmul_size)
     counts = model.count_params(cfg.model)
     return {
         "preset": args.preset, "mesh": [dp, pp, tp], "devices": n_mesh, "device_kind": device_kind,
@@ -513,17 +512,14 @@ def run_benchmark(args, cfg, jax, model):
 
 def main(argv=None):
     args, cfg = parse_args(argv)
-    import main as driver
     driver.set_up_devices(cfg)
-    import jax
-    import model
     utils.validate(cfg, jax.device_count())
     if args.grad_error:
-        result = {"preset": args.preset, **grad_error(cfg, jax, model)}
+        result = {"preset": args.preset, **grad_error(cfg)}
     elif args.pipeline_flops:
-        result = {"preset": args.preset, **pipeline_flops(cfg, jax, model)}
+        result = {"preset": args.preset, **pipeline_flops(cfg)}
     else:
-        result = run_benchmark(args, cfg, jax, model)
+        result = run_benchmark(args, cfg)
     if args.pipeline_flops:
         print_pipeline_table(result, sys.stderr)
     print(json.dumps(result), flush=True)

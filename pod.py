@@ -18,6 +18,13 @@ import re
 import sys
 import time
 
+import jax
+import numpy as np
+from jax.experimental import topologies
+
+import bench
+import main as driver
+import model
 import utils
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
@@ -37,8 +44,8 @@ def main(cfg):
         utils.validate(cfg, tpu.chips)
     except utils.ConfigError as e:
         return _usage(f"{e}\n(compiling for {tpu.name}: {tpu.chips} chips on {tpu.hosts} host(s))")
-    jax = _jax_for_topologies(tpu)
-    return rehearse(cfg, tpu, jax)
+    _compile_only_libtpu(tpu)
+    return rehearse(cfg, tpu)
 
 
 def _has_libtpu():
@@ -53,37 +60,30 @@ def _usage(message):
     return 2
 
 
-def _jax_for_topologies(tpu):
-    """jax on the CPU backend with libtpu loaded only as a compiler. Set before `import jax`: no TPU
-    runtime starts, several processes may load libtpu at once, and libtpu is told what it would
-    otherwise look up on a TPU VM (it prints warnings without them; nothing here queries a server)."""
-    os.environ["JAX_PLATFORMS"] = "cpu"
+def _compile_only_libtpu(tpu):
+    """jax on the CPU backend with libtpu loaded only as a compiler: no TPU runtime starts, several
+    processes may load libtpu at once, and libtpu is told what it would otherwise look up on a TPU VM
+    (it prints warnings without them; nothing here queries a server)."""
+    jax.config.update("jax_platforms", "cpu")     # jax is imported already: $JAX_PLATFORMS would come too late
     for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
                         ("TPU_ACCELERATOR_TYPE", tpu.name), ("TPU_WORKER_HOSTNAMES", "localhost")):
         os.environ.setdefault(name, value)
-    import jax
-    jax.config.update("jax_platforms", "cpu")     # jax may be imported already (main.py): the variable is too late
-    return jax
 
 
 def topology_devices(tpu):
     """The slice's devices as libtpu describes them: ids, host (process_index), chip coords."""
-    from jax.experimental import topologies
     return topologies.get_topology_desc(
         platform="tpu", topology_name=tpu.topology_name, chip_config_name=tpu.chip_config,
         chips_per_host_bounds=tpu.host_grid, num_slices=1, wrap=(False,) * 3).devices
 
 
-def rehearse(cfg, tpu, jax):
-    import main
-    import model
-
+def rehearse(cfg, tpu):
     mesh = model.make_mesh(cfg.run.n_device_axis, topology_devices(tpu))
-    trainer = main.build_trainer(cfg, mesh)
-    report = Report(cfg, tpu, mesh, jax)
+    trainer = driver.build_trainer(cfg, mesh)
+    report = Report(cfg, tpu, mesh)
     report.header()
-    steps = (("train step", trainer.step, _train_args(cfg, trainer, jax), trainer.abstract_state),
-             ("eval step", trainer.eval_step, _eval_args(cfg, trainer, jax),
+    steps = (("train step", trainer.step, _train_args(cfg, trainer), trainer.abstract_state),
+             ("eval step", trainer.eval_step, _eval_args(cfg, trainer),
               {k: trainer.abstract_state[k] for k in ("params", "router_bias")}))
     for name, jitted, args, state in steps:
         try:
@@ -101,21 +101,20 @@ def rehearse(cfg, tpu, jax):
     return 0
 
 
-def _batch(cfg, trainer, jax, per_replica):
+def _batch(cfg, trainer, per_replica):
     """A global batch of token ids as main.py feeds it: dp x per_replica sequences, laid out over dp."""
-    import numpy as np
     return jax.ShapeDtypeStruct((cfg.run.n_device_axis[0] * per_replica, cfg.model.T), np.int32,
                                 sharding=trainer.data_sharding)
 
 
-def _train_args(cfg, trainer, jax):
+def _train_args(cfg, trainer):
     state = trainer.abstract_state
-    micro_steps = (_batch(cfg, trainer, jax, cfg.run.train_batch_size),) * cfg.optim.grad_step
+    micro_steps = (_batch(cfg, trainer, cfg.run.train_batch_size),) * cfg.optim.grad_step
     return state, (micro_steps, micro_steps)
 
 
-def _eval_args(cfg, trainer, jax):
-    batch = _batch(cfg, trainer, jax, cfg.run.val_batch_size)
+def _eval_args(cfg, trainer):
+    batch = _batch(cfg, trainer, cfg.run.val_batch_size)
     return trainer.abstract_state["params"], trainer.abstract_state["router_bias"], batch, batch
 
 
@@ -143,11 +142,10 @@ def _gib(n):
 class Report:
     """The printed report: the slice and mesh, then each compiled step."""
 
-    def __init__(self, cfg, tpu, mesh, jax):
-        self.cfg, self.tpu, self.mesh, self.jax = cfg, tpu, mesh, jax
+    def __init__(self, cfg, tpu, mesh):
+        self.cfg, self.tpu, self.mesh = cfg, tpu, mesh
 
     def header(self):
-        import model
         tpu, mesh = self.tpu, self.mesh
         dp, pp, tp = self.cfg.run.n_device_axis
         kind = mesh.devices.flat[0].device_kind
@@ -165,7 +163,7 @@ class Report:
     def step(self, name, compiled, seconds, cpu_seconds, abstract_state):
         """Print the step's plan; return the GiB it needs per chip."""
         mem, hlo = compiled.memory_analysis(), compiled.as_text()     # the text of a big step is megabytes
-        state_bytes = sum(_shard_bytes(a) for a in self.jax.tree.leaves(abstract_state))
+        state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
         total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                  + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
@@ -192,8 +190,6 @@ class Report:
               f"{_gib(sum(c['link_bytes'] for c in counted.values()))} sent")
 
     def _flops(self, hlo):
-        import bench
-        import model
         cfg, tpu = self.cfg, self.tpu
         counted = bench.hlo_flops(hlo)
         peak = utils.peak_flops(self.mesh.devices.flat[0].device_kind)
@@ -227,7 +223,6 @@ def collective_bytes(hlo_text):
     depend on the routing). link_bytes: what a ring or pairwise algorithm sends out of each chip
     for that buffer over a group of n chips: (n-1)/n of it for all-gather, reduce-scatter,
     all-to-all and ragged-all-to-all, 2(n-1)/n for all-reduce, all of it for collective-permute."""
-    import bench
     parsed = bench.parse_hlo(hlo_text)
     if parsed is None:
         return {}

@@ -11,30 +11,37 @@
    8 reads per step (moe1B: 32 of 256 rows, T = 1024), against rows x (T + 1) x 4.
 """
 import argparse
+import gzip
 import os
+import shutil
 import socket
 import sys
 import tempfile
 import threading
 import time
 
+import fsspec
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dataset                                                      # noqa: E402 (after the path above)
+from data import corpus, emulator, shards, tokenize_local          # noqa: E402
+from data import tokenizer as tok                                   # noqa: E402
 
 TINY_TOKENS_PER_STEP = 32 * 128
 
 
 def _eight_cpu_devices():
-    """Before JAX is imported: 8 simulated CPU devices (a mesh like a small pod's)."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
+    """Before JAX's first use: 8 simulated CPU devices (a mesh like a small pod's)."""
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
 
 
 def bench_tokenizer(workers_list, tmp, repeat):
-    import gzip
-    import shutil
-    from data import corpus, shards, tokenize_local
     src = os.path.join(tmp, "corpus.jsonl.gz")         # the bundled corpus `repeat` times over
     with gzip.open(corpus.PATH, "rb") as f:
         raw = f.read()
@@ -57,12 +64,6 @@ def bench_tokenizer(workers_list, tmp, repeat):
 
 
 def bench_loader(tmp, n_batches, B=16, T=128):
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    import dataset
-    from data import tokenizer as tok
     d = dataset.ensure_bundled_shards(os.path.join(tmp, "cache"))
     ds = dataset.TokenDataset(d, "train", tok.VOCAB_SIZE)
     res = {}
@@ -99,8 +100,6 @@ def _proc_rchar():
 def make_split(url, n_shards, shard_tokens, sparse):
     """A complete shard directory: n_shards train shards (+1 val) of shard_tokens zeros; sparse local files
     take no disk. The sha256 fields are placeholders (the loader never hashes; data.verify would flag them)."""
-    import fsspec
-    from data import shards
     fs, root = fsspec.core.url_to_fs(url)
     fs.makedirs(root, exist_ok=True)
     entries, blobs = [], {}
@@ -155,12 +154,6 @@ class CountingProxy:
 def bench_pod_scale(url, n_shards, shard_tokens, steps=20, T=1024, global_batch=256, n_hosts=8,
                     received=_proc_rchar):
     """received(): bytes this host has taken in so far (default: read/pread calls, i.e. local files)."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    import dataset
-    from data import tokenizer as tok
     t = time.perf_counter()
     make_split(url, n_shards, shard_tokens, sparse="://" not in url)
     made = time.perf_counter() - t
@@ -188,7 +181,6 @@ def bench_pod_scale(url, n_shards, shard_tokens, steps=20, T=1024, global_batch=
 
 
 def bench_pod(tmp, n_shards):
-    from data import emulator
     res = {"local": bench_pod_scale(os.path.join(tmp, "pod"), n_shards, 100_000_000)}
     proc, url = emulator.start()
     try:
