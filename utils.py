@@ -196,18 +196,29 @@ def _parse_bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _preset_values(section, name):
+    """A field's value in each preset, for --help: "tiny: 64, moe1B: 768, ..." or "every preset: 0.9"."""
+    shown = {p: getattr(getattr(cfg, section), name) for p, cfg in PRESETS.items()}
+    shown = {p: " ".join(map(str, v)) if isinstance(v, tuple) else repr(v) if isinstance(v, str) else v
+             for p, v in shown.items()}
+    if len(set(map(repr, shown.values()))) == 1:
+        return f"every preset: {next(iter(shown.values()))}"
+    return ", ".join(f"{p}: {v}" for p, v in shown.items())
+
+
 def build_parser():
     """The CLI: --preset, then one flag per config field, named as the field, with its help text."""
     parser = argparse.ArgumentParser(
         description="Train, evaluate and sample a sharded MoE + MLA transformer. With no flags: the tiny "
-                    "preset on the bundled corpus.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "preset on the bundled corpus.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="starting configuration; every other flag overrides one of its fields. Pod presets "
-                             "and their TPU slices: " + ", ".join(f"{p} on {s}" for p, s in PRESET_SLICES.items()))
+                             "and their TPU slices: " + ", ".join(f"{p} on {s}" for p, s in PRESET_SLICES.items())
+                             + " (default: tiny)")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
-            kwargs = {"default": None, "help": f.metadata["help"],
+            kwargs = {"default": None, "help": f"{f.metadata['help']} ({_preset_values(section, f.name)})",
                       "choices": CHOICES[f.name]() if f.name in CHOICES else None}
             if f.name == "n_device_axis":
                 kwargs.update(nargs=3, type=int, metavar=("DP", "PP", "TP"))
