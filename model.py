@@ -349,9 +349,52 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)].astype(jnp.float32)
 
 
+def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
+    """Expert parallelism without capacity padding: the kept choices, sorted by expert, travel to their
+    experts' shard with lax.ragged_all_to_all (only the rows there are), run through a grouped matmul
+    (lax.ragged_dot) and come back the same way. XLA:CPU does not implement ragged_all_to_all: on CPU
+    this path is checked by compiling it for a TPU slice."""
+    B, T, k = experts_BTk.shape
+    D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
+    n, e = lax.axis_size(dp), w["expert_up"].shape[0]
+    E, N, me = n * e, B * T * k, lax.axis_index(dp)
+    expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                # dropped: expert E, last
+    order_N = jnp.argsort(expert_N, stable=True)
+    send_ND = x_BTD.reshape(B * T, D)[order_N // k].astype(dtype)       # by expert: shard 0's block first
+    counts_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
+    # Every shard's counts, a few integers: [E] -> [dp, E] -> [sender, receiver, local expert]
+    counts_nne = lax.all_gather(counts_E, dp).reshape(n, n, e)
+    rows_nn = jnp.sum(counts_nne, axis=-1)                                # rows sender -> receiver
+    start_send_nn = jnp.cumsum(rows_nn, axis=1) - rows_nn                 # in the sender's buffer
+    start_recv_nn = jnp.cumsum(rows_nn, axis=0) - rows_nn                 # in the receiver's buffer
+    # A receiver gets at most C slots per sequence per expert from each sender: B C E rows in all.
+    M = min(B * C * E, n * N)
+    recv_MD = _vary_like((jnp.zeros((M, D), dtype),), (send_ND,))[0]
+    # ragged all-to-all over dp: my rows for shard j ([start_send[me, j], + rows[me, j])) land in
+    # shard j's buffer at start_recv[me, j]: [N, D] -> [M, D], ordered (sender, local expert)
+    recv_MD = lax.ragged_all_to_all(send_ND, recv_MD, start_send_nn[me], rows_nn[me], start_recv_nn[me],
+                                    rows_nn[:, me], axis_name=dp)
+    # Regroup by local expert for the grouped matmul (rows past the received ones: group e, none).
+    sizes_G = counts_nne[:, me, :].reshape(-1)                            # G = (sender, local expert)
+    group_M = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right")
+    local_M = jnp.where(group_M < n * e, group_M % e, e)
+    by_expert_M = jnp.argsort(local_M, stable=True)
+
+    def grouped(lhs, rhs):
+        lhs, rhs = _operands(dtype, lhs, rhs)
+        return lax.ragged_dot(lhs, rhs, jnp.sum(counts_nne[:, me, :], axis=0), preferred_element_type=jnp.float32)
+    y_sorted_MD = grouped(jax.nn.gelu(grouped(recv_MD[by_expert_M], w["expert_up"])), w["expert_down"])
+    y_MD = jnp.zeros_like(y_sorted_MD).at[by_expert_M].set(y_sorted_MD).astype(dtype)
+    # And back over dp, the inverse exchange: [M, D] -> [N, D] in this shard's sorted order
+    back_ND = _vary_like((jnp.zeros((N, D), dtype),), (y_MD,))[0]
+    back_ND = lax.ragged_all_to_all(y_MD, back_ND, start_recv_nn[:, me], rows_nn[:, me], start_send_nn[:, me],
+                                    rows_nn[me], axis_name=dp)
+    return jnp.zeros((N, D), jnp.float32).at[order_N].set(back_ND.astype(jnp.float32)).reshape(B, T, k, D)
+
+
 MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}
 # The same interface with the experts split over dp (`Axes.expert_parallel`), taking the dp axis too.
-EXPERT_PARALLEL_IMPLS = {"buffers": experts_over_dp}
+EXPERT_PARALLEL_IMPLS = {"buffers": experts_over_dp, "ragged": experts_over_dp_ragged}
 
 
 def dropout(x_BTD, rate, key, seq_ids_B):

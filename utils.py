@@ -60,8 +60,9 @@ class ModelConfig:
     expert_parallel: bool = flag(False, "expert parallelism over dp: each dp shard holds E/DP whole routed experts "
                                         "(hidden units still split over tp) and tokens go to them and back by "
                                         "all-to-all over dp, instead of every expert being all-gathered over dp; "
-                                        "routing and drops are unchanged; needs --n_experts divisible by DP and "
-                                        "--moe_impl buffers")
+                                        "routing and drops are unchanged; needs --n_experts divisible by DP. With "
+                                        "--moe_impl ragged only kept tokens travel, by ragged all-to-all, which "
+                                        "XLA:CPU does not implement (TPU only; --compile_for checks it)")
 
     @property
     def head_dim(self):
@@ -316,8 +317,6 @@ def validate(cfg, n_devices=None):
     if m.expert_parallel:
         _divides(errors, m.n_experts, "--n_experts", dp,
                  "DP of --n_device_axis (--expert_parallel puts E/DP whole experts on each dp shard)")
-        if m.moe_impl != "buffers":
-            errors.append(f"--expert_parallel needs --moe_impl buffers, got --moe_impl {m.moe_impl}")
     _divides(errors, r.micro_batch_size, "--micro_batch_size", pp, "PP of --n_device_axis")
     _divides(errors, r.train_batch_size, "--train_batch_size", r.micro_batch_size, "--micro_batch_size")
     _divides(errors, r.val_batch_size, "--val_batch_size", r.micro_batch_size, "--micro_batch_size")
