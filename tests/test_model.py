@@ -171,10 +171,10 @@ def test_dropout_masks_do_not_depend_on_the_mesh():
 
 
 def test_init_is_mesh_independent():
-    """The same global arrays on every mesh, with or without expert parallelism (only the layout
-    differs, so a checkpoint restores across both)."""
+    """The same global arrays on every mesh, with expert parallelism too (only the layout differs, so
+    a checkpoint restores across both; main.py and test_main's (2,2,2) runs init without it)."""
     inits = [model.init_sharded_params(with_model(CFG, expert_parallel=ep), KEY, model.make_mesh(shape))
-             for shape, ep in [((1, 1, 1), False), ((2, 2, 2), False), ((4, 1, 2), True)]]
+             for shape, ep in [((1, 1, 1), False), ((2, 2, 2), True)]]
     for leaves in zip(*map(jax.tree.leaves, inits)):
         for other in leaves[1:]:
             np.testing.assert_array_equal(np.asarray(other), np.asarray(leaves[0]))
