@@ -588,7 +588,7 @@ def state_layout(cfg, optimizer, abstract_params, mesh):
     E] (model.update_router_bias) is tiny, and equal on every device because every device computes its
     update from the same global counts."""
     replicated = NamedSharding(mesh, P())
-    param_shardings = model.param_shardings(abstract_params, mesh)
+    param_shardings = model.param_shardings(abstract_params, mesh, cfg.model.expert_parallel)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     shardings = {"params": param_shardings, "key": replicated, "router_bias": replicated,
                  "opt_state": optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_shardings,

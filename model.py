@@ -3,13 +3,14 @@ pipeline, generation.
 
 Why nnx: the modules carry the guide's names (Embedding, MLA, FeedForward, MoE, Block, Transformer),
 and every parameter is an `nnx.Param` that carries its logical axes ("vocab", "embed", "heads", ...).
-One table, `AXIS_RULES`, maps logical axes to mesh axes; the PartitionSpecs (`param_specs`) and the
-dim each FSDP gather runs along (`fetch`) are derived from it, and nothing else names a mesh axis for
-a parameter. The math and every collective stay written out, in the modules' `__call__` and the
-pipeline (all-gather over dp, psum over tp, ppermute over pp, ...), with shapes in the names. The
-same modules serve the
-single-device reference (`Axes()` = no mesh, every collective a no-op) and the sharded path
-inside one `jax.shard_map` with `check_vma=True`, which makes JAX derive the gradient reductions.
+One table, `AXIS_RULES` (led by `EXPERT_PARALLEL_RULE` under --expert_parallel), maps logical axes
+to mesh axes; the PartitionSpecs (`param_specs`) and the dim each FSDP gather runs along (`fetch`)
+are derived from it, and nothing else names a mesh axis for a parameter. The math and every
+collective stay written out, in the modules' `__call__` and the pipeline (all-gather over dp, psum
+over tp, ppermute over pp, all-to-all over dp under expert parallelism, ...), with shapes in the
+names. The same modules serve the single-device reference (`Axes()` = no mesh, every collective a
+no-op) and the sharded path inside one `jax.shard_map` with `check_vma=True`, which makes JAX derive
+the gradient reductions.
 
 What crosses jit, shard_map, optax and orbax is a plain nested dict of arrays (`init_params`, each
 drawn by the initializer its module declared), keyed by the modules' attribute names. `nnx.merge`
@@ -19,7 +20,9 @@ prepends the stacking axis to their logical axes); no nnx transform runs in the 
 
 Shape suffixes: B batch (sequences), T query positions, S key positions, D model width, H heads
 (local to the tp shard inside shard_map), K content head width, R rotary width, L latent width,
-E experts, C expert capacity, F FFN width (local to the tp shard), V vocab (local to the tp shard).
+E experts (e = E/dp of them on a dp shard under expert parallelism), C expert capacity, U slots
+per expert on a dp shard (expert parallelism), F FFN width (local to the tp shard), V vocab (local
+to the tp shard).
 """
 import dataclasses
 import math
@@ -39,7 +42,8 @@ MESH_AXES = ("dp", "pp", "tp")
 # most one dim of a parameter (flax's logical_to_mesh_axes), so dp splits D in w_dq [D, Lq] and the
 # latent in w_uq [Lq, H*K]. "dp" = FSDP shard, all-gathered just in time; "tp" = Megatron split;
 # "pp" = pipeline stage. Logical axes not listed are replicated: "dense_layers" (a block's stacked
-# dense layers), "norm", "rope", "expert" and "shared" (the expert index).
+# dense layers), "norm", "rope", "score" (the router's column per expert), "shared" (the shared
+# experts' index) and, unless expert parallelism is on, "expert" (the routed experts' index).
 AXIS_RULES = (
     ("layers", "pp"),        # the stacked blocks: stage s holds blocks [s B/pp, (s+1) B/pp)
     ("vocab", "tp"),         # rows of the tied table
@@ -49,19 +53,37 @@ AXIS_RULES = (
     ("q_latent", "dp"),      # the latent widths, in the matrices without D
     ("kv_latent", "dp"),
 )
+# With --expert_parallel the table starts with this rule: the routed experts' index goes to dp, so
+# each dp shard holds E/dp whole experts, which stay there (`fetch` gathers no "expert" dim); their
+# "embed" dim then finds dp taken and is not split, their "mlp" dim is still split over tp.
+EXPERT_PARALLEL_RULE = ("expert", "dp")
+
+
+def axis_rules(expert_parallel=False):
+    """The sharding table: AXIS_RULES, led by EXPERT_PARALLEL_RULE when expert parallelism is on."""
+    return ((EXPERT_PARALLEL_RULE,) if expert_parallel else ()) + AXIS_RULES
+
+
 LAYERS, DENSE_LAYERS = "layers", "dense_layers"     # the logical names of the two stacking axes
 NORM_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
 class Axes:
-    """Mesh axis names the layer code runs under; all None on the single-device reference path."""
+    """Mesh axis names the layer code runs under; all None on the single-device reference path.
+    expert_parallel: the routed experts are split over dp (`axis_rules`), tokens sent to them."""
     dp: str | None = None
     pp: str | None = None
     tp: str | None = None
+    expert_parallel: bool = False
 
 
 SHARDED = Axes(*MESH_AXES)
+
+
+def sharded_axes(cfg):
+    """The axes of the sharded path under cfg (SHARDED, with cfg's expert parallelism)."""
+    return dataclasses.replace(SHARDED, expert_parallel=cfg.expert_parallel)
 
 
 def _psum(x, axis):
@@ -142,16 +164,17 @@ def scan_stacked(stack, axis, body, carry, xs, policy=None):
     return lax.scan(step, carry, (state, xs))
 
 
-def _mesh_spec(logical_axes):
+def _mesh_spec(logical_axes, expert_parallel=False):
     """The PartitionSpec of a parameter with these logical axes."""
-    return logical_to_mesh_axes(logical_axes, AXIS_RULES)
+    return logical_to_mesh_axes(logical_axes, axis_rules(expert_parallel))
 
 
 def fetch(param, axes, dtype):
     """A parameter's value in dtype and, under FSDP, all-gathered over dp just in time along the dim
-    that its logical axes map to dp (`gather_over_dp`)."""
-    spec = _mesh_spec(param.out_sharding)
-    if axes.dp is None or "dp" not in spec:
+    that its logical axes map to dp (`gather_over_dp`). A dim of experts split over dp (expert
+    parallelism) is not gathered: the shard keeps its own experts, and tokens come to them."""
+    spec = _mesh_spec(param.out_sharding, axes.expert_parallel)
+    if axes.dp is None or "dp" not in spec or param.out_sharding[spec.index("dp")] == "expert":
         return param[...].astype(dtype)
     return gather_over_dp(param[...], dtype, axes.dp, spec.index("dp"))
 
@@ -298,7 +321,80 @@ def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
     return jnp.zeros_like(y_ND).at[order_N].set(y_ND).reshape(B, T, k, -1)
 
 
+def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
+    """Expert parallelism: the outputs of experts_in_buffers, with the experts split over dp. This
+    shard holds experts [j e, (j+1) e) whole, e = E/dp (w's expert_up is [e, D, F], F split over tp).
+    Its B sequences fill buffers of B C slots per expert (sequence b's slots are [b C, (b+1) C): the
+    keep/drop decisions are the per-sequence ones made before, here, so drops do not depend on the
+    mesh); an all-to-all over dp hands each shard its experts' slots from every shard, the experts
+    run, and a second all-to-all returns the outputs. Both trips carry the matmul dtype: the way
+    there is what the matmul reads anyway; the way back rounds the expert outputs (a partial sum
+    over tp) to it, which fp32 (the tests') leaves exact."""
+    B, T, k = experts_BTk.shape
+    D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
+    E = w["expert_up"].shape[0] * lax.axis_size(dp)
+    # Kept choice (b, t, i) in slot s goes to row b C + s of its expert's buffer; a dropped one (slot
+    # C) to row B C, past the end, where the scatter drops it.
+    row_BTk = jnp.where(slot_BTk < C, jnp.arange(B)[:, None, None] * C + slot_BTk, B * C)
+    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, D)).astype(dtype)
+    send_EUD = jnp.zeros((E, B * C, D), dtype).at[experts_BTk, row_BTk].set(x_BTkD, mode="drop")
+    # all-to-all over dp: block j of the experts goes to shard j, which stacks what it receives by
+    # source shard: [E, B C, D] -> [E/dp, dp B C, D] (U = dp B C slots per expert)
+    recv_eUD = lax.all_to_all(send_EUD, dp, split_axis=0, concat_axis=1, tiled=True)
+    h_eUF = jax.nn.gelu(matmul(recv_eUD, w["expert_up"], "eud,edf->euf"))
+    y_eUD = matmul(h_eUF, w["expert_down"], "euf,efd->eud").astype(dtype)
+    # all-to-all back over dp: slot block i returns to shard i, stacked by expert block:
+    # [E/dp, dp B C, D] -> [E, B C, D]
+    y_EUD = lax.all_to_all(y_eUD, dp, split_axis=1, concat_axis=0, tiled=True)
+    return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)].astype(jnp.float32)
+
+
+def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
+    """Expert parallelism without capacity padding: the kept choices, sorted by expert, travel to their
+    experts' shard with lax.ragged_all_to_all (only the rows there are), run through a grouped matmul
+    (lax.ragged_dot) and come back the same way. XLA:CPU does not implement ragged_all_to_all: on CPU
+    this path is checked by compiling it for a TPU slice."""
+    B, T, k = experts_BTk.shape
+    D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
+    n, e = lax.axis_size(dp), w["expert_up"].shape[0]
+    E, N, me = n * e, B * T * k, lax.axis_index(dp)
+    expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                # dropped: expert E, last
+    order_N = jnp.argsort(expert_N, stable=True)
+    send_ND = x_BTD.reshape(B * T, D)[order_N // k].astype(dtype)       # by expert: shard 0's block first
+    counts_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
+    # Every shard's counts, a few integers: [E] -> [dp, E] -> [sender, receiver, local expert]
+    counts_nne = lax.all_gather(counts_E, dp).reshape(n, n, e)
+    rows_nn = jnp.sum(counts_nne, axis=-1)                                # rows sender -> receiver
+    start_send_nn = jnp.cumsum(rows_nn, axis=1) - rows_nn                 # in the sender's buffer
+    start_recv_nn = jnp.cumsum(rows_nn, axis=0) - rows_nn                 # in the receiver's buffer
+    # A receiver gets at most C slots per sequence per expert from each sender: B C E rows in all.
+    M = min(B * C * E, n * N)
+    recv_MD = _vary_like((jnp.zeros((M, D), dtype),), (send_ND,))[0]
+    # ragged all-to-all over dp: my rows for shard j ([start_send[me, j], + rows[me, j])) land in
+    # shard j's buffer at start_recv[me, j]: [N, D] -> [M, D], ordered (sender, local expert)
+    recv_MD = lax.ragged_all_to_all(send_ND, recv_MD, start_send_nn[me], rows_nn[me], start_recv_nn[me],
+                                    rows_nn[:, me], axis_name=dp)
+    # Regroup by local expert for the grouped matmul (rows past the received ones: group e, none).
+    sizes_G = counts_nne[:, me, :].reshape(-1)                            # G = (sender, local expert)
+    group_M = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right")
+    local_M = jnp.where(group_M < n * e, group_M % e, e)
+    by_expert_M = jnp.argsort(local_M, stable=True)
+
+    def grouped(lhs, rhs):
+        lhs, rhs = _operands(dtype, lhs, rhs)
+        return lax.ragged_dot(lhs, rhs, jnp.sum(counts_nne[:, me, :], axis=0), preferred_element_type=jnp.float32)
+    y_sorted_MD = grouped(jax.nn.gelu(grouped(recv_MD[by_expert_M], w["expert_up"])), w["expert_down"])
+    y_MD = jnp.zeros_like(y_sorted_MD).at[by_expert_M].set(y_sorted_MD).astype(dtype)
+    # And back over dp, the inverse exchange: [M, D] -> [N, D] in this shard's sorted order
+    back_ND = _vary_like((jnp.zeros((N, D), dtype),), (y_MD,))[0]
+    back_ND = lax.ragged_all_to_all(y_MD, back_ND, start_recv_nn[:, me], rows_nn[:, me], start_send_nn[:, me],
+                                    rows_nn[me], axis_name=dp)
+    return jnp.zeros((N, D), jnp.float32).at[order_N].set(back_ND.astype(jnp.float32)).reshape(B, T, k, D)
+
+
 MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}
+# The same interface with the experts split over dp (`Axes.expert_parallel`), taking the dp axis too.
+EXPERT_PARALLEL_IMPLS = {"buffers": experts_over_dp, "ragged": experts_over_dp_ragged}
 
 
 def dropout(x_BTD, rate, key, seq_ids_B):
@@ -451,12 +547,12 @@ class MoE(nnx.Module):
     def __init__(self, cfg, rngs, router_bias=False):
         D, F, E, n_shared = cfg.model_dimension, cfg.ffn_dim, cfg.n_experts, cfg.n_shared
         # Guide: the router is a matrix without a bias term.
-        self.router = _variable(rngs, _normal(0.02), (D, E), "embed", "expert")
+        self.router = _variable(rngs, _normal(0.02), (D, E), "embed", "score")
         self.expert_up = _variable(rngs, _normal(0.02), (E, D, F), "expert", "embed", "mlp")
         self.expert_down = _variable(rngs, _normal(_output_std(cfg)), (E, F, D), "expert", "mlp", "embed")
         self.shared_up = _variable(rngs, _normal(0.02), (n_shared, D, F), "shared", "embed", "mlp")
         self.shared_down = _variable(rngs, _normal(_output_std(cfg)), (n_shared, F, D), "shared", "mlp", "embed")
-        self.router_bias = _variable(rngs, _zeros, (E,), "expert", kind=RouterBias) if router_bias else None
+        self.router_bias = _variable(rngs, _zeros, (E,), "score", kind=RouterBias) if router_bias else None
         self.cfg = cfg
 
     def __call__(self, x_BTD, axes, fill_BE=None):
@@ -477,7 +573,11 @@ class MoE(nnx.Module):
         # A kept choice's place in this call's queue is below C and below T: buffers of min(C, T) slots
         # hold every kept one, so a one-token decode step computes one slot per expert, not C.
         n_slots = min(C, T)
-        y_BTkD = MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
+        if axes.expert_parallel and axes.dp is not None:
+            impl = partial(EXPERT_PARALLEL_IMPLS[cfg.moe_impl], dp=axes.dp)
+        else:
+            impl = MOE_IMPLS[cfg.moe_impl]
+        y_BTkD = impl(w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
         routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
         # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
         shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
@@ -644,7 +744,7 @@ def init_params(cfg, key):
 def init_sharded_params(cfg, key, mesh):
     """init_params computed directly into the mesh layout (no host ever holds the full model)."""
     abstract = jax.eval_shape(partial(init_params, cfg), key)
-    return jax.jit(partial(init_params, cfg), out_shardings=param_shardings(abstract, mesh))(key)
+    return jax.jit(partial(init_params, cfg), out_shardings=param_shardings(abstract, mesh, cfg.expert_parallel))(key)
 
 
 def param_shapes(cfg):
@@ -676,14 +776,16 @@ def _axes_by_leaf_name():
             for path, axes in _logical_axes(True).items()}
 
 
-def param_specs(params):
-    """PartitionSpec of every parameter: its logical axes through AXIS_RULES."""
+def param_specs(params, expert_parallel=False):
+    """PartitionSpec of every parameter: its logical axes through the table (`axis_rules`). The
+    global arrays are the same either way: a checkpoint restores with or without expert parallelism."""
     axes = _logical_axes(_has_router_bias(params))
-    return jax.tree_util.tree_map_with_path(lambda path, _: _mesh_spec(axes[tuple(k.key for k in path)]), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: _mesh_spec(axes[tuple(k.key for k in path)], expert_parallel), params)
 
 
-def param_shardings(params, mesh):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
+def param_shardings(params, mesh, expert_parallel=False):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, expert_parallel))
 
 
 def decay_mask(params):
@@ -875,7 +977,7 @@ def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
 def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     """Runs on one device with its shards: x_BT is this dp replica's [b, T] tokens (all pp/tp ranks of
     the replica hold the same rows); params["blocks"] holds this stage's B/pp blocks."""
-    axes = SHARDED
+    axes = sharded_axes(cfg)
     model = build(params, cfg)
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     b, T = x_BT.shape
@@ -962,7 +1064,7 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
     x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
     metric_specs = {"ce": P(), "balance": P(), "tokens_per_expert": P(), "drop_rate": P()}
     sharded = jax.shard_map(partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train), mesh=mesh,
-                            in_specs=(param_specs(params), P("dp"), P("dp"), P()),
+                            in_specs=(param_specs(params, cfg.expert_parallel), P("dp"), P("dp"), P()),
                             out_specs=(P(), metric_specs), check_vma=True)
     return sharded(params, x_BT, y_BT, key)
 

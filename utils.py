@@ -57,6 +57,12 @@ class ModelConfig:
                               "outputs) or none")
     moe_impl: str = flag("buffers", "routed-expert compute: buffers (per-expert capacity slots) or ragged "
                                     "(sorted tokens, lax.ragged_dot)")
+    expert_parallel: bool = flag(False, "expert parallelism over dp: each dp shard holds E/DP whole routed experts "
+                                        "(hidden units still split over tp) and tokens go to them and back by "
+                                        "all-to-all over dp, instead of every expert being all-gathered over dp; "
+                                        "routing and drops are unchanged; needs --n_experts divisible by DP. With "
+                                        "--moe_impl ragged only kept tokens travel, by ragged all-to-all, which "
+                                        "XLA:CPU does not implement (TPU only; --compile_for checks it)")
 
     @property
     def head_dim(self):
@@ -319,6 +325,9 @@ def validate(cfg, n_devices=None):
     _divides(errors, m.latent_dim, "--latent_dim", dp, "DP of --n_device_axis (FSDP shards)")
     _divides(errors, m.q_latent_dim, "--q_latent_dim", dp, "DP of --n_device_axis (FSDP shards)")
     _divides(errors, m.blocks, "--blocks", pp, "PP of --n_device_axis")
+    if m.expert_parallel:
+        _divides(errors, m.n_experts, "--n_experts", dp,
+                 "DP of --n_device_axis (--expert_parallel puts E/DP whole experts on each dp shard)")
     _divides(errors, r.micro_batch_size, "--micro_batch_size", pp, "PP of --n_device_axis")
     _divides(errors, r.train_batch_size, "--train_batch_size", r.micro_batch_size, "--micro_batch_size")
     _divides(errors, r.val_batch_size, "--val_batch_size", r.micro_batch_size, "--micro_batch_size")

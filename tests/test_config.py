@@ -43,6 +43,8 @@ INVALID = [
     ({"bias_update_rate": -1e-3}, "--bias_update_rate must be >= 0"),
     ({"stop_at_val_loss": -1.0}, "--stop_at_val_loss must be >= 0"),
     ({"n_device_axis": (0, 1, 1)}, "--n_device_axis needs three positive sizes"),
+    ({"expert_parallel": True, "n_device_axis": (8, 1, 1)}, "--n_experts (4) must be divisible by DP of --n_device_axis"),
+    ({"expert_parallel": True, "n_device_axis": (4, 1, 2)}, None),
     ({"vocab_size": 100_277, "n_device_axis": (1, 1, 8), "n_head": 8},
      None),  # padded vocab 100,352 splits over tp 8
     ({"model_dimension": 120, "n_head": 4, "n_device_axis": (1, 1, 4), "vocab_size": 100}, None),

@@ -12,14 +12,16 @@ import pytest
 import model
 import utils
 
-# MoE + RoPE + NoPE layers, 8 blocks so that pp can be 8; fp32 so the comparison is tight.
+# MoE + RoPE + NoPE layers, 8 blocks so that pp can be 8 and 8 experts so that expert parallelism
+# (E/dp whole experts per dp shard) can run on dp 8; fp32 so the comparison is tight.
 CFG = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=8, blocks=8, layers_per_block=2, T=16,
-                        latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1, capacity_factor=1.0,
+                        latent_dim=16, q_latent_dim=16, dhR=8, n_experts=8, k=2, n_shared=1, capacity_factor=1.0,
                         model_dtype="float32", remat="none")
 BATCH = 16
 # (mesh, micro-batches per step (several wherever pp > 1), config changes of the sharded run)
-CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, {}), ((1, 8, 1), 8, {}), ((1, 1, 8), 2, {}), ((2, 2, 2), 4, {}),
-         ((4, 2, 1), 4, {}), ((1, 2, 4), 4, {}),
+EP = {"expert_parallel": True}     # each dp shard holds E/dp whole experts; tokens reach them by all-to-all
+CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, EP), ((1, 8, 1), 8, {}), ((1, 1, 8), 2, {}), ((2, 2, 2), 4, EP),
+         ((4, 1, 2), 2, EP), ((4, 2, 1), 4, {}), ((1, 2, 4), 4, {}),
          # sorted grouped-matmul experts and full remat must give the same numbers too
          ((2, 2, 2), 2, {"moe_impl": "ragged", "remat": "full"})]
 KEY = jax.random.key(0)
@@ -63,16 +65,18 @@ def abstract_params(cfg, mesh):
     """Shapes, dtypes and shardings of cfg's parameters on mesh, for lowering without computing."""
     params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
     return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
-                        model.param_shardings(params, mesh))
+                        model.param_shardings(params, mesh, cfg.expert_parallel))
 
 
 @pytest.mark.parametrize("shape,n_micro,changes", CASES)
 def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
+    """Loss, metrics, every gradient and the routing-bias update; with expert parallelism too (routing
+    and drops are decided before the all-to-all, so they are the reference's)."""
     params, ref_loss, ref_metrics, ref_grads = reference
+    cfg = with_model(CFG, **changes)
     mesh = model.make_mesh(shape)
-    sharded = jax.device_put(params, model.param_shardings(params, mesh))
-    (loss, metrics), grads = sharded_value_and_grad(with_model(CFG, **changes), mesh, n_micro, ROUTER_BIAS)(
-        sharded, *batch())
+    sharded = jax.device_put(params, model.param_shardings(params, mesh, cfg.expert_parallel))
+    (loss, metrics), grads = sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(sharded, *batch())
     assert rel_err(loss, ref_loss) < 1e-5
     for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
@@ -97,6 +101,28 @@ def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():
     collectives = re.findall(r"(\w+)\[[\d,]*\](?:\{[^}]*\})? = (all_gather|reduce_scatter)\[([^\]]*)\]", jaxpr)
     over_dp = {(primitive, dtype) for dtype, primitive, params in collectives if "axis_name=('dp',)" in params}
     assert over_dp == {("all_gather", "bf16"), ("all_gather", "f32"), ("reduce_scatter", "f32")}
+
+
+def test_expert_parallel_sends_tokens_instead_of_gathering_expert_weights():
+    """With --expert_parallel no routed expert's weights [E, D, F/tp] are all-gathered over dp (each
+    shard keeps its E/dp experts whole) and tokens cross dp by all-to-all, in bf16 both ways and in
+    the backward; without it, no all-to-all."""
+    mesh = model.make_mesh((4, 1, 2))
+    E, D, F = CFG.n_experts, CFG.model_dimension, CFG.ffn_dim // 2
+
+    def collectives_over_dp(cfg):
+        grad = jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0])
+        jaxpr = str(jax.make_jaxpr(grad)(abstract_params(cfg, mesh), *batch()))
+        found = re.findall(r"(\w+)\[([\d,]*)\](?:\{[^}]*\})? = (all_gather|all_to_all)\[([^\]]*)\]", jaxpr)
+        return [(primitive, dtype, shape) for dtype, shape, primitive, params in found
+                if re.search(r"axis_name=(dp\b|\('dp',\))", params)]
+
+    expert_shapes = {f"{E},{D},{F}", f"{E},{F},{D}"}
+    for ep in (False, True):
+        found = collectives_over_dp(with_model(CFG, model_dtype="bfloat16", expert_parallel=ep))
+        expert_gathers = [c for c in found if c[0] == "all_gather" and c[2] in expert_shapes]
+        all_to_alls = {dtype for primitive, dtype, _ in found if primitive == "all_to_all"}
+        assert (bool(expert_gathers), all_to_alls) == ((False, {"bf16"}) if ep else (True, set())), ep
 
 
 def test_bfloat16_matmuls_track_the_fp32_reference(reference):
@@ -145,7 +171,10 @@ def test_dropout_masks_do_not_depend_on_the_mesh():
 
 
 def test_init_is_mesh_independent():
-    inits = [model.init_sharded_params(CFG, KEY, model.make_mesh(shape)) for shape in [(1, 1, 1), (2, 2, 2)]]
+    """The same global arrays on every mesh, with expert parallelism too (only the layout differs, so
+    a checkpoint restores across both; main.py and test_main's (2,2,2) runs init without it)."""
+    inits = [model.init_sharded_params(with_model(CFG, expert_parallel=ep), KEY, model.make_mesh(shape))
+             for shape, ep in [((1, 1, 1), False), ((2, 2, 2), True)]]
     for leaves in zip(*map(jax.tree.leaves, inits)):
         for other in leaves[1:]:
             np.testing.assert_array_equal(np.asarray(other), np.asarray(leaves[0]))
@@ -189,11 +218,13 @@ def test_three_steps_keep_replicas_identical_and_match_reference():
         # and the discrete top-k routing turn float-level differences (summation order) into larger
         # parameter differences; observed up to 4e-3 of the leaf's scale on expert weights.
         assert rel_err(a, b) < 1e-2, jax.tree_util.keystr(path)
-    # Checkpointless reshard: the trained (2,2,2) params on other meshes give the same loss.
+    # Checkpointless reshard: the trained (2,2,2) params on other meshes, and with expert parallelism,
+    # give the same loss.
     x, y = batch(seed=99)
-    losses = [float(model.loss_and_metrics(jax.device_put(sharded, model.param_shardings(sharded, m)), x, y, KEY,
-                                           CFG, m, n)[0])
-              for m, n in [(mesh, 4), (model.make_mesh((1, 8, 1)), 8), (model.make_mesh((8, 1, 1)), 2)]]
+    meshes = [(mesh, 4, CFG), (model.make_mesh((1, 8, 1)), 8, CFG), (model.make_mesh((8, 1, 1)), 2, CFG),
+              (model.make_mesh((4, 1, 2)), 2, with_model(CFG, expert_parallel=True))]
+    losses = [float(model.loss_and_metrics(jax.device_put(sharded, model.param_shardings(sharded, m, c.expert_parallel)),
+                                           x, y, KEY, c, m, n)[0]) for m, n, c in meshes]
     np.testing.assert_allclose(losses, losses[0], rtol=1e-6)
 
 
@@ -306,7 +337,7 @@ def _moe_by_hand(w, capacity):
 
 def test_router_logits_are_fp32_at_full_precision():
     """On TPU an fp32 dot at default precision is one bf16 pass: the router's must ask for HIGHEST."""
-    cfg = with_model(CFG, model_dtype="bfloat16")
+    cfg = with_model(CFG, model_dtype="bfloat16", n_experts=4)        # E != dhR: w_kr is [D, dhR]
     params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
     hlo = jax.jit(lambda p, x: model.forward(p, x, cfg)[0]).lower(params, batch()[0]).as_text()
     router_type = f"tensor<{cfg.model_dimension}x{cfg.n_experts}xf32>"   # [D, E], no other weight has it

@@ -223,3 +223,27 @@ ENTRY %main (p: f32[4]) -> f32[1] {
         "all-gather": {"count": 1, "bytes": 64, "link_bytes": 64 * 3 / 4},
         "reduce-scatter": {"count": 1, "bytes": 64, "link_bytes": 64 * 7 / 8},
         "all-reduce": {"count": 1, "bytes": 16, "link_bytes": 16 * 2 * 3 / 4}}
+
+
+@pytest.mark.skipif(not os.environ.get("JAXFORMER_SLOW_TESTS"), reason="opt-in (JAXFORMER_SLOW_TESTS=1): ~20-40 s")
+def test_dropless_expert_parallel_path_compiles_for_a_tpu(topology):
+    """--expert_parallel --moe_impl ragged: tokens travel by ragged_all_to_all, which XLA:CPU does not
+    implement, so the training step (forward and backward) is compiled for v4-8 on mesh (2, 1, 2), a
+    tiny model in bf16; the compiled HLO moves tokens by ragged-all-to-all over dp. Compiling checks
+    shapes and types only, not the numbers (no TPU here)."""
+    import jax
+    import jax.numpy as jnp
+    import pod
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    cfg = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=2, blocks=2, layers_per_block=2, T=16,
+                            latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1, capacity_factor=0.0,
+                            moe_impl="ragged", expert_parallel=True)
+    utils.validate(utils.override(utils.Config(model=cfg), n_device_axis=(2, 1, 2), max_tokens=0), n_devices=4)
+    mesh = model.make_mesh((2, 1, 2), topology("v4-8"))
+    params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
+                          model.param_shardings(params, mesh, expert_parallel=True))
+    tokens = jax.ShapeDtypeStruct((4, cfg.T), jnp.int32, sharding=NamedSharding(mesh, P("dp")))
+    grad = jax.jit(jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, jax.random.key(0), cfg, mesh, 2)[0]))
+    collectives = pod.collective_bytes(grad.lower(params, tokens, tokens).compile().as_text())
+    assert collectives["ragged-all-to-all"]["count"] > 0, collectives
