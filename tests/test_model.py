@@ -125,8 +125,9 @@ def test_checkpoint_restores_across_pipeline_repeats(tmp_path):
     import main
     mesh = model.make_mesh((1, 2, 1))
     cfgs = {R: utils.override(utils.Config(model=CFG), n_device_axis=(1, 2, 1), pipeline_repeats=R) for R in (1, 2)}
-    saved = main.build_trainer(cfgs[1], mesh).fresh_state(0)
-    saved = saved | {"opt_state": jax.tree.map(lambda a: a + 1, saved["opt_state"])}    # moments not all 0
+    # every leaf of the state (params, Adam moments, ...) numbered 0, 1, 2, ... in its own order
+    saved = jax.tree.map(lambda t: jax.device_put(np.arange(math.prod(t.shape)).reshape(t.shape).astype(t.dtype),
+                                                  t.sharding), main.build_trainer(cfgs[1], mesh).abstract_state)
     mngr = main.checkpoint_manager(str(tmp_path))
     main.save(mngr, 1, saved, {"step": 1, "model": dataclasses.asdict(cfgs[1].model)})
     main.wait_for_save(mngr)
