@@ -11,8 +11,8 @@ against what this device actually sustains.
 `--pipeline_flops` counts instead of timing: it compiles the step for the given mesh (pp = P,
 M micro-batches) and for the same config with pp = 1, 2, 4, ... below P (same dp and tp, same
 global batch and M; a pp the config does not allow is skipped) and prints the per-device FLOPs of
-each, their ratio to pp = 1, and the pipeline's expectation (R M + pp - 1) / (R M pp) (R = 1:
-GPipe, today's only schedule), as a table on stderr and in the JSON line ("by_pp"). XLA:CPU's cost analysis does not count through loops (a `while`
+each, their ratio to pp = 1, and the pipeline's expectation (R M + pp - 1) / (R M pp) (R =
+--pipeline_repeats; 1: GPipe), as a table on stderr and in the JSON line ("by_pp"). XLA:CPU's cost analysis does not count through loops (a `while`
 body, i.e. every lax.scan, is costed once), so the FLOPs are also counted here from the optimized
 HLO with every loop body multiplied by its trip count (`hlo_flops`); that count is the one compared.
 
@@ -26,6 +26,8 @@ Examples:
   python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1
   python bench.py --preset tiny --n_device_axis 1 2 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
   python bench.py --preset tiny --blocks 4 --n_device_axis 1 4 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
+  python bench.py --preset tiny --blocks 8 --vocab_size 1000 --n_device_axis 1 4 1 --micro_batch_size 4 \
+      --pipeline_repeats 2 --cpu_devices 8 --pipeline_flops
   python bench.py --preset tiny --n_device_axis 8 1 1 --train_batch_size 2 --cpu_devices 8 --grad_error
 """
 import argparse
@@ -296,7 +298,7 @@ def count_step_flops(cfg):
 
 def pipeline_repeats(cfg):
     """R, how many times the micro-batches go around the stage ring (the circular pipeline's
-    `pipeline_repeats` where a config section has it); 1 is GPipe, the only schedule today."""
+    `pipeline_repeats`, a model config field); 1 is GPipe."""
     for section in (cfg.run, cfg.model):
         if hasattr(section, "pipeline_repeats"):
             return int(section.pipeline_repeats)

@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import glob
 import json
+import math
 import os
 import posixpath
 import re
@@ -347,7 +348,7 @@ def restore_latest(mngr, abstract_state, run_dir, mc):
     failed = []
     for step in steps:
         try:
-            state, meta = _restore(mngr, step, abstract_state)
+            state, meta = _restore(mngr, step, abstract_state, mc.pipeline_repeats)
         except Exception as e:
             failed.append((step, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"))
             continue
@@ -379,25 +380,57 @@ def newest_meta(mngr):
     return None
 
 
-def _restore(mngr, step, abstract_state):
+def _restore(mngr, step, abstract_state, repeats):
     # Checkpoints from before the aux-loss-free routing bias hold none: they routed with a bias of 0.
     has_bias = "router_bias" in mngr.item_metadata(step)["state"].keys()
     target = abstract_state if has_bias else {k: v for k, v in abstract_state.items() if k != "router_bias"}
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+    # One saved with another --pipeline_repeats holds the stacked blocks (params, Adam moments) in that
+    # layout: the same numbers in model order, read as saved and reshaped onto this run's layout.
+    saved_model = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"].get("model") or {}
+    read = _in_layout(target, saved_model.get("pipeline_repeats", 1), repeats)
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(read),
                                                             meta=ocp.args.JsonRestore()))
     if int(restored["meta"]["step"]) != step:
         raise ValueError(f"metadata says step {restored['meta']['step']}")
     state = dict(restored["state"])
+    if read is not target:
+        state = jax.jit(lambda s: jax.tree.map(lambda a, t: a.reshape(t.shape), s, target),
+                        out_shardings=jax.tree.map(lambda t: t.sharding, target))(state)
     if not has_bias:
         bias = abstract_state["router_bias"]
         state["router_bias"] = jax.device_put(jnp.zeros(bias.shape, bias.dtype), bias.sharding)
     return state, restored["meta"]
 
 
+def _in_layout(target, saved_repeats, repeats):
+    """target (abstract state, stored for --pipeline_repeats `repeats`) with every stacked block leaf
+    (under a "blocks" key: params and optimizer moments) shaped as `saved_repeats` stores it
+    (model.pipeline_layout) and replicated over pp, which need not split that layout's stacked axis;
+    target itself when nothing differs."""
+    changed = []
+    lead = 1 if repeats == 1 else 2                 # target's stacked dims: [blocks] or [R, blocks/R]
+
+    def one(path, t):
+        if not any(getattr(k, "key", None) == "blocks" for k in path):
+            return t
+        blocks, rest = math.prod(t.shape[:lead]), t.shape[lead:]
+        shape = (blocks, *rest) if saved_repeats == 1 else (saved_repeats, blocks // saved_repeats, *rest)
+        if shape == t.shape:
+            return t
+        changed.append(path)
+        spec = (*t.sharding.spec, *(None,) * len(t.shape))[lead:len(t.shape)]
+        sharding = NamedSharding(t.sharding.mesh, P(*(None,) * (len(shape) - len(rest)), *spec))
+        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=sharding)
+    read = jax.tree_util.tree_map_with_path(one, target)
+    return read if changed else target
+
+
 def check_model(saved, mc, where):
     """RunRefused naming every model field that differs from the checkpoint's (both values) when the
-    difference changes a parameter's shape; otherwise a note (dropout, capacity, remat, ... may change)."""
+    difference changes a parameter's shape; otherwise a note (dropout, capacity, remat, ... may change).
+    Checkpoints from before the circular pipeline stored the blocks as GPipe does (--pipeline_repeats 1)."""
     now = dataclasses.asdict(mc)
+    saved = {"pipeline_repeats": 1, **saved} if saved else saved
     diffs = [(k, saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]]
     if not diffs:
         return
@@ -558,7 +591,7 @@ class Trainer(NamedTuple):
 
 def build_trainer(cfg, mesh):
     """The jitted training and eval steps for cfg on mesh, and the training state's layout."""
-    abstract_params = jax.eval_shape(partial(model.init_params, cfg.model), jax.random.key(0))
+    abstract_params = jax.eval_shape(partial(model.init_pipeline_params, cfg.model), jax.random.key(0))
     optimizer = make_optimizer(cfg.optim, abstract_params)
     shardings, abstract_state = state_layout(cfg, optimizer, abstract_params, mesh)
     replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp", None))

@@ -65,6 +65,9 @@ def axis_rules(expert_parallel=False):
 
 
 LAYERS, DENSE_LAYERS = "layers", "dense_layers"     # the logical names of the two stacking axes
+# The circular pipeline's leading axis of every stacked block leaf, [R, blocks/R, ...] (`pipeline_layout`);
+# not in AXIS_RULES, so replicated: stage s holds [:, s L:(s+1) L], L = blocks/(pp R).
+REPEATS = "repeats"
 NORM_EPS = 1e-6
 
 
@@ -742,9 +745,9 @@ def init_params(cfg, key):
 
 
 def init_sharded_params(cfg, key, mesh):
-    """init_params computed directly into the mesh layout (no host ever holds the full model)."""
-    abstract = jax.eval_shape(partial(init_params, cfg), key)
-    return jax.jit(partial(init_params, cfg), out_shardings=param_shardings(abstract, mesh, cfg.expert_parallel))(key)
+    """init_pipeline_params computed directly into the mesh layout (no host ever holds the full model)."""
+    abstract = jax.eval_shape(partial(init_pipeline_params, cfg), key)
+    return jax.jit(partial(init_pipeline_params, cfg), out_shardings=param_shardings(abstract, mesh, cfg.expert_parallel))(key)
 
 
 def param_shapes(cfg):
@@ -777,11 +780,44 @@ def _axes_by_leaf_name():
 
 
 def param_specs(params, expert_parallel=False):
-    """PartitionSpec of every parameter: its logical axes through the table (`axis_rules`). The
+    """PartitionSpec of every parameter: its logical axes through the table (`axis_rules`), with REPEATS
+    (replicated) in front of a stacked block leaf stored as [R, blocks/R, ...] (`pipeline_layout`). The
     global arrays are the same either way: a checkpoint restores with or without expert parallelism."""
     axes = _logical_axes(_has_router_bias(params))
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: _mesh_spec(axes[tuple(k.key for k in path)], expert_parallel), params)
+
+    def spec(path, p):
+        names = axes[tuple(k.key for k in path)]
+        return _mesh_spec((REPEATS, *names) if len(p.shape) > len(names) else names, expert_parallel)
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def model_order(params):
+    """params with every stacked block leaf as [blocks, ...], in model order (undoes `pipeline_layout`;
+    leaves already so are returned as they are)."""
+    axes = _logical_axes(True)
+
+    def flat(path, a):
+        extra = len(a.shape) > len(axes[("blocks", *(k.key for k in path))])
+        return a.reshape(-1, *a.shape[2:]) if extra else a
+    return params | {"blocks": jax.tree_util.tree_map_with_path(flat, params["blocks"])}
+
+
+def pipeline_layout(params, repeats):
+    """The layout the circular pipeline stores params in (R = repeats > 1): every stacked block leaf
+    [blocks, ...] reshaped to [R, blocks/R, ...], a pure reshape of the model order. Block (r, k) is
+    block r blocks/R + k; with the second axis split over pp, stage s holds k in [s L, (s+1) L),
+    L = blocks/(pp R), i.e. the R non-adjacent groups r pp + s of L consecutive blocks. R = 1: the
+    model order, as GPipe stores them."""
+    params = model_order(params)
+    if repeats == 1:
+        return params
+    return params | {"blocks": jax.tree.map(lambda a: a.reshape(repeats, -1, *a.shape[1:]), params["blocks"])}
+
+
+def init_pipeline_params(cfg, key):
+    """init_params in the layout the sharded path stores (`pipeline_layout` with cfg.pipeline_repeats):
+    the same numbers whatever R."""
+    return pipeline_layout(init_params(cfg, key), cfg.pipeline_repeats)
 
 
 def param_shardings(params, mesh, expert_parallel=False):
@@ -828,10 +864,14 @@ def flops_per_token(cfg):
 
 
 def with_router_bias(params, router_bias):
-    """params with DeepSeek-V3's aux-loss-free routing bias (router_bias [blocks, E]) beside each MoE
-    layer's router, where `moe` reads it. It is routing state, not a parameter: the driver keeps it
-    out of the optimizer and differentiates the params alone."""
+    """params with DeepSeek-V3's aux-loss-free routing bias (router_bias [blocks, E], in model order)
+    beside each MoE layer's router, where `moe` reads it, laid out like the routers (`pipeline_layout`).
+    It is routing state, not a parameter: the driver keeps it out of the optimizer and differentiates
+    the params alone."""
     moe_layers = params["blocks"]["moe"]
+    router = moe_layers["moe"]["router"]                          # [blocks, D, E] or [R, blocks/R, D, E]
+    if len(router.shape) > len(router_bias.shape) + 1:             # pipeline_layout: the bias likewise
+        router_bias = router_bias.reshape(*router.shape[:-2], router_bias.shape[-1])
     moe_layers = moe_layers | {"moe": moe_layers["moe"] | {"router_bias": router_bias}}
     return params | {"blocks": params["blocks"] | {"moe": moe_layers}}
 
@@ -959,61 +999,97 @@ def _summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
 
 def forward(params, ids_BT, cfg, positions_T=None, caches=None, ctx=None):
     """Final hidden states [B, T, D] (after the last norm), MoE stats and caches; no mesh."""
-    return build(params, cfg)(ids_BT, positions_T, caches, ctx)
+    return build(model_order(params), cfg)(ids_BT, positions_T, caches, ctx)
 
 
 def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
     ctx = {"train": train, "key": key, "seq_ids": jnp.arange(x_BT.shape[0])}
-    model = build(params, cfg)
+    model = build(model_order(params), cfg)
     h_BTD, stats, _ = model(x_BT, ctx=ctx)
     ce_sum = cross_entropy_sum(model.embed.gathered(Axes()), h_BTD, y_BT, cfg, Axes())
     return _summarise(ce_sum, stats, x_BT.size, x_BT.shape[0], cfg)
 
 
 # ----------------------------------------------------------------------------------------------
-# The sharded path: one shard_map over ("dp", "pp", "tp") with a GPipe schedule over pp.
+# The sharded path: one shard_map over ("dp", "pp", "tp") with a GPipe schedule over pp, or with
+# cfg.pipeline_repeats = R > 1 a circular one (MaxText's num_pipeline_repeats).
 
 
 def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     """Runs on one device with its shards: x_BT is this dp replica's [b, T] tokens (all pp/tp ranks of
-    the replica hold the same rows); params["blocks"] holds this stage's B/pp blocks."""
+    the replica hold the same rows); params["blocks"] holds this stage's blocks: B/pp of them, or with
+    R = cfg.pipeline_repeats > 1 [R, L] of them (`pipeline_layout`), L = B/(pp R), repeat r being the
+    group of blocks [(r pp + s) L, (r pp + s + 1) L) of stage s.
+
+    The schedule: at tick t stage s works on item i = t - s of the R M items (micro-batch i mod M in
+    its repeat i div M) with its blocks of that repeat, and passes the result to stage s + 1. The last
+    stage files repeat R - 1's outputs, and (R > 1) sends the others round the ring to stage 0, which
+    keeps them in a buffer of M micro-batches until their next turn, M - pp ticks later (hence M >=
+    pp). R M + pp - 1 ticks of L blocks: the bubble is (pp - 1)/(R M + pp - 1)."""
     axes = sharded_axes(cfg)
-    model = build(params, cfg)
+    R = cfg.pipeline_repeats
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
+    repeat_of = lambda r: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), params["blocks"])
+    # The embedding and the output layer's modules (R > 1: with any one repeat's blocks, unused).
+    model = build(params if R == 1 else params | {"blocks": repeat_of(0)}, cfg)
     b, T = x_BT.shape
     M, mb = n_micro, b // n_micro
+    n_items = R * M
     positions_T = jnp.arange(T)
     table_VD = model.embed.gathered(axes)                                    # [V/tp, D/dp] -> [V/tp, D]
     x_MbT, y_MbT = x_BT.reshape(M, mb, T), y_BT.reshape(M, mb, T)
     emb_MbTD = model.embed(x_MbT, axes, table_VD)                             # [M, mb, T, D]
-    blocks_per_stage = jax.tree.leaves(params["blocks"])[0].shape[0]
+    blocks_per_stage = jax.tree.leaves(params["blocks"])[0].shape[0 if R == 1 else 1]
     seq_base = lax.axis_index("dp") * b
 
     # Guide: one block group per device per tick (the guide vmaps over every layer a device holds, each tick).
     def tick(carry, t):
-        """Every stage works on one micro-batch: stage s on micro-batch t - s (a bubble when outside
-        [0, M): computed on stale data and masked out of every sum)."""
-        received_bTD, outputs_MbTD, stats_sum = carry
-        m = t - stage
-        valid = (m >= 0) & (m < M)
-        m_clipped = jnp.clip(m, 0, M - 1)
-        x_bTD = jnp.where(stage == 0, emb_MbTD[jnp.minimum(t, M - 1)], received_bTD)
+        """Every stage works on one item: stage s on item t - s (a bubble when outside [0, R M):
+        computed on stale data and masked out of every sum)."""
+        received_bTD, waiting_MbTD, outputs_MbTD, stats_sum = carry
+        i = t - stage
+        valid = (i >= 0) & (i < n_items)
+        i_clipped = jnp.clip(i, 0, n_items - 1)
+        m_clipped, r = (i_clipped, 0) if R == 1 else (i_clipped % M, i_clipped // M)
+        if R == 1:
+            x_bTD = jnp.where(stage == 0, emb_MbTD[jnp.minimum(t, M - 1)], received_bTD)
+            stage_model, first_block = model, stage * blocks_per_stage
+        else:
+            # Stage 0 files what the last stage sent last tick (its item t - pp), then reads micro-batch
+            # m: the embedding in repeat 0, afterwards what came back round the ring (filed >= 0 ticks ago).
+            back = t - n_stages
+            slot = jnp.clip(back, 0, n_items - 1) % M
+            file_it = (stage == 0) & (back >= 0) & (back < n_items)
+            waiting_MbTD = waiting_MbTD.at[slot].set(jnp.where(file_it, received_bTD, waiting_MbTD[slot]))
+            first_input_bTD = jnp.where(r == 0, emb_MbTD[m_clipped], waiting_MbTD[m_clipped])
+            x_bTD = jnp.where(stage == 0, first_input_bTD, received_bTD)
+            stage_model = build(params | {"blocks": repeat_of(r)}, cfg)
+            first_block = (r * n_stages + stage) * blocks_per_stage
         ctx = {"train": train, "key": key, "seq_ids": seq_base + m_clipped * mb + jnp.arange(mb)}
-        y_bTD, stats, _ = model.run_blocks(x_bTD, positions_T, axes, ctx, first_block=stage * blocks_per_stage)
-        stats_sum = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats_sum, stats)
-        # The last stage files finished micro-batches; other stages keep their buffer at zero.
+        y_bTD, stats, _ = stage_model.run_blocks(x_bTD, positions_T, axes, ctx, first_block=first_block)
+        if R == 1:
+            stats_sum = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats_sum, stats)
+        else:
+            stats_sum = jax.tree.map(lambda acc, s: acc.at[r].add(jnp.where(valid, s, 0)), stats_sum, stats)
+        # The last stage files finished micro-batches (the last repeat's); other stages keep their buffer at zero.
         keep = (stage == n_stages - 1) & valid
+        if R > 1:
+            keep = keep & (r == R - 1)
         outputs_MbTD = outputs_MbTD.at[m_clipped].set(jnp.where(keep, y_bTD, outputs_MbTD[m_clipped]))
-        # Stage s -> s + 1. Non-cyclic: stage 0 receives zeros (it reads the embeddings instead).
-        received_bTD = lax.ppermute(y_bTD, "pp", [(s, s + 1) for s in range(n_stages - 1)])
-        return (received_bTD, outputs_MbTD, stats_sum), None
+        # Stage s -> s + 1. GPipe: non-cyclic (stage 0 receives zeros; it reads the embeddings instead).
+        # Circular: the last stage's results go back to stage 0 for their next repeat.
+        ring = [(s, s + 1) for s in range(n_stages - 1)] + ([(n_stages - 1, 0)] if R > 1 else [])
+        received_bTD = lax.ppermute(y_bTD, "pp", ring)
+        return (received_bTD, waiting_MbTD, outputs_MbTD, stats_sum), None
 
     # Carries differ per dp replica and per stage: declare them varying over both for check_vma.
     zeros = lambda shape, dtype=jnp.float32: lax.pcast(jnp.zeros(shape, dtype), ("dp", "pp"), to="varying")
-    stats_sum = {"balance": zeros((blocks_per_stage,)), "dropped": zeros((blocks_per_stage,)),
-                 "tokens_per_expert": zeros((blocks_per_stage, cfg.n_experts), jnp.int32)}
-    init = (zeros(emb_MbTD.shape[1:]), zeros(emb_MbTD.shape), stats_sum)
-    (_, outputs_MbTD, stats), _ = lax.scan(tick, init, jnp.arange(M + n_stages - 1))
+    lead = (blocks_per_stage,) if R == 1 else (R, blocks_per_stage)
+    stats_sum = {"balance": zeros(lead), "dropped": zeros(lead),
+                 "tokens_per_expert": zeros((*lead, cfg.n_experts), jnp.int32)}
+    waiting_MbTD = None if R == 1 else zeros(emb_MbTD.shape)
+    init = (zeros(emb_MbTD.shape[1:]), waiting_MbTD, zeros(emb_MbTD.shape), stats_sum)
+    (_, _, outputs_MbTD, stats), _ = lax.scan(tick, init, jnp.arange(n_items + n_stages - 1))
     # Only the last stage holds real outputs; a reduce-scatter over pp hands each stage M/pp of them,
     # so the (large-vocab) output layer's work is split over the stages: [M, mb, T, D] -> [M/pp, ...].
     mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
@@ -1021,9 +1097,12 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     h_MbTD = model.final_norm(mine_MbTD)
     ce_sum = lax.psum(cross_entropy_sum(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T),
                                         cfg, axes), ("dp", "pp"))
-    # Per-block stats: stage s has blocks [s B/pp, (s+1) B/pp); gather them in order, sum over dp.
-    stats = {name: lax.psum(lax.all_gather(s, "pp", axis=0, tiled=True, to="invarying"), "dp")
+    # Per-block stats in model order, summed over dp. GPipe: stage s has blocks [s B/pp, (s+1) B/pp).
+    # Circular: [R, L] per stage, gathered over pp to [R, B/R], which is model order once flattened.
+    stats = {name: lax.psum(lax.all_gather(s, "pp", axis=0 if R == 1 else 1, tiled=True, to="invarying"), "dp")
              for name, s in stats.items()}
+    if R > 1:
+        stats = {name: s.reshape(-1, *s.shape[2:]) for name, s in stats.items()}
     n_dp = lax.axis_size("dp")
     return _summarise(ce_sum, stats, x_BT.size * n_dp, b * n_dp, cfg)
 
@@ -1060,7 +1139,9 @@ def axes_across_hosts(mesh):
 
 
 def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
-    """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params."""
+    """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params.
+    params in either layout (`pipeline_layout`; the one cfg.pipeline_repeats asks for costs no reshard)."""
+    params = pipeline_layout(params, cfg.pipeline_repeats)
     x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
     metric_specs = {"ce": P(), "balance": P(), "tokens_per_expert": P(), "drop_rate": P()}
     sharded = jax.shard_map(partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train), mesh=mesh,
@@ -1126,7 +1207,7 @@ def generate(params, cfg, prompt_ids, key, max_tokens, top_k, temperature, use_c
         raise ValueError(f"prompt ({n_prompt} tokens) + --max_tokens ({max_tokens}) must be between 1 and --T "
                          f"({cfg.T}); shorten --prompt or lower --max_tokens")
     tokens_T = jnp.zeros((cfg.T,), jnp.int32).at[:n_prompt].set(jnp.asarray(prompt_ids, jnp.int32))
-    tokens_T, logits_PV = _decode(params, cfg, tokens_T, n_prompt, key, n_prompt + max_tokens, min(top_k, cfg.vocab_size),
-                                  temperature, use_cache)
+    tokens_T, logits_PV = _decode(model_order(params), cfg, tokens_T, n_prompt, key, n_prompt + max_tokens,
+                                  min(top_k, cfg.vocab_size), temperature, use_cache)
     new = [int(t) for t in tokens_T[n_prompt:n_prompt + max_tokens]]
     return (new, logits_PV[n_prompt - 1:]) if return_logits else new

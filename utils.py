@@ -63,6 +63,11 @@ class ModelConfig:
                                         "routing and drops are unchanged; needs --n_experts divisible by DP. With "
                                         "--moe_impl ragged only kept tokens travel, by ragged all-to-all, which "
                                         "XLA:CPU does not implement (TPU only; --compile_for checks it)")
+    pipeline_repeats: int = flag(1, "circular pipeline: R > 1 gives each pp stage R non-adjacent groups of blocks "
+                                    "and sends the micro-batches R times around the stages, so the bubble is "
+                                    "(PP - 1)/(R M + PP - 1) instead of GPipe's (PP - 1)/(M + PP - 1); 1 = GPipe. "
+                                    "--blocks must be divisible by PP x R. The state stores the blocks as [R, blocks/R, "
+                                    "...] (a reshape: a checkpoint restores with any R)")
 
     @property
     def head_dim(self):
@@ -292,7 +297,7 @@ def validate(cfg, n_devices=None):
                              ("--bias_update_rate", o.bias_update_rate, 0),
                              ("--stop_at_val_loss", r.stop_at_val_loss, 0),
                              ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 0),
-                             ("--cpu_devices", r.cpu_devices, 0)]:
+                             ("--cpu_devices", r.cpu_devices, 0), ("--pipeline_repeats", m.pipeline_repeats, 1)]:
         _at_least(errors, value, flag, low)
     if not o.embed_eps > 0:
         errors.append(f"--embed_eps must be > 0 (the table's padding rows have zero gradient), got {o.embed_eps}")
@@ -329,6 +334,12 @@ def validate(cfg, n_devices=None):
         _divides(errors, m.n_experts, "--n_experts", dp,
                  "DP of --n_device_axis (--expert_parallel puts E/DP whole experts on each dp shard)")
     _divides(errors, r.micro_batch_size, "--micro_batch_size", pp, "PP of --n_device_axis")
+    if m.pipeline_repeats > 1:
+        # Stage s holds the groups r PP + s of blocks/(PP R) blocks. The circular schedule also needs
+        # M >= PP (a micro-batch back from the last stage must find stage 0 still busy with the others):
+        # the rule above (M a multiple of PP, M >= 1) already implies it.
+        _divides(errors, m.blocks, "--blocks", pp * m.pipeline_repeats,
+                 f"PP of --n_device_axis x --pipeline_repeats ({pp} x {m.pipeline_repeats})")
     _divides(errors, r.train_batch_size, "--train_batch_size", r.micro_batch_size, "--micro_batch_size")
     _divides(errors, r.val_batch_size, "--val_batch_size", r.micro_batch_size, "--micro_batch_size")
     if o.warmup_steps > o.end_steps:

@@ -15,6 +15,10 @@ INVALID = [
     ({"n_device_axis": (4, 1, 1), "latent_dim": 30}, "--latent_dim (30) must be divisible by DP"),
     ({"n_device_axis": (4, 1, 1), "q_latent_dim": 6}, "--q_latent_dim (6) must be divisible by DP"),
     ({"blocks": 3, "n_device_axis": (1, 2, 1)}, "--blocks (3) must be divisible by PP"),
+    ({"pipeline_repeats": 2}, None),   # valid: 2 blocks, one group per repeat on the one stage
+    ({"pipeline_repeats": 2, "n_device_axis": (1, 2, 1)},
+     "--blocks (2) must be divisible by PP of --n_device_axis x --pipeline_repeats (2 x 2)"),
+    ({"pipeline_repeats": 0}, "--pipeline_repeats must be >= 1"),
     ({"n_device_axis": (1, 2, 1), "micro_batch_size": 1, "train_batch_size": 4, "val_batch_size": 4},
      "--micro_batch_size (1) must be divisible by PP"),
     ({"train_batch_size": 5}, "--train_batch_size (5) must be divisible by --micro_batch_size (2)"),

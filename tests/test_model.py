@@ -1,4 +1,5 @@
 """The sharded model equals the single-device reference on every mesh; the parts match hand math."""
+import dataclasses
 import math
 import re
 import time
@@ -20,10 +21,14 @@ CFG = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=8, blocks=8, 
 BATCH = 16
 # (mesh, micro-batches per step (several wherever pp > 1), config changes of the sharded run)
 EP = {"expert_parallel": True}     # each dp shard holds E/dp whole experts; tokens reach them by all-to-all
-CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, EP), ((1, 8, 1), 8, {}), ((1, 1, 8), 2, {}), ((2, 2, 2), 4, EP),
+CIRCULAR = {"pipeline_repeats": 2}     # the circular pipeline, params stored as [R, blocks/R, ...]
+CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, EP), ((1, 8, 1), 8, {}), ((1, 1, 8), 2, {}),
          ((4, 1, 2), 2, EP), ((4, 2, 1), 4, {}), ((1, 2, 4), 4, {}),
          # sorted grouped-matmul experts and full remat must give the same numbers too
-         ((2, 2, 2), 2, {"moe_impl": "ragged", "remat": "full"})]
+         ((2, 2, 2), 2, {"moe_impl": "ragged", "remat": "full"}),
+         # circular, M = pp: a micro-batch back from the last stage is used in the tick it arrives;
+         # M > pp: it waits in stage 0's buffer, here with expert parallelism as well (one case for both)
+         ((1, 4, 1), 4, CIRCULAR), ((2, 2, 2), 4, EP | CIRCULAR)]
 KEY = jax.random.key(0)
 # Every case routes with a nonzero aux-loss-free bias [blocks, E] and checks the update it gets.
 ROUTER_BIAS = 0.05 * jax.random.normal(jax.random.key(5), (CFG.blocks, CFG.n_experts))
@@ -75,8 +80,10 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     params, ref_loss, ref_metrics, ref_grads = reference
     cfg = with_model(CFG, **changes)
     mesh = model.make_mesh(shape)
-    sharded = jax.device_put(params, model.param_shardings(params, mesh, cfg.expert_parallel))
+    stored = model.pipeline_layout(params, cfg.pipeline_repeats)        # as the training state holds them
+    sharded = jax.device_put(stored, model.param_shardings(stored, mesh, cfg.expert_parallel))
     (loss, metrics), grads = sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(sharded, *batch())
+    grads = model.model_order(grads)
     assert rel_err(loss, ref_loss) < 1e-5
     for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
@@ -88,6 +95,53 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     for (path, g_ref), g in zip(flat_ref, jax.tree.leaves(grads)):
         assert rel_err(g, g_ref) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_circular_layout_puts_groups_r_pp_plus_s_on_stage_s():
+    """pipeline_layout is a reshape of the model order ([blocks, ...] -> [R, blocks/R, ...]) that
+    model_order undoes, and sharding its second axis over pp puts on stage s the R groups r pp + s of
+    L = blocks/(pp R) consecutive blocks (as the schedule assumes); R = 1 is the model order itself."""
+    params = jax.eval_shape(lambda: model.init_params(CFG, KEY))
+    assert model.pipeline_layout(params, 1)["blocks"] == params["blocks"]
+    R, pp = 2, 2
+    L = CFG.blocks // (pp * R)
+    w = jnp.arange(CFG.blocks * 3.0).reshape(CFG.blocks, 3)                     # row g = block g
+    tree = {"embed": jnp.zeros((1, 1)), "blocks": {"moe": {"moe": {"router": w[:, :, None]}}}}
+    stored = model.pipeline_layout(tree, R)
+    router = stored["blocks"]["moe"]["moe"]["router"]
+    assert router.shape == (R, CFG.blocks // R, 3, 1)
+    np.testing.assert_array_equal(model.model_order(stored)["blocks"]["moe"]["moe"]["router"], w[:, :, None])
+    assert tuple(model.param_specs(stored)["blocks"]["moe"]["moe"]["router"]) == (None, "pp", "dp", None)
+    mesh = model.make_mesh((1, pp, 1))
+    placed = jax.device_put(stored, model.param_shardings(stored, mesh))["blocks"]["moe"]["moe"]["router"]
+    for shard in placed.addressable_shards:
+        s = mesh.devices.flatten().tolist().index(shard.device)
+        blocks = np.asarray(shard.data)[:, :, 0, 0].ravel() // 3                   # the blocks this stage holds
+        np.testing.assert_array_equal(blocks, [(r * pp + s) * L + j for r in range(R) for j in range(L)])
+    bias = jnp.arange(CFG.blocks * 4.0).reshape(CFG.blocks, 4)
+    with_bias = model.with_router_bias(stored, bias)["blocks"]["moe"]["moe"]["router_bias"]
+    np.testing.assert_array_equal(with_bias.reshape(CFG.blocks, 4), bias)
+
+
+def test_checkpoint_restores_across_pipeline_repeats(tmp_path):
+    """A training state saved with --pipeline_repeats 1 restores with 2: the same numbers in model
+    order (params and Adam moments), on the restoring run's layout [R, blocks/R, ...] and shardings."""
+    import main
+    mesh = model.make_mesh((1, 2, 1))
+    cfgs = {R: utils.override(utils.Config(model=CFG), n_device_axis=(1, 2, 1), pipeline_repeats=R) for R in (1, 2)}
+    # every leaf of the state (params, Adam moments, ...) numbered 0, 1, 2, ... in its own order
+    saved = jax.tree.map(lambda t: jax.device_put(np.arange(math.prod(t.shape)).reshape(t.shape).astype(t.dtype),
+                                                  t.sharding), main.build_trainer(cfgs[1], mesh).abstract_state)
+    mngr = main.checkpoint_manager(str(tmp_path))
+    main.save(mngr, 1, saved, {"step": 1, "model": dataclasses.asdict(cfgs[1].model)})
+    main.wait_for_save(mngr)
+    abstract = main.build_trainer(cfgs[2], mesh).abstract_state
+    restored, _ = main.restore_latest(mngr, abstract, None, cfgs[2].model)
+    mngr.close()
+    for a, b, t in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), jax.tree.leaves(abstract)):
+        assert b.shape == t.shape and b.sharding == t.sharding
+        np.testing.assert_array_equal(np.asarray(a).ravel(), np.asarray(b).ravel())
+    assert restored["params"]["blocks"]["moe"]["moe"]["router"].shape[:2] == (2, CFG.blocks // 2)
 
 
 def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():

@@ -56,8 +56,9 @@ def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_r
     shutil.copytree(trained / "run", tmp_path / "run")
     before = snapshot(tmp_path)
     proc = run(cpu_env, tmp_path, *MESH1, "--model_dimension", "64", "--n_head", "4", "--dropout_rate", "0.1",
-               steps=4, expect=2, timeout=300)
+               "--pipeline_repeats", "2", steps=4, expect=2, timeout=300)
     assert "--model_dimension: 32 in the checkpoint, 64 now" in proc.stderr
+    assert "--pipeline_repeats: 1 in the checkpoint, 2 now" in proc.stderr     # stored as [R, blocks/R, ...]
     assert "--n_head: 2 in the checkpoint, 4 now" in proc.stderr
     assert "--dropout_rate: 0.0 in the checkpoint, 0.1 now" in proc.stderr
     assert "--restart" in proc.stderr
