@@ -307,6 +307,15 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
 
 
+def _grouped_ffn(w, x_ND, group_sizes_E):
+    """The routed experts' FFN over rows sorted by expert (group_sizes_E rows each, in expert order;
+    rows past their sum in no group): gelu(x W_up) W_down per group with lax.ragged_dot."""
+    def grouped(lhs, rhs):
+        lhs, rhs = _operands(w["expert_up"].dtype, lhs, rhs)
+        return lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
+    return grouped(jax.nn.gelu(grouped(x_ND, w["expert_up"])), w["expert_down"])
+
+
 def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
     """The same outputs from a grouped matmul: choices sorted by expert (dropped ones, slot C, last,
     in no group) and multiplied by their expert's weights with lax.ragged_dot; no capacity padding."""
@@ -315,12 +324,7 @@ def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
     expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                  # N = B T k choices
     order_N = jnp.argsort(expert_N, stable=True)
     group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
-    x_ND = x_BTD.reshape(B * T, -1)[order_N // k]
-
-    def grouped(lhs, rhs):
-        lhs, rhs = _operands(w["expert_up"].dtype, lhs, rhs)
-        return lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
-    y_ND = grouped(jax.nn.gelu(grouped(x_ND, w["expert_up"])), w["expert_down"])
+    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E)
     return jnp.zeros_like(y_ND).at[order_N].set(y_ND).reshape(B, T, k, -1)
 
 
@@ -382,11 +386,7 @@ def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     group_M = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right")
     local_M = jnp.where(group_M < n * e, group_M % e, e)
     by_expert_M = jnp.argsort(local_M, stable=True)
-
-    def grouped(lhs, rhs):
-        lhs, rhs = _operands(dtype, lhs, rhs)
-        return lax.ragged_dot(lhs, rhs, jnp.sum(counts_nne[:, me, :], axis=0), preferred_element_type=jnp.float32)
-    y_sorted_MD = grouped(jax.nn.gelu(grouped(recv_MD[by_expert_M], w["expert_up"])), w["expert_down"])
+    y_sorted_MD = _grouped_ffn(w, recv_MD[by_expert_M], jnp.sum(counts_nne[:, me, :], axis=0))
     y_MD = jnp.zeros_like(y_sorted_MD).at[by_expert_M].set(y_sorted_MD).astype(dtype)
     # And back over dp, the inverse exchange: [M, D] -> [N, D] in this shard's sorted order
     back_ND = _vary_like((jnp.zeros((N, D), dtype),), (y_MD,))[0]
