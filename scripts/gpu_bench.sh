@@ -7,16 +7,20 @@
 #    (default /tmp/jaxformer-gpu-venv). If none does, it creates that venv and installs jax[cuda12] at
 #    the version pinned in requirements.txt (plus optax at its pin): from wheels in ./.whl when that
 #    folder exists (no network needed), else from the package index.
+#    That Python's flax/optax/orbax are its own (a GPU image brings its own JAX); if this repo's modules
+#    do not import with them, the pinned pure-Python wheels in ./.gpu_wheels (when present) are put
+#    first on PYTHONPATH and the import is tried again.
 # 2. Prints versions, nvidia-smi and jax.devices().
-# 3. Runs bench.py: the tiny preset (sanity), then moe1B on mesh 1 1 1 with 8 sequences of 1024 tokens
-#    per step (--micro_batch_size 1: no pipeline on one device) under --remat full and --remat dots,
-#    then --moe_impl ragged (sorted tokens + lax.ragged_dot) against the per-expert buffers, then (if
-#    the budget allows) 16 sequences under --remat dots.
+# 3. Runs bench.py: the tiny preset (sanity; if it fails nothing else runs), then moe1B on mesh 1 1 1
+#    with 8 sequences of 1024 tokens per step (--micro_batch_size 1: no pipeline on one device) under
+#    --remat dots and --remat full, --moe_impl ragged (sorted tokens + lax.ragged_dot) against the
+#    per-expert buffers, then the tuning runs while the budget lasts: 16 and 32 sequences, remat dots
+#    and none (no recompute: H200's 141 GB holds every activation at these sizes).
 #    Each run is one JSON line in RESULT_DIR/<name>.json, its log in RESULT_DIR/<name>.log.
 # 4. Prints a summary table LAST (also saved as RESULT_DIR/summary.txt).
 #
-# Dry run on a CPU (checks the script's flow only): ALLOW_CPU=1 STEPS=2 MOE_EXTRA="--model_dimension 32
-# --blocks 2 --layers_per_block 2 --T 32 --vocab_size 1000 --cpu_devices 1" bash scripts/gpu_bench.sh /tmp/r
+# Dry run on a CPU (checks the script's flow only): ALLOW_CPU=1 STEPS=2 MOE_EXTRA="--model_dimension 48
+# --blocks 2 --layers_per_block 2 --T 32 --vocab_size 1000 --max_tokens 8 --cpu_devices 1" bash scripts/gpu_bench.sh /tmp/r
 #
 # The whole script stays under 8 minutes: every step runs under `timeout`, capped by what is left of
 # a 7.5-minute budget; a step that times out or fails is reported as such in the table.
@@ -72,12 +76,23 @@ if [ -z "$PY" ]; then
   fi
 fi
 
+echo "== this repo's modules under $PY"
+if ! "$PY" -c "import main, bench" 2>"$RESULT_DIR/import.log"; then
+  tail -n 3 "$RESULT_DIR/import.log"
+  if [ -d .gpu_wheels ]; then
+    echo "retrying with the pinned wheels in .gpu_wheels"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/jaxformer-site .gpu_wheels/*.whl
+    export PYTHONPATH=/tmp/jaxformer-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  "$PY" -c "import main, bench" || { echo "FATAL: main.py and bench.py do not import under $PY"; exit 1; }
+fi
+
 echo "== versions"
 "$PY" - <<EOF
-import sys, jax, jaxlib, optax
+import sys, jax, jaxlib, optax, flax, orbax.checkpoint as ocp
 print("python", sys.version.split()[0], "|", "$PY")
-print("jax", jax.__version__, "| jaxlib", jaxlib.__version__, "| optax", optax.__version__,
-      "| pinned jax $PIN_JAX" + ("" if jax.__version__ == "$PIN_JAX" else " (DIFFERS from the pin)"))
+print("jax", jax.__version__, "| jaxlib", jaxlib.__version__, "| flax", flax.__version__, "| optax", optax.__version__,
+      "| orbax", ocp.__version__, "| pinned jax $PIN_JAX" + ("" if jax.__version__ == "$PIN_JAX" else " (DIFFERS from the pin)"))
 print("devices", jax.devices())
 EOF
 nvidia-smi || echo "nvidia-smi not available"
@@ -109,21 +124,28 @@ run() {
 MOE=(--preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1 --steps "$STEPS" --warmup "$WARMUP")
 # shellcheck disable=SC2206  # MOE_EXTRA is a list of flags, split on purpose
 MOE+=(${MOE_EXTRA:-})
-run tiny_sanity 60 --preset tiny --n_device_axis 1 1 1 --steps "$STEPS" --warmup "$WARMUP"
-run moe1B_remat_full 120 "${MOE[@]}" --remat full
+RUNS=(tiny_sanity moe1B_remat_dots moe1B_remat_full moe1B_ragged_remat_dots moe1B_b16_remat_dots
+      moe1B_b16_remat_none moe1B_b32_remat_none moe1B_ragged_b32_remat_none)
+run tiny_sanity 90 --preset tiny --n_device_axis 1 1 1 --steps "$STEPS" --warmup "$WARMUP"
+if [ "$(cat "$RESULT_DIR/tiny_sanity.status")" != ok ]; then
+  echo "FATAL: the tiny sanity run failed; nothing else runs"; tail -n 30 "$RESULT_DIR/tiny_sanity.log"; exit 1
+fi
 run moe1B_remat_dots 120 "${MOE[@]}" --remat dots
+run moe1B_remat_full 120 "${MOE[@]}" --remat full
 # the sorted grouped-matmul experts against the per-expert buffers above
 run moe1B_ragged_remat_dots 120 "${MOE[@]}" --remat dots --moe_impl ragged
-# only if the budget allows: twice the batch (16 x 1024 tokens per step)
+# tuning toward the MFU target, while the budget lasts: more tokens per step, less recompute
 run moe1B_b16_remat_dots 100 "${MOE[@]}" --remat dots --train_batch_size 16
+run moe1B_b16_remat_none 100 "${MOE[@]}" --remat none --train_batch_size 16
+run moe1B_b32_remat_none 100 "${MOE[@]}" --remat none --train_batch_size 32
+run moe1B_ragged_b32_remat_none 100 "${MOE[@]}" --remat none --train_batch_size 32 --moe_impl ragged
 
 echo
 echo "== summary ($(($(date +%s) - START)) s total)"
-"$PY" - "$RESULT_DIR" <<'EOF' | tee "$RESULT_DIR/summary.txt"
+"$PY" - "$RESULT_DIR" "${RUNS[@]}" <<'EOF' | tee "$RESULT_DIR/summary.txt"
 import json, os, sys
 
-d = sys.argv[1]
-names = ["tiny_sanity", "moe1B_remat_full", "moe1B_remat_dots", "moe1B_ragged_remat_dots", "moe1B_b16_remat_dots"]
+d, names = sys.argv[1], sys.argv[2:]
 cols = ["run", "status", "tokens/s", "step s (med)", "compile s", "MFU spec", "MFU meas", "matmul TF/s",
         "peak GiB", "device"]
 rows = []
