@@ -16,6 +16,10 @@ each, their ratio to pp = 1, and the pipeline's expectation (R M + pp - 1) / (R 
 body, i.e. every lax.scan, is costed once), so the FLOPs are also counted here from the optimized
 HLO with every loop body multiplied by its trip count (`hlo_flops`); that count is the one compared.
 
+`--profile DIR` traces --steps more steps after the timed ones (jax.profiler, into DIR; open it in XProf
+or TensorBoard) and prints the device's op time per step by name, largest first (GPU kernels and
+copies, TPU XLA ops; a CPU trace has no device plane), also in the JSON line ("profile").
+
 `--grad_error` measures instead: the largest per-leaf relative error of one batch's gradient in the
 matmul dtype, on the given mesh and on one device with the same M micro-batches, against the fp32
 single-device reference; it prints both and, in bf16, exits 1 when the mesh is worse than one
@@ -24,6 +28,7 @@ device (x1.1). In fp32 both are summation-order noise (~1e-6) and their ratio me
 Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
   python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1
+  python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1 --profile /tmp/trace
   python bench.py --preset tiny --n_device_axis 1 2 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
   python bench.py --preset tiny --blocks 4 --n_device_axis 1 4 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
   python bench.py --preset tiny --blocks 8 --vocab_size 1000 --n_device_axis 1 4 1 --micro_batch_size 4 \
@@ -31,8 +36,11 @@ Examples:
   python bench.py --preset tiny --n_device_axis 8 1 1 --train_batch_size 2 --cpu_devices 8 --grad_error
 """
 import argparse
+import collections
+import glob
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -59,6 +67,9 @@ def parse_args(argv=None):
     own.add_argument("--matmul_size", type=int, default=0,
                      help="side of the square matmul timed for the measured peak (0: 8192 bf16 on an "
                           "accelerator, 1024 fp32 on CPU)")
+    own.add_argument("--profile", metavar="DIR", default="",
+                     help="after the timed steps, trace --steps more with jax.profiler into DIR and print the "
+                          "device's op times per step, largest first (GPU kernels and copies, TPU XLA ops)")
     own.add_argument("--preset", choices=sorted(utils.PRESETS), default="tiny")
     own.add_argument("-h", "--help", action="store_true")
     args, rest = own.parse_known_args(argv)
@@ -483,6 +494,8 @@ def run_benchmark(args, cfg):
         jax.block_until_ready((state, stats))
         times.append(time.perf_counter() - t)
 
+    profile = profile_steps(compiled, state, batch, args.steps, args.profile) if args.profile else None
+
     tokens_per_step = cfg.optim.grad_step * dp * cfg.run.train_batch_size * cfg.model.T
     median = statistics.median(times)
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
@@ -509,7 +522,42 @@ def run_benchmark(args, cfg):
         "hlo_matmul_flops_per_device_step": (hlo_flops(compiled.as_text()) or {}).get("total"),
         "params_total": counts["total"], "params_active": counts["active"],
         "final_loss": float(stats["loss"]),
+        **({"profile": profile} if profile else {}),
     }
+
+
+def profile_steps(compiled, state, batch, steps, trace_dir):
+    """`steps` more training steps under jax.profiler.trace(trace_dir), kept apart from the timed ones
+    (tracing slows the host side). Returns the trace's path and its device op times per step."""
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            state, stats = compiled(state, batch)
+        jax.block_until_ready((state, stats))
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    return {"trace": path, "steps": steps, "top_ops": op_times(path, steps)}
+
+
+def op_times(xplane_path, steps, planes="/device:", top=30):
+    """[[name, ms per step, share of the planes' op time], ...] largest first, over the trace's planes
+    whose names start with `planes`: a TPU plane's "XLA Ops" line, or where a plane has none (GPU) all
+    its lines, one per stream, whose events are kernels and copies. A CPU run has no device plane."""
+    totals = collections.Counter()
+    for plane in jax.profiler.ProfileData.from_file(xplane_path).planes:
+        if plane.name.startswith(planes):
+            lines = [line for line in plane.lines if line.name == "XLA Ops"] or plane.lines
+            for line in lines:
+                for event in line.events:
+                    totals[event.name] += event.duration_ns
+    all_ns = sum(totals.values())
+    return [[name, ns / 1e6 / steps, ns / all_ns] for name, ns in totals.most_common(top)]
+
+
+def print_op_times(profile, out):
+    print(f"device op time per step over {profile['steps']} traced steps ({profile['trace']}):", file=out)
+    if not profile["top_ops"]:
+        print("  no device plane in the trace (CPU): open it in XProf or TensorBoard", file=out)
+    for name, ms, share in profile["top_ops"]:
+        print(f"  {ms:9.3f} ms  {100 * share:5.1f}%  {name[:120]}", file=out)
 
 
 def main(argv=None):
@@ -524,6 +572,8 @@ def main(argv=None):
         result = run_benchmark(args, cfg)
     if args.pipeline_flops:
         print_pipeline_table(result, sys.stderr)
+    if "profile" in result:
+        print_op_times(result["profile"], sys.stderr)
     print(json.dumps(result), flush=True)
     if args.grad_error and cfg.model.model_dtype != "float32" and result["ratio"] > GRAD_ERROR_SLACK:
         sys.exit(f"the gradient on {tuple(result['mesh'])} is {result['ratio']:.2f}x one device's error "

@@ -31,13 +31,18 @@ NULLABLE = ["spec_peak_flops", "mfu_vs_spec_peak", "peak_memory_bytes"]
 
 
 @pytest.fixture(scope="module")
-def runs():
+def trace_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("trace"))
+
+
+@pytest.fixture(scope="module")
+def runs(trace_dir):
     """Both bench.py runs, started together (each is mostly a single-threaded compile)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONUNBUFFERED="1")
     start = lambda args: subprocess.Popen([sys.executable, os.path.join(REPO, "bench.py"), *SMALL, *args], cwd=REPO,
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    procs = {"run": start(RUN), "pipeline": start(PIPELINE)}
+    procs = {"run": start(RUN + ["--profile", trace_dir]), "pipeline": start(PIPELINE)}
     results = {}
     try:
         for name, proc in procs.items():
@@ -58,7 +63,7 @@ def result(runs, name):
     return json.loads(lines[0])
 
 
-def test_bench_json_fields_on_a_3d_mesh(runs):
+def test_bench_json_fields_on_a_3d_mesh(runs, trace_dir):
     out = result(runs, "run")
     assert out["preset"] == "tiny" and out["mesh"] == [2, 2, 2] and out["devices"] == 8
     assert out["device_kind"] and out["backend"] == "cpu"
@@ -71,6 +76,34 @@ def test_bench_json_fields_on_a_3d_mesh(runs):
     assert out["tokens_per_step"] == 2 * 4 * 32
     assert out["params_active"] < out["params_total"]
     assert out["final_loss"] == pytest.approx(out["final_loss"]) and 0 < out["final_loss"] < 20   # finite
+    # --profile traced 3 more steps into the directory; a CPU trace has no device plane to sum.
+    profile = out["profile"]
+    assert profile["trace"].startswith(trace_dir) and profile["trace"].endswith(".xplane.pb")
+    assert os.path.getsize(profile["trace"]) > 0 and profile["steps"] == 3 and profile["top_ops"] == []
+    assert "no device plane in the trace" in runs["run"][1]
+
+
+def test_op_times_sums_a_traced_program_per_step(tmp_path):
+    """op_times over a real trace: the jitted ops of 3 calls, summed by name and divided by 3.
+    (Summed here over the host plane, where XLA:CPU runs its ops; on GPU/TPU, the device planes.)"""
+    import jax
+    import jax.numpy as jnp
+
+    import bench
+
+    f = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
+    a = jnp.ones((256, 256))
+    f(a).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            f(a).block_until_ready()
+    path = next(tmp_path.rglob("*.xplane.pb"))
+    rows = bench.op_times(str(path), 3, planes="/host:CPU", top=1000)
+    ms = [row[1] for row in rows]
+    assert ms == sorted(ms, reverse=True) and sum(row[2] for row in rows) == pytest.approx(1.0)
+    tanh = [row for row in rows if "tanh" in row[0]]
+    assert tanh and 0 < tanh[0][1] < 1000
+    assert bench.op_times(str(path), 3) == []          # no device plane on a CPU
 
 
 def test_pipeline_flops_only_the_bubble_is_extra(runs):
