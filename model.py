@@ -211,7 +211,45 @@ def _operands(dtype, *arrays):
 
 def matmul(x, w, spec):
     """einsum of operands rounded to the weights' dtype, accumulated and returned in fp32."""
-    return jnp.einsum(spec, *_operands(w.dtype, x, w), preferred_element_type=jnp.float32)
+    return einsum_fp32(spec, w.dtype, x, w)
+
+
+def einsum_fp32(spec, dtype, a, b):
+    """einsum(spec, a, b) of the operands rounded to `dtype`, accumulated and returned in fp32; in
+    the backward the fp32 cotangent is rounded to `dtype` too (`_einsum_rounded`)."""
+    return _einsum_rounded(spec, jnp.dtype(dtype), *_operands(dtype, a, b))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum_rounded(spec, dtype, a, b):
+    """JAX's own transpose would multiply the fp32 cotangent by the rounded operand in fp32: on GPU
+    the backward's GEMMs, two thirds of the step's, ran on fp32 operands as TF32 (H200 profile,
+    BENCHMARKS.md). Rounding the cotangent first keeps them bf16 x bf16 -> fp32 like the forward."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_rounded_fwd(spec, dtype, a, b):
+    return _einsum_rounded(spec, dtype, a, b), (a, b)
+
+
+def _einsum_rounded_bwd(spec, dtype, residuals, g):
+    a, b = residuals
+    (a_spec, b_spec), out_spec = spec.split("->")[0].split(","), spec.split("->")[1]
+    g, = _operands(dtype, g)
+    d_a = jnp.einsum(f"{out_spec},{b_spec}->{a_spec}", g, b, preferred_element_type=jnp.float32)
+    d_b = jnp.einsum(f"{a_spec},{out_spec}->{b_spec}", a, g, preferred_element_type=jnp.float32)
+    return _sum_like(d_a.astype(a.dtype), a), _sum_like(d_b.astype(b.dtype), b)
+
+
+def _sum_like(x, like):
+    """x summed over the mesh axes it varies over and `like` does not: the transpose of the implicit
+    pcast that made `like` varying in the forward (a weight split over tp times activations
+    replicated over tp: the activations' gradient is the psum over tp), as JAX's own transpose does."""
+    extra = tuple(sorted(_varying_axes(x) - _varying_axes(like)))
+    return lax.psum(x, extra) if extra else x
+
+
+_einsum_rounded.defvjp(_einsum_rounded_fwd, _einsum_rounded_bwd)
 
 
 def rope(x, positions, base):
@@ -243,12 +281,11 @@ def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype):
             *(a.astype(dtype) for a in (q_BTHQ, k_BSHQ, v_BSHQ)), is_causal=mask_TS is None,
             mask=None if mask_TS is None else mask_TS[None, None], implementation="cudnn")
         return out_BTHQ[..., :K].astype(jnp.float32)
-    scores_BHTS = jnp.einsum("bthq,bshq->bhts", *_operands(dtype, q_BTHQ, k_BSHQ),
-                             preferred_element_type=jnp.float32) / math.sqrt(Q)
+    scores_BHTS = einsum_fp32("bthq,bshq->bhts", dtype, q_BTHQ, k_BSHQ) / math.sqrt(Q)
     if mask_TS is None:
         mask_TS = jnp.tril(jnp.ones((q_BTHQ.shape[1], k_BSHQ.shape[1]), bool))
     probs_BHTS = jax.nn.softmax(jnp.where(mask_TS, scores_BHTS, -jnp.inf), axis=-1)
-    return jnp.einsum("bhts,bshk->bthk", *_operands(dtype, probs_BHTS, v_BSHK), preferred_element_type=jnp.float32)
+    return einsum_fp32("bhts,bshk->bthk", dtype, probs_BHTS, v_BSHK)
 
 
 def ffn(w_up, w_down, x_BTD):

@@ -158,6 +158,27 @@ def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():
     assert over_dp == {("all_gather", "bf16"), ("all_gather", "f32"), ("reduce_scatter", "f32")}
 
 
+def test_backward_matmuls_take_operands_in_the_matmul_dtype(monkeypatch):
+    """In bf16 the backward's matmuls are bf16 x bf16 -> fp32 like the forward's: the only fp32
+    matmuls of the gradient program are the transposes of the forward's own fp32 ones (router logits
+    at HIGHEST precision, the gate-weighted sum of the k expert outputs), two for each. JAX's own
+    transpose multiplied the fp32 cotangent by the bf16 operand in fp32 (TF32 GEMMs on GPU). Lowered
+    as for an accelerator (on CPU `_operands` widens bf16 operands back to fp32 after rounding)."""
+    cfg = with_model(CFG, model_dtype="bfloat16")
+    mesh = model.make_mesh((2, 1, 2))
+
+    def dot_dtypes(fn):
+        text = jax.jit(fn).lower(abstract_params(cfg, mesh), *batch()).as_text()
+        found = re.findall(r"stablehlo\.dot_general.*?: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", text)
+        return {kind: sum(1 for a, b in found if ("f32" in (a, b)) == (kind == "f32")) for kind in ("f32", "bf16")}
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    loss = lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0]
+    forward, gradient = dot_dtypes(loss), dot_dtypes(jax.grad(loss))
+    assert forward["f32"] > 0 and gradient["f32"] == 3 * forward["f32"], (forward, gradient)
+    assert gradient["bf16"] > 2 * forward["bf16"], (forward, gradient)
+
+
 def test_expert_parallel_sends_tokens_instead_of_gathering_expert_weights():
     """With --expert_parallel no routed expert's weights [E, D, F/tp] are all-gathered over dp (each
     shard keeps its E/dp experts whole) and tokens cross dp by all-to-all, in bf16 both ways and in
