@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 from flax.linen import logical_to_mesh_axes
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("dp", "pp", "tp")
@@ -209,6 +210,9 @@ def _operands(dtype, *arrays):
     return [a.astype(jnp.float32) for a in rounded] if jax.default_backend() == "cpu" else rounded
 
 
+UNBATCHED_DOT = "unbatched_dot"     # the checkpoint name of einsum_fp32's products without batch dims
+
+
 def matmul(x, w, spec):
     """einsum of operands rounded to the weights' dtype, accumulated and returned in fp32."""
     return einsum_fp32(spec, w.dtype, x, w)
@@ -217,7 +221,17 @@ def matmul(x, w, spec):
 def einsum_fp32(spec, dtype, a, b):
     """einsum(spec, a, b) of the operands rounded to `dtype`, accumulated and returned in fp32; in
     the backward the fp32 cotangent is rounded to `dtype` too (`_einsum_rounded`)."""
-    return _einsum_rounded(spec, jnp.dtype(dtype), *_operands(dtype, a, b))
+    out = _einsum_rounded(spec, jnp.dtype(dtype), *_operands(dtype, a, b))
+    a_spec, b_spec, out_spec = _einsum_specs(spec)
+    # jax.checkpoint's policies do not see the dot inside a custom_vjp: the name lets --remat dots
+    # keep saving the products without batch dims (`REMAT_POLICIES`).
+    return out if set(a_spec) & set(b_spec) & set(out_spec) else checkpoint_name(out, UNBATCHED_DOT)
+
+
+def _einsum_specs(spec):
+    """"btd,df->btf" -> ("btd", "df", "btf")."""
+    inputs, out_spec = spec.split("->")
+    return (*inputs.split(","), out_spec)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -234,7 +248,7 @@ def _einsum_rounded_fwd(spec, dtype, a, b):
 
 def _einsum_rounded_bwd(spec, dtype, residuals, g):
     a, b = residuals
-    (a_spec, b_spec), out_spec = spec.split("->")[0].split(","), spec.split("->")[1]
+    a_spec, b_spec, out_spec = _einsum_specs(spec)
     g, = _operands(dtype, g)
     d_a = jnp.einsum(f"{out_spec},{b_spec}->{a_spec}", g, b, preferred_element_type=jnp.float32)
     d_b = jnp.einsum(f"{a_spec},{out_spec}->{b_spec}", a, g, preferred_element_type=jnp.float32)
@@ -688,7 +702,9 @@ class Block(nnx.Module):
 
 
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+                  "dots": jax.checkpoint_policies.save_from_both_policies(
+                      jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                      jax.checkpoint_policies.save_only_these_names(UNBATCHED_DOT))}
 
 
 class Transformer(nnx.Module):
