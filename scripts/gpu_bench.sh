@@ -9,7 +9,9 @@
 #    folder exists (no network needed), else from the package index.
 #    That Python's flax/optax/orbax are its own (a GPU image brings its own JAX); if this repo's modules
 #    do not import with them, the pinned pure-Python wheels in ./.gpu_wheels (when present) are put
-#    first on PYTHONPATH and the import is tried again.
+#    first on PYTHONPATH and the import is tried again. To carry them (a machine with no network):
+#      pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu_wheels \
+#        flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8
 # 2. Prints versions, nvidia-smi and jax.devices().
 # 3. Runs bench.py: the tiny preset (sanity; if it fails nothing else runs), then moe1B on mesh 1 1 1
 #    with 8 sequences of 1024 tokens per step (--micro_batch_size 1: no pipeline on one device) under
