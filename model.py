@@ -361,10 +361,34 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
 def _grouped_ffn(w, x_ND, group_sizes_E):
     """The routed experts' FFN over rows sorted by expert (group_sizes_E rows each, in expert order;
     rows past their sum in no group): gelu(x W_up) W_down per group with lax.ragged_dot."""
-    def grouped(lhs, rhs):
-        lhs, rhs = _operands(w["expert_up"].dtype, lhs, rhs)
-        return lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
+    dtype = jnp.dtype(w["expert_up"].dtype)
+    grouped = lambda x, w_EDF: _ragged_rounded(dtype, *_operands(dtype, x, w_EDF), group_sizes_E)
     return grouped(jax.nn.gelu(grouped(x_ND, w["expert_up"])), w["expert_down"])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_rounded(dtype, x_ND, w_EDF, group_sizes_E):
+    """lax.ragged_dot in fp32 whose backward rounds the cotangent to `dtype` (as `_einsum_rounded`)."""
+    return lax.ragged_dot(x_ND, w_EDF, group_sizes_E, preferred_element_type=jnp.float32)
+
+
+def _ragged_rounded_fwd(dtype, x_ND, w_EDF, group_sizes_E):
+    return _ragged_rounded(dtype, x_ND, w_EDF, group_sizes_E), (x_ND, w_EDF, group_sizes_E)
+
+
+def _ragged_rounded_bwd(dtype, residuals, g_NF):
+    x_ND, w_EDF, group_sizes_E = residuals
+    g_NF, = _operands(dtype, g_NF)
+    dims = lambda contract, ragged, group: lax.RaggedDotDimensionNumbers((contract, ((), ())), ragged, group)
+    # d_x = g w_e^T row by row; d_w_e = x_e^T g_e over group e's rows (the rows are the ragged contraction)
+    d_x_ND = lax.ragged_dot_general(g_NF, w_EDF, group_sizes_E, dims(((1,), (2,)), (0,), (0,)),
+                                    preferred_element_type=jnp.float32)
+    d_w_EDF = lax.ragged_dot_general(x_ND, g_NF, group_sizes_E, dims(((0,), (0,)), (0,), ()),
+                                     preferred_element_type=jnp.float32)
+    return (_sum_like(d_x_ND.astype(x_ND.dtype), x_ND), _sum_like(d_w_EDF.astype(w_EDF.dtype), w_EDF), None)
+
+
+_ragged_rounded.defvjp(_ragged_rounded_fwd, _ragged_rounded_bwd)
 
 
 def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):

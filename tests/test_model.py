@@ -159,13 +159,15 @@ def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():
     assert over_dp == {("all_gather", "bf16"), ("all_gather", "f32"), ("reduce_scatter", "f32")}
 
 
-def test_backward_matmuls_take_operands_in_the_matmul_dtype(monkeypatch):
+@pytest.mark.parametrize("moe_impl", ["buffers", "ragged"])
+def test_backward_matmuls_take_operands_in_the_matmul_dtype(monkeypatch, moe_impl):
     """In bf16 the backward's matmuls are bf16 x bf16 -> fp32 like the forward's: the only fp32
     matmuls of the gradient program are the transposes of the forward's own fp32 ones (router logits
     at HIGHEST precision, the gate-weighted sum of the k expert outputs), two for each. JAX's own
     transpose multiplied the fp32 cotangent by the bf16 operand in fp32 (TF32 GEMMs on GPU). Lowered
-    as for an accelerator (on CPU `_operands` widens bf16 operands back to fp32 after rounding)."""
-    cfg = with_model(CFG, model_dtype="bfloat16")
+    as for an accelerator (on CPU `_operands` widens bf16 operands back to fp32 after rounding; and
+    XLA:CPU's lowering writes ragged_dot as dot_generals, so the ragged experts are counted too)."""
+    cfg = with_model(CFG, model_dtype="bfloat16", moe_impl=moe_impl)
     mesh = model.make_mesh((2, 1, 2))
 
     def dot_dtypes(fn):
