@@ -23,7 +23,10 @@ copies, TPU XLA ops; a CPU trace has no device plane), also in the JSON line ("p
 `--grad_error` measures instead: the largest per-leaf relative error of one batch's gradient in the
 matmul dtype, on the given mesh and on one device with the same M micro-batches, against the fp32
 single-device reference; it prints both and, in bf16, exits 1 when the mesh is worse than one
-device (x1.1). In fp32 both are summation-order noise (~1e-6) and their ratio means nothing.
+device (x1.1). In fp32 both are summation-order noise (~1e-6) and their ratio means nothing. The
+batch's token ids are Zipf-distributed as in text (`--tokens uniform`: uniform); beside the errors,
+that of the fp32 gradient rounded once to the matmul dtype (the floor), and each error on the tied
+table alone (its gradient sums over every occurrence of a token).
 
 Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
@@ -64,6 +67,8 @@ def parse_args(argv=None):
                           "instead of timing")
     own.add_argument("--grad_error", action="store_true",
                      help="compare the gradient on this mesh and on one device with the fp32 reference instead of timing")
+    own.add_argument("--tokens", choices=("zipf", "uniform"), default="zipf",
+                     help="--grad_error's batch: Zipf-distributed ids, as text's (default), or uniform ones")
     own.add_argument("--matmul_size", type=int, default=0,
                      help="side of the square matmul timed for the measured peak (0: 8192 bf16 on an "
                           "accelerator, 1024 fp32 on CPU)")
@@ -256,19 +261,28 @@ def hlo_flops(hlo_text):
     "output_layer": F, "blocks": F, "unattributed": F, "forward": F, "backward": F, "remat": F}:
     the first three split the total by part ("unattributed": dots XLA created without an op_name,
     seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
-    inside the backward). The output layer is recognised by its "output_layer" scope."""
+    inside the backward). The output layer is recognised by its "output_layer" scope. "by_dtype":
+    the total by operand dtypes, {"bf16 x bf16": F, "f32 x f32": F, ...}."""
     parsed = parse_hlo(hlo_text)
     if parsed is None:
         return None
     comps, entry = parsed
 
-    shapes = {}
+    shapes, dtypes = {}, {}
     for lines in comps.values():
         for ins in lines:
             lhs, _, rhs = ins.partition(" = ")
             m = _SHAPE.match(rhs.strip())
             if m:
-                shapes[lhs.replace("ROOT", "").strip().lstrip("%")] = _dims(m.group(2))
+                name = lhs.replace("ROOT", "").strip().lstrip("%")
+                dtypes[name], shapes[name] = m.group(1), _dims(m.group(2))
+
+    def operand_dtypes(rhs):
+        """"bf16 x bf16": the dtypes of a dot's or convolution's two operands (named or typed inline)."""
+        operands = re.search(r"\b(?:dot|convolution)\(([^)]*)\)", rhs)
+        names = operands.group(1).split(",")[:2] if operands else []
+        found = [_SHAPE.match(o.strip()) or dtypes.get(o.strip().split(" ")[-1].lstrip("%")) for o in names]
+        return " x ".join(t.group(1) if isinstance(t, re.Match) else t or "?" for t in found)
 
     def dot_flops(rhs):
         out = _SHAPE.match(rhs.strip())
@@ -291,11 +305,15 @@ def hlo_flops(hlo_text):
         if matmul is None:
             return {}
         part, phase = _dot_category(rhs)
-        return {"total": matmul, part: matmul, phase: matmul}
+        return {"total": matmul, part: matmul, phase: matmul, ("dtype", operand_dtypes(rhs)): matmul}
 
     result = {k: 0.0 for k in ("total", "output_layer", "blocks", "unattributed", "forward", "backward", "remat")}
+    result["by_dtype"] = {}
     for k, v in hlo_sum(comps, entry, matmuls, "total").items():
-        result[k] = result.get(k, 0.0) + v
+        if isinstance(k, tuple):
+            result["by_dtype"][k[1]] = v
+        else:
+            result[k] = result.get(k, 0.0) + v
     return result
 
 
@@ -397,32 +415,57 @@ def print_pipeline_table(result, out):
 GRAD_ERROR_SLACK = 1.1
 
 
-def grad_error(cfg):
+TABLE_LEAF = "['embed']"
+ZIPF_EXPONENT = 1.2     # text's token frequencies fall about as rank^-1.2 (a few ids take most positions)
+
+
+def zipf_tokens(seed, shape, vocab_size, exponent=ZIPF_EXPONENT):
+    """Token ids with Zipf-distributed frequencies (rank r drawn with probability proportional to
+    r^-exponent), ranks given to ids in a fixed random order: as in real text, a few ids fill a large
+    share of the positions (here the commonest about a fifth) and most of the vocabulary never appears.
+    Uniform ids would hide what sums over a token's occurrences do (the tied table's gradient)."""
+    rng = np.random.default_rng(seed)
+    p = np.arange(1, vocab_size + 1, dtype=np.float64) ** -exponent
+    return jnp.asarray(rng.permutation(vocab_size)[rng.choice(vocab_size, size=shape, p=p / p.sum())], jnp.int32)
+
+
+def grad_error(cfg, tokens="zipf"):
     """Largest per-leaf relative gradient error, max|g - g_ref| / max|g_ref|, on cfg's mesh and on one
-    device (same M micro-batches) in cfg's matmul dtype against the fp32 single-device reference."""
+    device (same M micro-batches) in cfg's matmul dtype against the fp32 single-device reference, on one
+    batch of `tokens` ("zipf": `zipf_tokens`, or "uniform"); beside them the same error of the fp32
+    gradient rounded once to the matmul dtype, the least a gradient held in it can have."""
     m, M = cfg.model, cfg.run.micro_batch_size
     params = model.init_params(m, jax.random.key(cfg.run.seed))
     key = jax.random.key(cfg.run.seed + 1)
-    tokens = jax.random.randint(key, (cfg.run.n_device_axis[0] * cfg.run.train_batch_size, m.T + 1), 0, m.vocab_size)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    shape = (cfg.run.n_device_axis[0] * cfg.run.train_batch_size, m.T + 1)
+    batch = (zipf_tokens(cfg.run.seed + 1, shape, m.vocab_size) if tokens == "zipf" else
+             jax.random.randint(key, shape, 0, m.vocab_size))
+    x, y = batch[:, :-1], batch[:, 1:]
     fp32 = utils.override(cfg, model_dtype="float32").model
-    reference = jax.jit(jax.grad(lambda p: model.reference_loss_and_metrics(p, x, y, key, fp32)[0]))(params)
+    reference = jax.device_get(jax.jit(jax.grad(
+        lambda p: model.reference_loss_and_metrics(p, x, y, key, fp32)[0]))(params))
+    ref_leaves = jax.tree_util.tree_leaves_with_path(reference)
 
-    def worst_leaf(shape):
+    def errors(grads):
+        """{leaf: its relative error}, and the worst leaf."""
+        by_leaf = {jax.tree_util.keystr(path): float(np.max(np.abs(np.asarray(g, np.float32) - r)) / np.max(np.abs(r)))
+                   for (path, r), g in zip(ref_leaves, jax.tree.leaves(grads))}
+        return by_leaf, max(by_leaf, key=by_leaf.get)
+
+    def on_mesh(shape):
         mesh = model.make_mesh(shape)
         grad = jax.jit(jax.grad(lambda p: model.loss_and_metrics(p, x, y, key, m, mesh, M)[0]))
-        grads = grad(jax.device_put(params, model.param_shardings(params, mesh)))
-        errors = {jax.tree_util.keystr(path): float(np.max(np.abs(np.asarray(g) - r)) / np.max(np.abs(r)))
-                  for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(reference)),
-                                          jax.tree.leaves(grads))}
-        leaf = max(errors, key=errors.get)
-        return errors[leaf], leaf
+        return errors(grad(jax.device_put(params, model.param_shardings(params, mesh, m.expert_parallel))))
 
-    (mesh_error, mesh_leaf), (one_error, one_leaf) = worst_leaf(cfg.run.n_device_axis), worst_leaf((1, 1, 1))
-    return {"mode": "grad_error", "mesh": list(cfg.run.n_device_axis), "micro_batches": M,
-            "global_batch": len(x), "model_dtype": m.model_dtype, "mesh_error": mesh_error, "mesh_worst_leaf": mesh_leaf,
-            "one_device_error": one_error, "one_device_worst_leaf": one_leaf, "ratio": mesh_error / one_error,
-            "bound": GRAD_ERROR_SLACK}
+    runs = {"mesh": on_mesh(cfg.run.n_device_axis), "one_device": on_mesh((1, 1, 1)),
+            "rounding": errors(jax.tree.map(lambda r: r.astype(m.model_dtype), reference))}
+    worst = {name: by_leaf[leaf] for name, (by_leaf, leaf) in runs.items()}
+    return {"mode": "grad_error", "tokens": tokens, "mesh": list(cfg.run.n_device_axis), "micro_batches": M,
+            "global_batch": len(x), "model_dtype": m.model_dtype,
+            **{f"{name}_error": worst[name] for name in runs}, **{f"{name}_worst_leaf": runs[name][1] for name in runs},
+            "ratio": worst["mesh"] / worst["one_device"], "bound": GRAD_ERROR_SLACK,
+            # The tied table's gradient sums over every occurrence of a token: where a bf16 sum would show.
+            "table_error": {name: by_leaf[TABLE_LEAF] for name, (by_leaf, _) in runs.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,7 +608,7 @@ def main(argv=None):
     driver.set_up_devices(cfg)
     utils.validate(cfg, jax.device_count())
     if args.grad_error:
-        result = {"preset": args.preset, **grad_error(cfg)}
+        result = {"preset": args.preset, **grad_error(cfg, args.tokens)}
     elif args.pipeline_flops:
         result = {"preset": args.preset, **pipeline_flops(cfg)}
     else:

@@ -80,14 +80,14 @@ class Axes:
     pp: str | None = None
     tp: str | None = None
     expert_parallel: bool = False
+    # The platform of the devices the program is for ("cpu", "gpu", "tpu"; the mesh's, which may be an
+    # ahead-of-time topology's): it picks fused kernels (`attend`). None: the portable code.
+    platform: str | None = None
 
 
-SHARDED = Axes(*MESH_AXES)
-
-
-def sharded_axes(cfg):
-    """The axes of the sharded path under cfg (SHARDED, with cfg's expert parallelism)."""
-    return dataclasses.replace(SHARDED, expert_parallel=cfg.expert_parallel)
+def sharded_axes(cfg, platform):
+    """The axes of the sharded path under cfg, for devices of `platform`."""
+    return Axes(*MESH_AXES, expert_parallel=cfg.expert_parallel, platform=platform)
 
 
 def _psum(x, axis):
@@ -203,11 +203,21 @@ def _gather_over_dp_bwd(dtype, dp, axis, _, g):
 gather_over_dp.defvjp(_gather_over_dp_fwd, _gather_over_dp_bwd)
 
 
-def _operands(dtype, *arrays):
-    """Operands rounded to the matmul dtype. XLA:CPU has no bf16 x bf16 -> fp32 dot, so there the
-    rounded values are widened back to fp32: the same numbers, accumulated in fp32 as on GPU/TPU."""
-    rounded = [a.astype(dtype) for a in arrays]
-    return [a.astype(jnp.float32) for a in rounded] if jax.default_backend() == "cpu" else rounded
+def fp32_product(product, *operands):
+    """product(*operands), a matmul of operands in the matmul dtype that accumulates and returns fp32.
+    XLA:CPU cannot run every bf16 x bf16 -> fp32 dot ("Unsupported element type for DotThunk"), so on
+    CPU alone the lowering widens bf16 operands first: the products are exact in fp32, the numbers the
+    same. The choice is made when the program is lowered for its devices (lax.platform_dependent), not
+    when it is traced: every platform traces this one program, `--compile_for` a TPU's included."""
+    if not any(o.dtype == jnp.bfloat16 for o in operands):
+        return product(*operands)
+    widen = lambda *ops: product(*(o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o for o in ops))
+    return lax.platform_dependent(*operands, cpu=widen, default=product)
+
+
+def _dot32(spec, a, b):
+    """einsum(spec, a, b) of operands already in the matmul dtype, accumulated and returned in fp32."""
+    return fp32_product(partial(jnp.einsum, spec, preferred_element_type=jnp.float32), a, b)
 
 
 UNBATCHED_DOT = "unbatched_dot"     # the checkpoint name of einsum_fp32's products without batch dims
@@ -221,7 +231,7 @@ def matmul(x, w, spec):
 def einsum_fp32(spec, dtype, a, b):
     """einsum(spec, a, b) of the operands rounded to `dtype`, accumulated and returned in fp32; in
     the backward the fp32 cotangent is rounded to `dtype` too (`_einsum_rounded`)."""
-    out = _einsum_rounded(spec, jnp.dtype(dtype), *_operands(dtype, a, b))
+    out = _einsum_rounded(spec, jnp.dtype(dtype), (a.dtype, b.dtype), a, b)
     a_spec, b_spec, out_spec = _einsum_specs(spec)
     # jax.checkpoint's policies do not see the dot inside a custom_vjp: the name lets --remat dots
     # keep saving the products without batch dims (`REMAT_POLICIES`).
@@ -234,31 +244,36 @@ def _einsum_specs(spec):
     return (*inputs.split(","), out_spec)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _einsum_rounded(spec, dtype, a, b):
-    """JAX's own transpose would multiply the fp32 cotangent by the rounded operand in fp32: on GPU
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _einsum_rounded(spec, dtype, operand_dtypes, a, b):
+    """The operands are rounded to `dtype` here, inside: each cotangent then comes back in its operand's
+    own dtype (operand_dtypes), so an fp32 activation's gradient is psummed over tp and added up in
+    fp32. JAX's own transpose would multiply the fp32 cotangent by the rounded operand in fp32: on GPU
     the backward's GEMMs, two thirds of the step's, ran on fp32 operands as TF32 (H200 profile,
     BENCHMARKS.md). Rounding the cotangent first keeps them bf16 x bf16 -> fp32 like the forward."""
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return _dot32(spec, a.astype(dtype), b.astype(dtype))
 
 
-def _einsum_rounded_fwd(spec, dtype, a, b):
-    return _einsum_rounded(spec, dtype, a, b), (a, b)
+def _einsum_rounded_fwd(spec, dtype, operand_dtypes, a, b):
+    a, b = a.astype(dtype), b.astype(dtype)
+    return _dot32(spec, a, b), (a, b)
 
 
-def _einsum_rounded_bwd(spec, dtype, residuals, g):
+def _einsum_rounded_bwd(spec, dtype, operand_dtypes, residuals, g):
     a, b = residuals
     a_spec, b_spec, out_spec = _einsum_specs(spec)
-    g, = _operands(dtype, g)
-    d_a = jnp.einsum(f"{out_spec},{b_spec}->{a_spec}", g, b, preferred_element_type=jnp.float32)
-    d_b = jnp.einsum(f"{a_spec},{out_spec}->{b_spec}", a, g, preferred_element_type=jnp.float32)
-    return _sum_like(d_a.astype(a.dtype), a), _sum_like(d_b.astype(b.dtype), b)
+    g = g.astype(dtype)
+    d_a = _dot32(f"{out_spec},{b_spec}->{a_spec}", g, b)
+    d_b = _dot32(f"{a_spec},{out_spec}->{b_spec}", a, g)
+    return tuple(_sum_like(d, like).astype(t) for d, like, t in ((d_a, a, operand_dtypes[0]),
+                                                                  (d_b, b, operand_dtypes[1])))
 
 
 def _sum_like(x, like):
     """x summed over the mesh axes it varies over and `like` does not: the transpose of the implicit
     pcast that made `like` varying in the forward (a weight split over tp times activations
-    replicated over tp: the activations' gradient is the psum over tp), as JAX's own transpose does."""
+    replicated over tp: the activations' gradient is the psum over tp), as JAX's own transpose does.
+    x is the fp32 product: the sum runs in fp32 whatever dtype the cotangent is then returned in."""
     extra = tuple(sorted(_varying_axes(x) - _varying_axes(like)))
     return lax.psum(x, extra) if extra else x
 
@@ -283,13 +298,13 @@ def rope(x, positions, base):
 CUDNN_MAX_HEAD_DIM = 256
 
 
-def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype):
+def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
     """softmax(q.k / sqrt(Q)) v with an fp32 softmax; causal (mask_TS=None: query t sees keys <= t) or
-    under mask_TS. On GPU in bf16 with a head width cuDNN accepts, its fused kernel through
+    under mask_TS. For a GPU in bf16 with a head width cuDNN accepts, its fused kernel through
     jax.nn.dot_product_attention; it needs one width for q, k and v, so v is zero-padded from K to
     Q = K + R and the padding sliced off. Elsewhere the plain einsums, which XLA fuses well enough."""
     Q, K = q_BTHQ.shape[-1], v_BSHK.shape[-1]
-    if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
+    if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
         v_BSHQ = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, Q - K)))
         out_BTHQ = jax.nn.dot_product_attention(
             *(a.astype(dtype) for a in (q_BTHQ, k_BSHQ, v_BSHQ)), is_causal=mask_TS is None,
@@ -362,30 +377,38 @@ def _grouped_ffn(w, x_ND, group_sizes_E):
     """The routed experts' FFN over rows sorted by expert (group_sizes_E rows each, in expert order;
     rows past their sum in no group): gelu(x W_up) W_down per group with lax.ragged_dot."""
     dtype = jnp.dtype(w["expert_up"].dtype)
-    grouped = lambda x, w_EDF: _ragged_rounded(dtype, *_operands(dtype, x, w_EDF), group_sizes_E)
+    grouped = lambda x, w_EDF: _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), x, w_EDF, group_sizes_E)
     return grouped(jax.nn.gelu(grouped(x_ND, w["expert_up"])), w["expert_down"])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_rounded(dtype, x_ND, w_EDF, group_sizes_E):
-    """lax.ragged_dot in fp32 whose backward rounds the cotangent to `dtype` (as `_einsum_rounded`)."""
-    return lax.ragged_dot(x_ND, w_EDF, group_sizes_E, preferred_element_type=jnp.float32)
+def _ragged32(x, w, group_sizes, dims=None):
+    """lax.ragged_dot (or ragged_dot_general with `dims`) accumulated and returned in fp32."""
+    product = (partial(lax.ragged_dot, preferred_element_type=jnp.float32) if dims is None else
+               partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims, preferred_element_type=jnp.float32))
+    return fp32_product(product, x, w, group_sizes)
 
 
-def _ragged_rounded_fwd(dtype, x_ND, w_EDF, group_sizes_E):
-    return _ragged_rounded(dtype, x_ND, w_EDF, group_sizes_E), (x_ND, w_EDF, group_sizes_E)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ragged_rounded(dtype, operand_dtypes, x_ND, w_EDF, group_sizes_E):
+    """lax.ragged_dot of the operands rounded to `dtype`, in fp32, whose backward rounds the cotangent
+    to `dtype` and returns each operand's cotangent in its own dtype (as `_einsum_rounded`)."""
+    return _ragged32(x_ND.astype(dtype), w_EDF.astype(dtype), group_sizes_E)
 
 
-def _ragged_rounded_bwd(dtype, residuals, g_NF):
+def _ragged_rounded_fwd(dtype, operand_dtypes, x_ND, w_EDF, group_sizes_E):
+    x_ND, w_EDF = x_ND.astype(dtype), w_EDF.astype(dtype)
+    return _ragged32(x_ND, w_EDF, group_sizes_E), (x_ND, w_EDF, group_sizes_E)
+
+
+def _ragged_rounded_bwd(dtype, operand_dtypes, residuals, g_NF):
     x_ND, w_EDF, group_sizes_E = residuals
-    g_NF, = _operands(dtype, g_NF)
+    g_NF = g_NF.astype(dtype)
     dims = lambda contract, ragged, group: lax.RaggedDotDimensionNumbers((contract, ((), ())), ragged, group)
     # d_x = g w_e^T row by row; d_w_e = x_e^T g_e over group e's rows (the rows are the ragged contraction)
-    d_x_ND = lax.ragged_dot_general(g_NF, w_EDF, group_sizes_E, dims(((1,), (2,)), (0,), (0,)),
-                                    preferred_element_type=jnp.float32)
-    d_w_EDF = lax.ragged_dot_general(x_ND, g_NF, group_sizes_E, dims(((0,), (0,)), (0,), ()),
-                                     preferred_element_type=jnp.float32)
-    return (_sum_like(d_x_ND.astype(x_ND.dtype), x_ND), _sum_like(d_w_EDF.astype(w_EDF.dtype), w_EDF), None)
+    d_x_ND = _ragged32(g_NF, w_EDF, group_sizes_E, dims(((1,), (2,)), (0,), (0,)))
+    d_w_EDF = _ragged32(x_ND, g_NF, group_sizes_E, dims(((0,), (0,)), (0,), ()))
+    return (_sum_like(d_x_ND, x_ND).astype(operand_dtypes[0]), _sum_like(d_w_EDF, w_EDF).astype(operand_dtypes[1]),
+            None)
 
 
 _ragged_rounded.defvjp(_ragged_rounded_fwd, _ragged_rounded_bwd)
@@ -503,7 +526,7 @@ class RMSNorm(nnx.Module):
 class Embedding(nnx.Module):
     """The token table [V, D] tied with the output projection: vocab-parallel (each tp rank holds V/tp
     rows) and split over D for FSDP. One gathered table (`gathered`) serves the lookup and the output
-    layer (`logits`, `cross_entropy_sum`)."""
+    layer (`logits`, `cross_entropy_sum`), in fp32, so their gradients add up in fp32."""
 
     def __init__(self, cfg, rngs):
         # Guide: nn.Embed's default, std 1/sqrt(D). At 0.02 a row the data rarely moves enters the
@@ -520,8 +543,10 @@ class Embedding(nnx.Module):
         self.cfg = cfg
 
     def gathered(self, axes):
-        """The table in the matmul dtype, gathered over dp: [V/tp, D/dp] -> [V/tp, D]."""
-        return fetch(self.table, axes, jnp.dtype(self.cfg.model_dtype))
+        """The table gathered over dp in the matmul dtype, [V/tp, D/dp] -> [V/tp, D], held in fp32 (the
+        same values): the lookup's scatter-add, the cross-entropy's chunks and the psum over pp then sum
+        its gradient in fp32, which is rounded once, where the gather's transpose takes it."""
+        return fetch(self.table, axes, jnp.dtype(self.cfg.model_dtype)).astype(jnp.float32)
 
     def __call__(self, ids_BT, axes, table_VD=None):
         """Vocab-parallel lookup: each tp rank holds rows [start, start + V) and contributes zeros for
@@ -531,14 +556,14 @@ class Embedding(nnx.Module):
         V = table_VD.shape[0]
         local_BT = ids_BT - _index(axes.tp) * V
         inside_BT = (local_BT >= 0) & (local_BT < V)
-        x_BTD = jnp.where(inside_BT[..., None], table_VD[jnp.clip(local_BT, 0, V - 1)].astype(jnp.float32), 0.0)
+        x_BTD = jnp.where(inside_BT[..., None], table_VD[jnp.clip(local_BT, 0, V - 1)], 0.0)
         return _psum(x_BTD, axes.tp)
 
     def logits(self, h_BTD, axes, table_VD=None):
         """fp32 logits of this tp rank's vocab rows, padding rows masked to -inf."""
         table_VD = self.gathered(axes) if table_VD is None else table_VD
         V = table_VD.shape[0]
-        logits_BTV = matmul(h_BTD, table_VD, "btd,vd->btv")
+        logits_BTV = einsum_fp32("btd,vd->btv", self.cfg.model_dtype, h_BTD, table_VD)
         vocab_ids_V = _index(axes.tp) * V + jnp.arange(V)
         return jnp.where(vocab_ids_V < self.cfg.vocab_size, logits_BTV, -jnp.inf)
 
@@ -595,7 +620,7 @@ class MLA(nnx.Module):
             q_BTHK = jnp.concatenate([q_BTHK, q_rope_BTHR], axis=-1)
             k_BSHK = jnp.concatenate([k_BSHK, k_rope_BSHR], axis=-1)
         mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
-        out_BTHK = attend(q_BTHK, k_BSHK, v_BSHK, mask_TS, dtype)
+        out_BTHK = attend(q_BTHK, k_BSHK, v_BSHK, mask_TS, dtype, axes.platform)
         # Each tp rank holds H/tp heads: its W_o rows give a partial sum of the output.
         out_BTD = matmul(out_BTHK.reshape(B, T, -1), fetch(self.w_o, axes, dtype), "btf,fd->btd")
         # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
@@ -956,11 +981,14 @@ def with_router_bias(params, router_bias):
 def update_router_bias(router_bias, tokens_per_expert, rate):
     """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each expert's bias [blocks, E]
     moves by rate x sign(mean load of its layer's experts - its load), loads being the routed choices
-    of the step's whole global batch [blocks, E]. sign(mean - c_i) = sign(sum_j c_j - E c_i), kept in
-    integers: exact, hence the same on every mesh."""
+    of the step's whole global batch [blocks, E]. The sign comes from integers, so it is exact and the
+    same on every mesh, and from no product that can overflow (E c_i does, in int32, at E = 256 and 9M
+    choices for one expert): with sum_j c_j = q E + r (0 <= r < E), mean - c_i has the sign of q - c_i,
+    or of r when q = c_i."""
     E = tokens_per_expert.shape[-1]
-    below_mean = jnp.sum(tokens_per_expert, axis=-1, keepdims=True) - E * tokens_per_expert
-    return router_bias + rate * jnp.sign(below_mean).astype(router_bias.dtype)
+    q, r = jnp.divmod(jnp.sum(tokens_per_expert, axis=-1, keepdims=True), E)
+    below_mean = jnp.where(q == tokens_per_expert, jnp.sign(r), jnp.sign(q - tokens_per_expert))
+    return router_bias + rate * below_mean.astype(router_bias.dtype)
 
 
 def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
@@ -968,17 +996,20 @@ def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
     whole sequences at a time. Per chunk each rank reduces its vocab rows to three numbers per token
     (`_vocab_softmax_stats`); the ranks then combine maxima, rescaled sums of exponentials and the
     target logit, which exactly one rank holds. No fp32 logits outlive one chunk, in the forward or
-    the backward pass (which recomputes them): memory is O(chunk x V/tp) whatever the batch."""
+    the backward pass (which recomputes them): memory is O(chunk x V/tp) whatever the batch.
+
+    table_VD is fp32 (`Embedding.gathered`) and is rounded to the matmul dtype inside each chunk: as a
+    constant of the chunk scan, its gradient is then accumulated over the chunks in an fp32 carry (the
+    transposed scan's), where a table rounded before the scan would carry a bf16 sum."""
     # Guide: vocab-parallel cross-entropy over the tp-split table; no [B, T, V] logits are formed.
-    V, dtype = table_VD.shape[0], table_VD.dtype
+    V, dtype = table_VD.shape[0], jnp.dtype(cfg.model_dtype)
     vocab_start = _index(axes.tp) * V
     n_real = jnp.clip(cfg.vocab_size - vocab_start, 0, V)          # rows past the real vocab are padding
-    table_VD = _operands(dtype, table_VD)[0]                         # rounded (on CPU widened) once, not per chunk
     local_targets_BT = targets_BT - vocab_start
     # A custom_vjp must hand back cotangents typed like its inputs, and the table's gradient varies
     # over every axis the tokens do (and the tokens' over tp). Casting both to the union first
     # makes JAX put the reductions in the cast's transpose: psum over dp/pp for the table (on top of
-    # FSDP's reduce-scatter), over tp for the hidden states.
+    # FSDP's reduce-scatter), over tp for the hidden states, both in fp32.
     table_VD, h_BTD = _vary_like((table_VD, h_BTD), (table_VD, h_BTD, local_targets_BT, n_real))
 
     def one(h_TD, y_T):                                             # T: the chunk's tokens
@@ -1004,20 +1035,20 @@ def _sequences_per_chunk(B, T, min_tokens=128):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _vocab_softmax_stats(dtype, table_VD, h_TD, local_targets_T, n_real):
-    """Over this rank's vocab rows [0, n_real) of a table already rounded for the matmul dtype
-    (`_operands`): per token the max logit m, sum_v exp(logit_v - m), and the target's logit (0 when
-    another rank holds the target). m gets no gradient: the loss does not depend on it. The
-    backward pass recomputes the logits rather than keeping [V, T] floats per chunk."""
+    """Over this rank's vocab rows [0, n_real) of the fp32 table, rounded here to the matmul dtype: per
+    token the max logit m, sum_v exp(logit_v - m), and the target's logit (0 when another rank holds
+    the target). m gets no gradient: the loss does not depend on it. The backward pass recomputes the
+    logits rather than keeping [V, T] floats per chunk, and returns the table's and the hidden states'
+    gradients in fp32. The residuals are the inputs themselves (the table a constant of the chunk
+    scan, not a per-chunk copy)."""
     return _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real)[0]
 
 
-_dot32 = partial(jnp.einsum, preferred_element_type=jnp.float32)
-
-
-def _exp_logits_VT(dtype, table_VD, h_TD, n_real, max_T=None):
-    """exp(logits - max) [V, T], 0 on padding rows, and the max. Vocab-major: XLA:CPU runs the
-    backward's products with it up to 2x faster than with token-major [T, V] (BENCHMARKS.md)."""
-    logits_VT = _dot32("vd,td->vt", table_VD, _operands(dtype, h_TD)[0])
+def _exp_logits_VT(table_VD, h_TD, n_real, max_T=None):
+    """exp(logits - max) [V, T] from operands in the matmul dtype, 0 on padding rows, and the max.
+    Vocab-major: XLA:CPU runs the backward's products with it up to 2x faster than with token-major
+    [T, V] (BENCHMARKS.md)."""
+    logits_VT = _dot32("vd,td->vt", table_VD, h_TD)
     real_V1 = (jnp.arange(table_VD.shape[0]) < n_real)[:, None]
     if max_T is None:
         max_T = jnp.max(jnp.where(real_V1, logits_VT, -jnp.inf), axis=0)
@@ -1031,9 +1062,10 @@ def _target_rows(table_VD, local_targets_T, n_real):
 
 
 def _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real):
-    exp_VT, max_T = _exp_logits_VT(dtype, table_VD, h_TD, n_real)
-    inside_T, rows_TD = _target_rows(table_VD, local_targets_T, n_real)
-    target_T = jnp.where(inside_T, _dot32("td,td->t", rows_TD, _operands(dtype, h_TD)[0]), 0.0)
+    table_r, h_r = table_VD.astype(dtype), h_TD.astype(dtype)
+    exp_VT, max_T = _exp_logits_VT(table_r, h_r, n_real)
+    inside_T, rows_TD = _target_rows(table_r, local_targets_T, n_real)
+    target_T = jnp.where(inside_T, _dot32("td,td->t", rows_TD, h_r), 0.0)
     return (max_T, jnp.sum(exp_VT, axis=0), target_T), (table_VD, h_TD, local_targets_T, n_real, max_T)
 
 
@@ -1043,14 +1075,15 @@ def _softmax_stats_bwd(dtype, residuals, cotangents):
     only [V, T] array."""
     table_VD, h_TD, local_targets_T, n_real, max_T = residuals
     _, g_sum_T, g_target_T = cotangents
-    exp_VT = _operands(dtype, _exp_logits_VT(dtype, table_VD, h_TD, n_real, max_T)[0])[0]
-    inside_T, rows_TD = _target_rows(table_VD, local_targets_T, n_real)
+    table_r, h_r = table_VD.astype(dtype), h_TD.astype(dtype)
+    exp_VT = _exp_logits_VT(table_r, h_r, n_real, max_T)[0].astype(dtype)
+    inside_T, rows_TD = _target_rows(table_r, local_targets_T, n_real)
     g_target_T = jnp.where(inside_T, g_target_T, 0.0)
-    d_h_TD = (g_sum_T[:, None] * _dot32("vd,vt->td", table_VD, exp_VT)
+    d_h_TD = (g_sum_T[:, None] * _dot32("vd,vt->td", table_r, exp_VT)
               + g_target_T[:, None] * rows_TD.astype(jnp.float32))
-    d_table_VD = _dot32("vt,td->vd", exp_VT, _operands(dtype, h_TD * g_sum_T[:, None])[0])
+    d_table_VD = _dot32("vt,td->vd", exp_VT, (h_TD * g_sum_T[:, None]).astype(dtype))
     d_table_VD = d_table_VD.at[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)].add(
-        g_target_T[:, None] * _operands(dtype, h_TD)[0].astype(jnp.float32))
+        g_target_T[:, None] * h_r.astype(jnp.float32))
     return d_table_VD.astype(table_VD.dtype), d_h_TD.astype(h_TD.dtype), None, None
 
 
@@ -1092,7 +1125,7 @@ def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
 # cfg.pipeline_repeats = R > 1 a circular one (MaxText's num_pipeline_repeats).
 
 
-def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
+def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
     """Runs on one device with its shards: x_BT is this dp replica's [b, T] tokens (all pp/tp ranks of
     the replica hold the same rows); params["blocks"] holds this stage's blocks: B/pp of them, or with
     R = cfg.pipeline_repeats > 1 [R, L] of them (`pipeline_layout`), L = B/(pp R), repeat r being the
@@ -1103,7 +1136,7 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train):
     stage files repeat R - 1's outputs, and (R > 1) sends the others round the ring to stage 0, which
     keeps them in a buffer of M micro-batches until their next turn, M - pp ticks later (hence M >=
     pp). R M + pp - 1 ticks of L blocks: the bubble is (pp - 1)/(R M + pp - 1)."""
-    axes = sharded_axes(cfg)
+    axes = sharded_axes(cfg, platform)
     R = cfg.pipeline_repeats
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     repeat_of = lambda r: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), params["blocks"])
@@ -1221,8 +1254,9 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
     params = pipeline_layout(params, cfg.pipeline_repeats)
     x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
     metric_specs = {"ce": P(), "balance": P(), "tokens_per_expert": P(), "drop_rate": P()}
-    sharded = jax.shard_map(partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train), mesh=mesh,
-                            in_specs=(param_specs(params, cfg.expert_parallel), P("dp"), P("dp"), P()),
+    platform = mesh.devices.flat[0].platform          # for the mesh's devices, whatever this process runs on
+    loss = partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train, platform=platform)
+    sharded = jax.shard_map(loss, mesh=mesh, in_specs=(param_specs(params, cfg.expert_parallel), P("dp"), P("dp"), P()),
                             out_specs=(P(), metric_specs), check_vma=True)
     return sharded(params, x_BT, y_BT, key)
 

@@ -199,6 +199,9 @@ class Report:
         print(f"  FLOPs per chip per step (compiled HLO, loops x trip counts): {flops:.3e} (output layer "
               f"{counted['output_layer']:.2e}, blocks {counted['blocks'] + counted['unattributed']:.2e}); "
               f"model FLOPs {useful:.3e} ({100 * useful / flops:.0f}% of the compiled work)")
+        print("  matmul FLOPs by operand dtype: " + ", ".join(
+            f"{kind} {100 * f / flops:.2f}% ({f:.2e})" for kind, f in sorted(counted["by_dtype"].items(),
+                                                                           key=lambda kv: -kv[1])))
         for util in (1.0, MFU_ASSUMED):
             seconds = flops / (util * peak)
             print(f"  at {100 * util:.0f}% of the {peak / 1e12:.0f} TFLOP/s bf16 peak: step {seconds * 1e3:.3g} ms, "

@@ -86,6 +86,10 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
     counted = float(re.search(r"\(output layer ([\d.e+]+),", out).group(1))
     assert counted == pytest.approx(expected, rel=1e-2)
     assert re.search(r"at 40% of the 275 TFLOP/s bf16 peak: step [\d.]+ ms", out)
+    # The program a TPU runs: bf16 x bf16 matmuls but the router's logits and the gate sum (fp32), and
+    # nothing that multiplies an fp32 operand by a bf16 one.
+    shares = dict(re.findall(r"(\w+ x \w+) ([\d.]+)%", re.search(r"matmul FLOPs by operand dtype: (.*)", out).group(1)))
+    assert set(shares) == {"bf16 x bf16", "f32 x f32"} and float(shares["bf16 x bf16"]) > 99.9, shares
     # Per-chip collective bytes, for each step: FSDP's all-gathers and the pipeline's ppermutes at least.
     train = out[out.index("train step:"):out.index("eval step:")]
     for kind in ("all-gather", "collective-permute", "total"):
