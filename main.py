@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import glob
 import json
+import logging
 import math
 import os
 import posixpath
@@ -35,6 +36,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -48,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
@@ -269,6 +272,10 @@ class SaveFailed(Exception):
     """A checkpoint could not be written: one line naming the path and the OS error; main() exits 1."""
 
 
+class Diverged(Exception):
+    """--max_bad_steps steps in a row were not finite (their updates skipped): main() exits 1."""
+
+
 def checkpoint_manager(run_dir, read_only=False):
     options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
                ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True, create=True))
@@ -298,6 +305,52 @@ def wait_for_save(mngr):
         mngr.wait_until_finished()
     except Exception as e:
         raise SaveFailed(f"could not save a checkpoint in {mngr.directory}: {_os_error(e)}") from e
+
+
+def quiet_failed_saves():
+    """A failed async save is reported in one line (SaveFailed). Orbax also logs it, with a traceback
+    per thread and per array, and tensorstore then completes each outstanding write into the event
+    loop Orbax has closed, printing one more traceback per write from its own threads, and asyncio
+    logs the futures of those writes that nobody awaits: hundreds of lines for one full disk. Those
+    three kinds of output are dropped; nothing else is."""
+    logging.getLogger("absl").addFilter(
+        lambda record: not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname))
+    logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
+    default = sys.unraisablehook
+
+    def unraisablehook(unraisable):
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            default(unraisable)
+    sys.unraisablehook = unraisablehook
+
+
+def check_saves(mngr):
+    """SaveFailed as soon as an async save has failed (the disk filled up while it wrote, say), so that
+    the run stops at the next step, not at the next checkpoint: once no save is in progress, waiting
+    for it returns at once, or raises what it failed with."""
+    if not mngr.is_saving_in_progress():
+        wait_for_save(mngr)
+
+
+def discard_failed_saves(mngr):
+    """After a failed save: close the checkpoints and remove the partial step directories the save
+    left (STEP.orbax-checkpoint-tmp*), now and once more at exit, when the interpreter has waited for
+    Orbax's writer threads, which go on writing into them for a while. Complete checkpoints stay."""
+    for _ in range(2):          # the first close raises the failure (reported already) before closing
+        try:
+            mngr.close()
+            break
+        except Exception:
+            continue
+    if jax.process_index() == 0:
+        _remove_partial_checkpoints(str(mngr.directory))
+        atexit.register(_remove_partial_checkpoints, str(mngr.directory))
+
+
+def _remove_partial_checkpoints(directory):
+    fs, path = fsspec.core.url_to_fs(directory)
+    for leftover in fs.glob(f"{path.rstrip('/')}/*.orbax-checkpoint-tmp*"):
+        fs.rm(leftover, recursive=True)
 
 
 def _check_writable(directory, state):
@@ -393,6 +446,7 @@ def _restore(mngr, step, abstract_state, repeats):
     if int(restored["meta"]["step"]) != step:
         raise ValueError(f"metadata says step {restored['meta']['step']}")
     state = dict(restored["state"])
+    _check_checksums(state, restored["meta"].get("checksums"))
     if read is not target:
         state = jax.jit(lambda s: jax.tree.map(lambda a, t: a.reshape(t.shape), s, target),
                         out_shardings=jax.tree.map(lambda t: t.sharding, target))(state)
@@ -400,6 +454,34 @@ def _restore(mngr, step, abstract_state, repeats):
         bias = abstract_state["router_bias"]
         state["router_bias"] = jax.device_put(jnp.zeros(bias.shape, bias.dtype), bias.sharding)
     return state, restored["meta"]
+
+
+def _checksum(x):
+    """A uint32 checksum of an array's bits: sum_i bits_i * (2 i + 1) mod 2^32 over its elements in
+    row-major order. An integer sum, so the same on any mesh and in any layout that keeps row-major order
+    (--pipeline_repeats' reshapes); a change to any one element changes it (2 i + 1 is odd)."""
+    word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    bits = lax.bitcast_convert_type(x, word).astype(jnp.uint32)
+    weights = 2 * lax.iota(jnp.uint32, x.size).reshape(x.shape) + 1
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums_and_finite(state):
+    """({leaf path: its checksum}, whether the trained part of the state is finite), one pass over it."""
+    sums = {jax.tree_util.keystr(path): _checksum(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+    return sums, _all_finite(_trained(state))
+
+
+def _check_checksums(state, saved):
+    """ValueError naming the first array whose bits differ from those its checkpoint recorded (a
+    checkpoint written before checksums were kept, saved None, is taken as it is)."""
+    if saved is None:
+        return
+    sums, _ = jax.device_get(_checksums_and_finite(state))
+    for path, value in sums.items():
+        if path in saved and int(value) != int(saved[path]):
+            raise ValueError(f"array {path} does not match the checksum saved with it: its bits changed in storage")
 
 
 def _in_layout(target, saved_repeats, repeats):
@@ -657,8 +739,28 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
     router_bias = jnp.where(opt_state.skipped > state["opt_state"].skipped, state["router_bias"],
                             model.update_router_bias(state["router_bias"], metrics["tokens_per_expert"],
                                                      cfg.optim.bias_update_rate))
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-            "key": jax.random.key_data(key), "router_bias": router_bias}, metrics
+    updated = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+               "router_bias": router_bias}
+    # A non-finite loss, gradient or updated state (an Adam moment can overflow under a finite gradient)
+    # leaves params, moments and routing bias as they were, so no checkpoint ever holds a NaN. The test
+    # reads replicated scalars: every device takes the same decision.
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & _all_finite(_trained(updated))
+    metrics["nonfinite"] = ~finite
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
+                        {name: state[name] for name in updated})
+    return kept | {"key": jax.random.key_data(key)}, metrics
+
+
+def _trained(state):
+    """The parts of the state a NaN must never reach: params, routing bias and the optimizer's moments
+    (not the spike watch's window of grad norms, where NaN means "not seen yet")."""
+    return state["params"], state["router_bias"], state["opt_state"].inner
+
+
+def _all_finite(tree):
+    """Whether every float in the tree is finite (one reduction per leaf)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                              if jnp.issubdtype(leaf.dtype, jnp.floating)]))
 
 
 def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
@@ -801,16 +903,19 @@ def on_process_0(fn):
 
 
 class StopSignals:
-    """SIGTERM and a first Ctrl-C set .requested (and .signal, its name): the loop finishes its step,
-    saves, says where, exits 0. A second Ctrl-C gets the default action, which ends the process at once,
-    even inside a long XLA call (a Python handler would wait for it to return)."""
+    """SIGTERM, SIGHUP (a closed terminal or tmux pane) and a first Ctrl-C set .requested (and .signal,
+    its name): the loop finishes its step, saves, says where, exits 0. A second Ctrl-C gets the default
+    action, which ends the process at once, even inside a long XLA call (a Python handler would wait
+    for it to return)."""
 
     def __init__(self):
         self.requested, self.signal = False, None
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self.on_signal)
 
     def on_signal(self, signum, frame):
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             # os.write, not print: the handler may interrupt a print, and print is not reentrant
@@ -818,6 +923,21 @@ class StopSignals:
                         b"without saving\n")
         self.requested = True
         self.signal = self.signal or signal.Signals(signum).name
+
+
+def _detach_from_terminal():
+    """After SIGHUP the terminal, or the tmux pane and the tee that logged it (run.sh), is gone, and
+    writing there fails (EIO, EPIPE): stdout and stderr that were a terminal or a pipe now go to
+    /dev/null, so that the run still saves and exits 0. Output redirected to a file is left as it is."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+            os.dup2(null, fd)
+    os.close(null)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -834,6 +954,8 @@ class Meter:
         self.logger, self.schedule, self.bar = run.logger, run.trainer.schedule, bar
         self.watch = spikes.SpikeWatch(run.cfg.optim.skip_spikes or spikes.RATIO_WARN)
         self.skipped = int(jax.device_get(run.state["opt_state"].skipped))  # before the next fetched step
+        self.max_bad, self.bad_steps = run.cfg.run.max_bad_steps, []          # non-finite steps in a row
+        self.mngr = run.mngr
         self.pending, self.interval = [], []
         self.t0 = time.perf_counter()
         self.t, self.steps, self.first_step_s = None, 0, None
@@ -854,12 +976,23 @@ class Meter:
             grad_norm=float(m["grad_norm"]), lr=float(self.schedule(step - 1)),
             drop_rate=float(np.mean(m["drop_rate"])), skipped_steps=int(m["skipped"]),
             grad_norm_ratio=float(m["grad_norm_ratio"]) if np.isfinite(m["grad_norm_ratio"]) else None,
-            update_skipped=int(m["skipped"]) > self.skipped, loss_jump=None)
+            update_skipped=int(m["skipped"]) > self.skipped, loss_jump=None, nonfinite=bool(m["nonfinite"]))
         self.skipped = rec["skipped_steps"]
-        warning = self.watch.step(rec)                   # sets rec["loss_jump"]
-        if warning:
-            say(self.bar, warning)
+        if rec["nonfinite"]:
+            self.not_finite(rec)
+        else:
+            self.bad_steps = []
+            warning = self.watch.step(rec)                   # sets rec["loss_jump"]
+            if warning:
+                say(self.bar, warning)
         self.logger.metrics(rec)
+        if len(self.bad_steps) >= self.max_bad:
+            newest = self.mngr.latest_step()
+            raise Diverged(f"steps {self.bad_steps[0]}-{self.bad_steps[-1]} in a row had a non-finite loss, gradient "
+                           f"or updated state (--max_bad_steps {self.max_bad}); their updates were skipped and the "
+                           f"run stops. " + (f"The newest checkpoint, {self.mngr.directory}/{newest}, is from before "
+                                             f"them: resume from it with a lower --max_lr or other changes"
+                                             if newest is not None else "No checkpoint was written yet"))
         self.interval.append((rec, m))
         now = time.perf_counter()
         if self.t is None:
@@ -868,6 +1001,13 @@ class Meter:
             self.steps += 1
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+
+    def not_finite(self, rec):
+        """A step whose update train_step skipped: say so, count it in the run of such steps."""
+        self.bad_steps.append(rec["step"])
+        say(self.bar, f"WARNING: step {rec['step']}: loss {rec['loss']}, grad norm {rec['grad_norm']}: not finite; "
+                      f"its update was skipped (parameters, Adam moments and routing bias unchanged), "
+                      f"{len(self.bad_steps)} in a row of --max_bad_steps {self.max_bad}")
 
     def take_interval(self):
         """(step records, their device metrics, seconds per step or None) of the interval, which starts
@@ -952,9 +1092,16 @@ def val_target_reached(val_loss, rc):
 
 
 def save_checkpoint(run, step, state, val_loss, force=False):
-    """Start the async save of `state` as step `step`, with what resuming needs in its metadata."""
+    """Start the async save of `state` as step `step`, with what resuming needs in its metadata and a
+    checksum of every array (checked at restore). A state that is not finite is never saved: the train
+    step keeps one from arising, and one resumed from an older checkpoint is refused here."""
+    sums, finite = jax.device_get(_checksums_and_finite(state))
+    if not finite:
+        raise SaveFailed(f"the state of step {step} holds a non-finite value, so it was not saved in "
+                         f"{run.mngr.directory}; resume from an earlier checkpoint")
     meta = {"step": step, "sequences": run.start_seq + (step - run.start_step) * run.sequences_per_step,
-            "run_id": run.run_id, "model": dataclasses.asdict(run.cfg.model), "val_loss": val_loss}
+            "run_id": run.run_id, "model": dataclasses.asdict(run.cfg.model), "val_loss": val_loss,
+            "checksums": {path: int(value) for path, value in sums.items()}}
     save(run.mngr, step, state, meta, force=force)
     run.logger.flush()                 # on an object store: metrics and samples up to this checkpoint
 
@@ -983,14 +1130,19 @@ def sample_text(state, cfg, ids, step):
     return enc.decode([t for t in new if t < enc.n_vocab])
 
 
-def stopped(run, step, signal_name):
-    """After a stop (SIGTERM, Ctrl-C, or another host's): wait for the step's checkpoint, say where."""
+def close_run(run):
+    """Wait for the checkpoint in flight, then close the checkpoints, the logs and the loader."""
     wait_for_save(run.mngr)
     run.mngr.close()
-    log(f"{signal_name or 'stop requested on another host'}: checkpoint of step {step} written to "
-        f"{run.mngr.directory}/{step}; exiting (the same command resumes it)")
     run.logger.close()
     run.loader.close()
+
+
+def stopped(run, step, signal_name):
+    """After a stop (SIGTERM, Ctrl-C, or another host's): wait for the step's checkpoint, say where."""
+    close_run(run)
+    log(f"{signal_name or 'stop requested on another host'}: checkpoint of step {step} written to "
+        f"{run.mngr.directory}/{step}; exiting (the same command resumes it)")
     return 0
 
 
@@ -1002,16 +1154,14 @@ def finish(run, state, step, val_ce, saved, t0):
         sample(run, state, step)
     if not saved:
         save_checkpoint(run, step, state, val_ce)
-    wait_for_save(run.mngr)
-    run.mngr.close()
+    wait_for_save(run.mngr)                     # the final line only once its checkpoint is written
     entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
     log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
         f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
         if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
         + f" | {time.perf_counter() - t0:.0f} s")
     run.logger.metrics(utils.metrics_record("final", step, final_val_loss=val_ce, unigram_entropy=entropy))
-    run.logger.close()
-    run.loader.close()
+    close_run(run)
     return 0
 
 
@@ -1035,29 +1185,41 @@ def train(cfg, mesh):
     val_ce, stopping, last_saved = None, False, run.start_step if run.meta is not None else None
     # a run that stopped at --stop_at_val_loss is finished: the same command reports, as after the last step
     reached = run.meta is not None and val_target_reached(run.meta.get("val_loss"), rc)
-    while step < oc.training_steps and not reached:
-        state, metrics = run.trainer.step(state, next_batch(batches, oc.grad_step))
-        step += 1
-        meter.dispatched(step, metrics)
-        if step == run.start_step + 1:        # every process; launcher.sh waits for this line
-            print(multihost.started_line(jax.process_index(), jax.process_count()), flush=True)
-        meter.fetch(everything=False)
-        interval_ends = step % rc.checkpoint_steps == 0 or step == oc.training_steps
-        stopping = stop_agreed(step, synced=interval_ends)
-        if interval_ends or stopping:
-            val_ce = log_interval(run, meter, state, step)
-            reached = val_target_reached(val_ce, rc)
-            if reached:
-                log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
-                    f"stopping here, as at the last step")
-            if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
-                save_checkpoint(run, step, state, val_ce, force=stopping)
-                last_saved = step
-            sample(run, state, step)
-            meter.restart_timer()
-        if stopping:
-            break
-    meter.fetch()
+    try:
+        while step < oc.training_steps and not reached:
+            state, metrics = run.trainer.step(state, next_batch(batches, oc.grad_step))
+            step += 1
+            meter.dispatched(step, metrics)
+            if step == run.start_step + 1:        # every process; launcher.sh waits for this line
+                print(multihost.started_line(jax.process_index(), jax.process_count()), flush=True)
+            meter.fetch(everything=False)
+            check_saves(run.mngr)
+            interval_ends = step % rc.checkpoint_steps == 0 or step == oc.training_steps
+            stopping = stop_agreed(step, synced=interval_ends)
+            if interval_ends or stopping:
+                val_ce = log_interval(run, meter, state, step)
+                reached = val_target_reached(val_ce, rc)
+                if reached:
+                    log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
+                        f"stopping here, as at the last step")
+                if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
+                    save_checkpoint(run, step, state, val_ce, force=stopping)
+                    last_saved = step
+                sample(run, state, step)
+                meter.restart_timer()
+            if stopping:
+                break
+        meter.fetch()
+    except Diverged:
+        bar.close()
+        close_run(run)
+        raise
+    except SaveFailed:
+        bar.close()
+        discard_failed_saves(run.mngr)
+        run.logger.close()
+        run.loader.close()
+        raise
     bar.close()
     if stopping and step < oc.training_steps:
         return stopped(run, step, stop.signal)
@@ -1095,9 +1257,10 @@ def prompt_ids(ic, T):
     enc = get_tokenizer()
     ids = enc.encode_ordinary(ic.prompt) or [enc.eot_token]
     if len(ids) + ic.max_tokens > T:
+        fixes = (f"shorten --prompt, lower --max_tokens (to at most {T - len(ids)}) or raise --T" if len(ids) < T else
+                 f"shorten --prompt to fewer than {T} tokens or raise --T")
         raise RunRefused(f"--prompt is {len(ids)} tokens and --max_tokens {ic.max_tokens} asks for that many more: "
-                         f"{len(ids) + ic.max_tokens} positions, more than --T {T}; shorten --prompt, lower "
-                         f"--max_tokens (to at most {T - len(ids)}) or raise --T")
+                         f"{len(ids) + ic.max_tokens} positions, more than --T {T}; {fixes}")
     return ids
 
 
@@ -1106,6 +1269,7 @@ def main(argv=None):
     if cfg.run.compile_for:                 # a pod rehearsal on this machine: no devices, no run directory
         return pod.main(cfg)
     set_up_devices(cfg)
+    quiet_failed_saves()
     try:
         if cfg.run.sample:                 # validated with the model config the checkpoint recorded
             return sample_from_checkpoint(cfg)
@@ -1117,7 +1281,7 @@ def main(argv=None):
     except RunRefused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except SaveFailed as e:
+    except (SaveFailed, Diverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -128,6 +128,9 @@ class RunConfig:
     seed: int = flag(0, "seed of the init, the data order, dropout and the samples")
     stop_at_val_loss: float = flag(0.0, "end the run, with a checkpoint, at the first evaluation whose val "
                                         "cross-entropy is <= this (0 = off; the guide's moe1B run stopped at 3.28)")
+    max_bad_steps: int = flag(3, "a step whose loss, gradient or updated state is not finite leaves the state as "
+                                 "it was; this many such steps in a row end the run with exit 1 (its newest "
+                                 "checkpoint, from before them, is the one to resume from)")
     wandb: bool = flag(False, "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)")
     n_device_axis: tuple = flag((1, 1, 1), "mesh sizes DP PP TP")
     cpu_devices: int = flag(0, "simulate N CPU devices (try a 3-D mesh on one machine); 0 = the real devices")
@@ -273,10 +276,19 @@ def _at_least(errors, value, flag, low):
         errors.append(f"{flag} must be >= {low}, got {value}")
 
 
+SEED_LIMIT = 2**31 - 1       # seeds and seed + 1 fit in an int32 (jax.random.key, the data order, samples)
+
+
 def validate(cfg, n_devices=None):
     """Raise ConfigError listing every violated rule (with flag names and valid values); return cfg."""
     m, o, r, i = cfg.model, cfg.optim, cfg.run, cfg.inference
     errors = []
+    # nan and inf pass every `value < low` test below (nan compares false): refuse them first, by name.
+    nonfinite = [f"--{f.name}" for section in (m, o, r, i) for f in dataclasses.fields(section)
+                 if isinstance(getattr(section, f.name), float) and not math.isfinite(getattr(section, f.name))]
+    if nonfinite:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(
+            f"{flag} must be a finite number, got {_field(cfg, flag)}" for flag in nonfinite))
     if len(r.n_device_axis) != 3 or any(n < 1 for n in r.n_device_axis):
         errors.append(f"--n_device_axis needs three positive sizes DP PP TP, got {r.n_device_axis}")
         dp = pp = tp = 1
@@ -297,8 +309,14 @@ def validate(cfg, n_devices=None):
                              ("--bias_update_rate", o.bias_update_rate, 0),
                              ("--stop_at_val_loss", r.stop_at_val_loss, 0),
                              ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 0),
-                             ("--cpu_devices", r.cpu_devices, 0), ("--pipeline_repeats", m.pipeline_repeats, 1)]:
+                             ("--cpu_devices", r.cpu_devices, 0), ("--pipeline_repeats", m.pipeline_repeats, 1),
+                             ("--max_bad_steps", r.max_bad_steps, 1)]:
         _at_least(errors, value, flag, low)
+    if not 0 <= r.seed < SEED_LIMIT:
+        errors.append(f"--seed must be in [0, {SEED_LIMIT - 1}], got {r.seed}")
+    if not _plain_name(r.name):
+        errors.append(f"--name must be one directory name under --output_dir (letters, digits, '.', '-', '_'; not "
+                      f"empty, '.' or '..', no '/'), got {r.name!r}")
     if not o.embed_eps > 0:
         errors.append(f"--embed_eps must be > 0 (the table's padding rows have zero gradient), got {o.embed_eps}")
     for flag, value in [("--max_lr", o.max_lr), ("--grad_clip_norm", o.grad_clip_norm),
@@ -358,6 +376,17 @@ def validate(cfg, n_devices=None):
     return cfg
 
 
+def _field(cfg, flag):
+    """The value of the field a --flag names."""
+    name = flag.lstrip("-")
+    return next(getattr(getattr(cfg, s), name) for s in SECTIONS if hasattr(getattr(cfg, s), name))
+
+
+def _plain_name(name):
+    """A run name is one path component: RUN_DIR = OUTPUT_DIR/NAME, never a path outside OUTPUT_DIR."""
+    return name not in ("", ".", "..") and all(c.isalnum() or c in "._-" for c in name)
+
+
 def describe(cfg):
     """A few lines summarising the run, for the log."""
     lines = []
@@ -397,6 +426,8 @@ METRICS = {
         "grad_norm_ratio": "grad norm over the median of the previous 20 steps' (null until 10 are seen)",
         "update_skipped": "whether this step's update was skipped",
         "loss_jump": "loss minus the median of the previous 10 losses (null before 10)",
+        "nonfinite": "whether the loss, gradient or updated state was not finite (the update was then skipped: "
+                     "parameters, moments and routing bias unchanged)",
     },
     "interval": {   # one per evaluation, every --checkpoint_steps
         "val_loss": "validation cross-entropy (without the balance term)",

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 import utils
@@ -52,7 +54,27 @@ INVALID = [
     ({"vocab_size": 100_277, "n_device_axis": (1, 1, 8), "n_head": 8},
      None),  # padded vocab 100,352 splits over tp 8
     ({"model_dimension": 120, "n_head": 4, "n_device_axis": (1, 1, 4), "vocab_size": 100}, None),
+    ({"seed": -1}, "--seed must be in [0, 2147483646], got -1"),
+    ({"seed": 2**40}, "--seed must be in [0, 2147483646]"),
+    ({"name": ""}, "--name must be one directory name under --output_dir"),
+    ({"name": "../.."}, "--name must be one directory name"),
+    ({"name": "/tmp/run"}, "--name must be one directory name"),
+    ({"name": "run-2_v1.5"}, None),
+    ({"max_bad_steps": 0}, "--max_bad_steps must be >= 1"),
 ]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_every_float_flag_refuses_nan_and_inf(value):
+    """NaN compares false with any bound (`nan < 0` is False), so each float flag is checked for being a
+    number at all, by name: --max_lr inf trained to NaN and rotated the good checkpoints away."""
+    floats = [f.name for section in utils.SECTIONS.values() for f in dataclasses.fields(section)
+              if isinstance(f.default, float)]
+    assert {"max_lr", "min_lr", "capacity_factor", "alpha", "grad_clip_norm", "temperature"} <= set(floats)
+    for name in floats:
+        with pytest.raises(ConfigError) as err:
+            validate(override(TINY, **{name: value}))
+        assert f"--{name} must be a finite number, got {value}" in str(err.value)
 
 
 @pytest.mark.parametrize("values,message", INVALID)

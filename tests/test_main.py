@@ -11,6 +11,7 @@ A persistent XLA compilation cache shared by the runs keeps the suite to a coupl
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -199,16 +200,32 @@ def test_same_curve_on_mesh_222_and_restore_across_meshes(cpu_env, baseline, tmp
         np.testing.assert_allclose(cross[s], curve[s], rtol=5e-4, err_msg=f"step {s}")
 
 
-def test_corrupted_newest_checkpoint_falls_back_with_warning(cpu_env, baseline, tmp_path):
-    out, curve = baseline
-    shutil.copytree(os.path.join(out, "run", "checkpoints"), tmp_path / "run" / "checkpoints")
-    state = tmp_path / "run" / "checkpoints" / str(N) / "state"
+def _garbage(state):
     for root, _, files in os.walk(state):
         for name in files:
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"\x00garbage" * 7)
+
+
+def _flip_one_byte(state):
+    """One bit of one byte in the middle of the largest data file: the file still decodes (its zstd
+    frames have no checksum of their own), into an array with one element changed."""
+    path = max((os.path.join(root, n) for root, _, names in os.walk(state) for n in names), key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize("corrupt, message", [(_garbage, "unreadable"), (_flip_one_byte, "does not match the checksum")],
+                         ids=["garbage", "one-flipped-byte"])
+def test_corrupted_newest_checkpoint_falls_back_with_warning(cpu_env, baseline, tmp_path, corrupt, message):
+    out, curve = baseline
+    shutil.copytree(os.path.join(out, "run", "checkpoints"), tmp_path / "run" / "checkpoints")
+    corrupt(tmp_path / "run" / "checkpoints" / str(N) / "state")
     proc = run(cpu_env, tmp_path, *MESH1, steps=N // 2 + 2)
-    assert "unreadable" in proc.stdout + proc.stderr
+    assert "unreadable" in proc.stdout + proc.stderr and message in proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and f"step {N // 2}," in proc.stdout
     resumed = losses(tmp_path)
     assert resumed == {s: curve[s] for s in (N // 2 + 1, N // 2 + 2)}
@@ -264,9 +281,37 @@ def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_pa
     np.testing.assert_array_equal(state["router_bias"], np.zeros((2, 4)))
 
 
-def test_config_error_names_the_flag(cpu_env, tmp_path):
-    proc = run(cpu_env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2, timeout=120)
-    assert "TP of --n_device_axis" in proc.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["--n_device_axis", "1", "1", "3"], "TP of --n_device_axis"),
+    (["--max_lr", "inf"], "--max_lr must be a finite number, got inf"),
+    (["--seed", "-1"], "--seed must be in [0, "),
+    (["--name", "../.."], "--name must be one directory name under --output_dir")])
+def test_config_error_names_the_flag(cpu_env, tmp_path, flags, message):
+    """Refused before anything is compiled or written (a seed of -1 used to fail after the compile)."""
+    proc = run(cpu_env, tmp_path, *flags, expect=2, timeout=120)
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_a_diverging_run_stops_keeping_its_finite_checkpoint_and_resumes_from_it(cpu_env, baseline, tmp_path):
+    """From the straight run's step-10 checkpoint at lr 1e20: the first update makes the parameters huge,
+    the next steps' losses are NaN, their updates are skipped, and after --max_bad_steps 3 of them in a
+    row the run ends with exit 1 and one line; no checkpoint holds the NaN state (none is written after
+    10, nor rotates step 10 away). The same command with the preset's lr resumes from step 10 exactly."""
+    out, curve = baseline
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    shutil.copytree(os.path.join(out, "run", "checkpoints", str(N // 2)), tmp_path / "run" / "checkpoints" / str(N // 2))
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_lr", "1e20", "--min_lr", "1e20", steps=3 * N, expect=1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    first, last = map(int, re.match(r"error: steps (\d+)-(\d+) in a row had a non-finite loss", errors[0]).groups())
+    assert last - first == 2 and f"checkpoints/{N // 2}, is from before them" in errors[0]
+    assert [r["step"] for r in records(tmp_path) if r.get("nonfinite")] == list(range(first, last + 1))
+    assert checkpoints(tmp_path) == [N // 2] and last < 2 * N
+    proc = run(cpu_env, tmp_path, *MESH1, steps=N // 2 + 2)
+    assert f"resumed from {tmp_path}/run/checkpoints/{N // 2}: step {N // 2}," in proc.stdout
+    resumed = losses(tmp_path)
+    assert {s: resumed[s] for s in (N // 2 + 1, N // 2 + 2)} == {s: curve[s] for s in (N // 2 + 1, N // 2 + 2)}
 
 
 def test_eval_steps_beyond_the_val_split_are_capped_with_a_note(cpu_env, tmp_path):

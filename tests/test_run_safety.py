@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from test_main import MESH1, MESH8, REPO, checkpoints, records, run, start, wait_for, wait_for_step
+from test_main import MESH1, MESH8, REPO, TINY, checkpoints, last_step, records, run, start, wait_for, wait_for_step
 
 
 def snapshot(path):
@@ -128,6 +128,53 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
 # 3. the prompt, a failed sample, and the expert-load line
 
 
+def _controlling_terminal():
+    """In the child: a new session whose controlling terminal is its stdin (the pty's slave side)."""
+    import fcntl
+    import termios
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_a_closed_terminal_saves_and_exits_0(cpu_env, tmp_path):
+    """The run's terminal closes (a pseudo-terminal whose master side this test closes, as a terminal
+    window or an SSH session does): the kernel sends SIGHUP, the run finishes its step, writes the
+    checkpoint, releases the lock and exits 0, although what it prints to is gone."""
+    import pty
+    import select
+    import threading
+    master, slave = pty.openpty()
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(tmp_path), "--name", "run",
+           "--training_steps", "100000", *MESH1]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env, stdin=slave, stdout=slave, stderr=slave,
+                            preexec_fn=_controlling_terminal)
+    os.close(slave)
+    printed, done = [], threading.Event()
+
+    def drain():                     # a terminal that nobody reads fills up and blocks the writer
+        while not done.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    printed.append(os.read(master, 65536))
+                except OSError:
+                    return
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 300
+        while last_step(tmp_path) < 2:
+            assert proc.poll() is None and time.time() < deadline, b"".join(printed).decode(errors="replace")[-3000:]
+            time.sleep(0.05)
+    finally:
+        done.set()
+        reader.join()
+        os.close(master)                 # the terminal goes away: SIGHUP to the session's leader, main.py
+    assert proc.wait(timeout=300) == 0
+    saved = max(r["step"] for r in records(tmp_path) if "loss" in r)
+    assert checkpoints(tmp_path)[-1] == saved >= 2
+    assert not os.path.exists(tmp_path / "run" / "lock")
+
+
 def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpoint(cpu_env, tmp_path):
     os.makedirs(tmp_path / "run" / "samples.txt")           # writing a sample fails: it is a directory
     # 64 experts, one per token, and 32 tokens a step: at least 32 experts get no token.
@@ -141,10 +188,14 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
                for r in records(tmp_path) if "val_loss" in r)
 
 
-def test_prompt_too_long_for_T_is_refused_at_start(cpu_env, tmp_path):
-    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "And God said, " * 8, steps=2, expect=2,
-               timeout=300)
-    assert "--prompt is " in proc.stderr and "--max_tokens 4" in proc.stderr and "--T 32" in proc.stderr
+@pytest.mark.parametrize("repeats, advice", [(7, "lower --max_tokens (to at most 3)"),    # 29 tokens
+                                              (8, "shorten --prompt to fewer than 32 tokens or raise --T")])  # 33
+def test_prompt_too_long_for_T_is_refused_at_start(cpu_env, tmp_path, repeats, advice):
+    """A prompt that leaves room for fewer new tokens than asked, and one that fills --T by itself (the
+    advice used to be "at most -29")."""
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt",
+               "And God said, " * repeats, steps=2, expect=2, timeout=300)
+    assert "--prompt is " in proc.stderr and "--T 32" in proc.stderr and advice in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -190,6 +241,42 @@ def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_la
 
     proc = run(cpu_env, tmp_path / "ro", *MESH1, steps=3, timeout=300)
     assert f"resumed from {ckpts}/2: step 2," in proc.stdout
+
+
+def test_disk_full_while_a_checkpoint_is_written_stops_at_once_in_one_line(cpu_env, tmp_path):
+    """The disk fills up while the step-20 checkpoint is being written, after the free-space check
+    that precedes each save (here: the run is stopped as its temporary checkpoint directory appears,
+    the tmpfs filled from outside, the run continued). Exit 1 within two steps, one line, no traceback,
+    no partial checkpoint left, step 10's checkpoint kept."""
+    disk = tmp_path / "disk"
+    os.makedirs(disk)
+    _mount("-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk))
+    try:
+        log = tmp_path / "log"
+        proc = start(cpu_env, disk, log, *MESH1, steps=40)
+        partial = disk / "run" / "checkpoints" / "20.orbax-checkpoint-tmp"
+        deadline = time.time() + 300
+        while not os.path.exists(partial):
+            assert proc.poll() is None and time.time() < deadline, open(f"{log}.err").read()[-3000:]
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGSTOP)
+        with open(disk / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+            except OSError:
+                pass
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(timeout=300) == 1
+        stderr = open(f"{log}.err").read()
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: could not save a checkpoint in {disk}/run/checkpoints: [Errno 28] No space left "
+                          f"on device"], stderr[-3000:]
+        assert "Traceback" not in stderr and len(stderr.splitlines()) < 10, stderr[-3000:]
+        assert sorted(os.listdir(disk / "run" / "checkpoints")) == ["10"]
+        assert last_step(disk) <= 22
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
