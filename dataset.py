@@ -15,7 +15,8 @@
   own devices hold (`sharding.addressable_devices_indices_map`) and builds the global jax.Array
   (`jax.make_array_from_process_local_data`, or per device when a device holds part of a row).
   `iterate(start)` prefetches on a background thread.
-- `validation_batches(...)`: a fixed set of windows spread evenly over the val split, no shuffling.
+- `validation_batches(...)`: a fixed set of windows spread evenly over the val split, no shuffling; its
+  batch size is global (main.py: --val_batch_size in all), so every mesh evaluates the same windows.
 - `ensure_bundled_shards(cache_dir)`: tokenizes the bundled corpus once into a cached shard directory
   whose val split is exactly the corpus' val documents.
 """

@@ -771,16 +771,16 @@ def print_header(cfg):
 
 
 def load_data(cfg, data_sharding):
-    """(the training split, the fixed validation batches)."""
+    """(the training split, the fixed validation batches: --eval_steps batches of --val_batch_size sequences in
+    all, so the same windows on every mesh)."""
     mc, rc = cfg.model, cfg.run
     data_dir = data_dir_for(cfg)
     train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
     val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
-    val_rows = rc.n_device_axis[0] * rc.val_batch_size
-    val_batches = dataset.validation_batches(val_ds, mc.T, val_rows, data_sharding, rc.eval_steps)
+    val_batches = dataset.validation_batches(val_ds, mc.T, rc.val_batch_size, data_sharding, rc.eval_steps)
     if len(val_batches) < rc.eval_steps:
         log(f"note: the val split holds {val_ds.n_windows(mc.T)} windows of {mc.T + 1} tokens, enough for "
-            f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {val_rows}; "
+            f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {rc.val_batch_size}; "
             f"evaluating on {len(val_batches)}")
     return train_ds, val_batches
 
