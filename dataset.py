@@ -15,7 +15,8 @@
   own devices hold (`sharding.addressable_devices_indices_map`) and builds the global jax.Array
   (`jax.make_array_from_process_local_data`, or per device when a device holds part of a row).
   `iterate(start)` prefetches on a background thread.
-- `validation_batches(...)`: a fixed set of windows spread evenly over the val split, no shuffling.
+- `validation_batches(...)`: a fixed set of windows spread evenly over the val split, no shuffling; its
+  batch size is global (main.py: --val_batch_size in all), so every mesh evaluates the same windows.
 - `ensure_bundled_shards(cache_dir)`: tokenizes the bundled corpus once into a cached shard directory
   whose val split is exactly the corpus' val documents.
 """
@@ -66,15 +67,17 @@ def ensure_bundled_shards(cache_dir: str) -> str:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    _shards.tokenize(tmp, _shards.make_plan(_shards.BUNDLED), BUNDLED_SHARD_SIZE)
     try:
+        _shards.tokenize(tmp, _shards.make_plan(_shards.BUNDLED), BUNDLED_SHARD_SIZE)
         if os.path.exists(out) and not _complete(out):
             shutil.rmtree(out, ignore_errors=True)
-        os.rename(tmp, out)
-    except OSError:
-        if not _complete(out):
-            raise
-    shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _complete(out):
+                raise
+    finally:               # a build that failed (a full or read-only disk) or lost the race leaves nothing
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -95,19 +98,22 @@ def _read_manifest(fs, root, manifest_path, vocab_size):
     try:
         with fs.open(f"{root}/{_shards.MANIFEST}", "rb") as f:
             m = json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{manifest_path}: no manifest; tokenize first "
-                        f"(python -m data.tokenize_local --out {manifest_path.rsplit('/', 1)[0]} ...)") from None
+    except (FileNotFoundError, NotADirectoryError):
+        where = manifest_path.rsplit("/", 1)[0]
+        what = f"{manifest_path}: no manifest" if fs.isdir(root) else f"{where}: no such directory"
+        raise DataError(f"{what}; tokenize into it first (python -m data.tokenize_local --out {where} ...)") from None
     except ValueError as e:
-        raise DataError(f"{manifest_path}: not valid JSON ({e})") from None
+        raise DataError(f"{manifest_path}: not valid JSON ({e}); re-tokenize the data") from None
+    if not isinstance(m, dict):
+        raise DataError(f"{manifest_path}: not a shard manifest (a JSON object); re-tokenize the data")
     if m.get("tokenizer") != _tok.NAME:
         raise DataError(f"{manifest_path}: shards were tokenized with {m.get('tokenizer')!r}, but this "
                         f"code uses {_tok.NAME!r}; re-tokenize the data")
     if m.get("dtype") != "uint32" or m.get("format") != _shards.FORMAT_VERSION:
         raise DataError(f"{manifest_path}: unsupported format {m.get('format')} / dtype {m.get('dtype')}")
     if int(m.get("vocab_size", 0)) > vocab_size:
-        raise DataError(f"{manifest_path}: tokenizer vocab {m.get('vocab_size')} exceeds the model's "
-                        f"vocab_size {vocab_size}")
+        raise DataError(f"{manifest_path}: tokenizer vocab {m.get('vocab_size')} exceeds --vocab_size {vocab_size}; "
+                        f"use --vocab_size {m.get('vocab_size')} or more")
     if not m.get("complete"):
         raise DataError(f"{manifest_path}: tokenization did not finish; rerun the tokenizer with --resume")
     return m
@@ -183,13 +189,18 @@ class TokenDataset:
         pieces = [(j, *p) for j, s in enumerate(starts) for p in self._pieces(int(s), length)]
         fetch = self._pread if self.local else self._cat_ranges
         for (j, pos, i, off, take), data in zip(pieces, fetch([(i, off, take) for _, _, i, off, take in pieces])):
-            out[j, pos: pos + take] = np.frombuffer(data, dtype=_shards.DTYPE)
-            top = int(out[j, pos: pos + take].max()) if take else 0
-            if top >= self.vocab_size or top < 0:
-                raise DataError(f"shard {self.files[i]} holds token id {top & 0xFFFFFFFF} >= vocab_size "
-                                f"{self.vocab_size}; check it with python -m data.verify {self.data_dir}")
+            ids = np.frombuffer(data, dtype=_shards.DTYPE)    # unsigned: a corrupt 0xFFFFFFFF is no -1
+            if take and int(ids.max()) >= self.vocab_size:
+                self._out_of_vocab(i, off, ids)
+            out[j, pos: pos + take] = ids
         self.bytes_read += 4 * out.size
         return out
+
+    def _out_of_vocab(self, i, off, ids):
+        """Raise the DataError for the first id >= vocab_size in `ids`, tokens [off, ...) of shard i."""
+        k = int(np.argmax(ids >= self.vocab_size))
+        raise DataError(f"shard {self.files[i]} holds token id {int(ids[k])} >= --vocab_size {self.vocab_size} at "
+                        f"token {off + k} (byte {4 * (off + k)}); check it with python -m data.verify {self.data_dir}")
 
     def _pread(self, pieces):
         res = []
@@ -264,9 +275,10 @@ class TokenDataset:
 def _require_windows(dataset, T, global_batch):
     n = dataset.n_windows(T)
     if n < global_batch:
-        raise DataError(f"{dataset.manifest_path}: split {dataset.split!r} has {dataset.n_tokens} tokens = {n} "
-                        f"windows of T+1={T + 1} tokens, fewer than the global batch {global_batch}; "
-                        f"use more data or a smaller batch/T")
+        fit = (dataset.n_tokens - 1) // global_batch         # the longest T that gives a batch of windows
+        raise DataError(f"--T {T}: split {dataset.split!r} of {dataset.manifest_path} has {dataset.n_tokens} tokens = "
+                        f"{n} windows of T+1 = {T + 1} tokens, fewer than the global batch {global_batch}; use "
+                        + (f"--T {fit} or less, " if fit >= 2 else "") + "a smaller batch or more data")
     return n
 
 

@@ -648,7 +648,15 @@ def _unlock(path, mine):
 
 
 def data_dir_for(cfg):
-    return cfg.run.data_dir or dataset.ensure_bundled_shards(dataset.default_cache_dir())
+    """--data_dir, or the bundled corpus' shards, tokenized into $JAXFORMER_CACHE on first use."""
+    if cfg.run.data_dir:
+        return cfg.run.data_dir
+    cache = dataset.default_cache_dir()
+    try:
+        return dataset.ensure_bundled_shards(cache)
+    except OSError as e:
+        raise dataset.DataError(f"JAXFORMER_CACHE={cache}: cannot write the bundled corpus' shards there ({e}); "
+                                f"point JAXFORMER_CACHE at a writable directory, or pass --data_dir") from None
 
 
 def next_batch(batches, grad_step):
@@ -873,16 +881,21 @@ def print_header(cfg):
 
 
 def load_data(cfg, data_sharding):
-    """(the training split, the fixed validation batches)."""
+    """(the training split, the fixed validation batches: --eval_steps batches of --val_batch_size sequences in
+    all, so the same windows on every mesh)."""
     mc, rc = cfg.model, cfg.run
     data_dir = data_dir_for(cfg)
-    train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
-    val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
-    val_rows = rc.n_device_axis[0] * rc.val_batch_size
-    val_batches = dataset.validation_batches(val_ds, mc.T, val_rows, data_sharding, rc.eval_steps)
+    try:
+        train_ds = dataset.TokenDataset(data_dir, "train", mc.vocab_size)
+        val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
+    except dataset.DataError as e:
+        if rc.data_dir:
+            raise dataset.DataError(f"--data_dir {rc.data_dir}: {e}") from None
+        raise
+    val_batches = dataset.validation_batches(val_ds, mc.T, rc.val_batch_size, data_sharding, rc.eval_steps)
     if len(val_batches) < rc.eval_steps:
         log(f"note: the val split holds {val_ds.n_windows(mc.T)} windows of {mc.T + 1} tokens, enough for "
-            f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {val_rows}; "
+            f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {rc.val_batch_size}; "
             f"evaluating on {len(val_batches)}")
     return train_ds, val_batches
 
@@ -1284,6 +1297,9 @@ def main(argv=None):
     except (SaveFailed, Diverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except dataset.DataError as e:          # the data (or --T, --vocab_size) does not fit the run
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def _train_args(cfg, trainer):
 
 
 def _eval_args(cfg, trainer):
-    batch = _batch(cfg, trainer, cfg.run.val_batch_size)
+    batch = _batch(cfg, trainer, cfg.run.val_batch_size // cfg.run.n_device_axis[0])  # a global count
     return trainer.abstract_state["params"], trainer.abstract_state["router_bias"], batch, batch
 
 

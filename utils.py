@@ -119,7 +119,9 @@ class RunConfig:
                                    "samples")
     data_dir: str = flag("", "token shards (dir or gs:// URL) with a manifest; empty = the bundled corpus, cached")
     train_batch_size: int = flag(16, "sequences per data-parallel replica per micro-step (global batch = DP x this)")
-    val_batch_size: int = flag(16, "validation sequences per data-parallel replica")
+    val_batch_size: int = flag(16, "validation sequences per eval batch in all (the guide: per replica): the "
+                                   "validation set is --eval_steps batches of this many, the same windows on "
+                                   "every mesh; a multiple of DP x --micro_batch_size")
     micro_batch_size: int = flag(2, "NUMBER of pipeline micro-batches per step (not their size; the guide's "
                                     "meaning)")
     checkpoint_steps: int = flag(50, "eval/log interval in steps; a checkpoint is saved every 10 intervals, at the "
@@ -185,13 +187,13 @@ PRESETS = {
                           dropout_rate=0.2),
         optim=OptimConfig(max_lr=6e-4, min_lr=0.0, end_lr=6e-5, warmup_steps=5_000, end_steps=75_000,
                           training_steps=100_000),
-        run=RunConfig(name="moe1B", train_batch_size=32, val_batch_size=32, micro_batch_size=4,
+        run=RunConfig(name="moe1B", train_batch_size=32, val_batch_size=256, micro_batch_size=4,
                       checkpoint_steps=100, eval_steps=20, n_device_axis=(8, 2, 2), stop_at_val_loss=3.28)),
 }
 # The same model and global batch (256 sequences a step) on a v4-32 (16 chips, 4 hosts): half the
 # replicas, each with twice the sequences, in 8 micro-batches (a smaller pipeline bubble, 1/9 vs 1/5).
 PRESETS["moe1B-v4-32"] = dataclasses.replace(PRESETS["moe1B"], run=dataclasses.replace(
-    PRESETS["moe1B"].run, name="moe1B-v4-32", n_device_axis=(4, 2, 2), train_batch_size=64, val_batch_size=64,
+    PRESETS["moe1B"].run, name="moe1B-v4-32", n_device_axis=(4, 2, 2), train_batch_size=64, val_batch_size=256,
     micro_batch_size=8))
 PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
 
@@ -359,7 +361,9 @@ def validate(cfg, n_devices=None):
         _divides(errors, m.blocks, "--blocks", pp * m.pipeline_repeats,
                  f"PP of --n_device_axis x --pipeline_repeats ({pp} x {m.pipeline_repeats})")
     _divides(errors, r.train_batch_size, "--train_batch_size", r.micro_batch_size, "--micro_batch_size")
-    _divides(errors, r.val_batch_size, "--val_batch_size", r.micro_batch_size, "--micro_batch_size")
+    # a global count: each replica's share of it splits into the micro-batches
+    _divides(errors, r.val_batch_size, "--val_batch_size", dp * r.micro_batch_size,
+             f"DP x --micro_batch_size ({dp} x {r.micro_batch_size})")
     if o.warmup_steps > o.end_steps:
         errors.append(f"--warmup_steps ({o.warmup_steps}) must be <= --end_steps ({o.end_steps})")
     if m.T >= 2 and i.max_tokens >= m.T:

@@ -11,9 +11,11 @@ Documents come from a Hugging Face dataset name (streamed with `datasets`) or lo
 recognised by extension (.txt, .json, .jsonl, .parquet, .csv, optionally compressed; a missing file is
 an error, never a Hub lookup). Parquet goes through `datasets` too; text, JSON and CSV are read here,
 since pyarrow rejects a whole file for one bad byte or lone-surrogate escape. A bad document (undecodable
-bytes, lone surrogates: repaired to U+FFFD; null or non-string text, a line that is not a JSON object:
-skipped) is counted and named (source, row) in a warning, with a summary at the end; a skipped document
-still counts for the cursor, so resuming stays exact.
+bytes, lone surrogates: repaired to U+FFFD; null or non-string text, a row without the text field, a
+line that is not a JSON object: skipped) is counted and named (source, row) in a warning, with a summary
+at the end; a skipped document still counts for the cursor, so resuming stays exact. A compressed file
+cut short (an interrupted download) or damaged keeps what could be read: the rest of it is one bad
+document, always warned about.
 Each document is encoded as [<|endoftext|>] + encode_ordinary(text) and the token stream is packed
 contiguously into shards of exactly `shard_size` uint32 tokens (little-endian, `<split>_<NNNNNN>.bin`;
 a segment's last shard may be shorter).
@@ -22,11 +24,12 @@ a segment's last shard may be shorter).
 the tokenizer, each split's per-token-id counts (`token_counts`, compressed: the loader's unigram
 entropy comes from them) and the resume cursor, rewritten after every shard:
 
-    cursor = {"segment": i, "docs": d, "carry": c}
+    cursor = {"segment": i, "docs": d, "carry": c, "bad_docs": {kind: n}}
 
 meaning: in segment i, documents [0, d) are consumed and everything before the open shard is written;
 the open shard starts with the last c tokens of document d-1 (the document that straddled the last
-shard boundary; c may exceed shard_size for a very long document). On `--resume` the core skips d-1
+shard boundary; c may exceed shard_size for a very long document); n bad documents of each kind came
+before the documents a resume reads again, whichever process read them. On `--resume` the core skips d-1
 documents, re-encodes document d-1, keeps its last c tokens and carries on, so the output is
 byte-identical to an uninterrupted run whatever instant the process was killed at: shard and manifest
 writes are atomic (temp file + rename), a shard written but not yet in the manifest is simply written
@@ -38,6 +41,7 @@ bounded-window map over a multiprocessing pool or Ray tasks (`ordered_map`).
 import base64
 import collections
 import csv
+import gzip
 import hashlib
 import io
 import itertools
@@ -67,19 +71,36 @@ _FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "j
 # a missing path with one of these endings is a file the user meant, never a Hugging Face dataset name
 _DATA_FILE_ENDINGS = tuple(_FILE_BUILDERS) + (".tsv", ".gz", ".bz2", ".zst", ".xz", ".arrow", ".md")
 _SURROGATES = re.compile("[\ud800-\udfff]")
+# how a compressed file cut short (an interrupted download) or damaged shows when read
+_UNREADABLE = (EOFError, zlib.error, gzip.BadGzipFile)
+# this many leading rows of a source without the text field mean a wrong --text_field, not bad rows
+_FIELD_GUARD = 100
+
+
+class SourceError(ValueError):
+    """A problem with the tokenizer's flags, sources or output: the drivers print it as one line, exit 2."""
+
+
+# what the drivers report as one line, exit 2 (a missing source file, an --out that holds another run)
+CLI_ERRORS = (SourceError, FileNotFoundError, FileExistsError)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Sources
 # ----------------------------------------------------------------------------------------------------
 
-def _builder_for(path):
+def _extension(path):
+    """The file type's extension, past a compression suffix: 'a.jsonl.gz' -> '.jsonl'."""
     p = path[:-3] if path.endswith((".gz", ".zst")) else path
     p = p[:-4] if p.endswith(".bz2") else p
-    ext = os.path.splitext(p)[1].lower()
+    return os.path.splitext(p)[1].lower()
+
+
+def _builder_for(path):
+    ext = _extension(path)
     if ext not in _FILE_BUILDERS:
-        raise ValueError(f"source file {path}: unknown type {ext!r}; expected one of {sorted(_FILE_BUILDERS)}"
-                         f" (optionally .gz)")
+        raise SourceError(f"source file {path}: unknown type {ext!r}; expected one of {sorted(_FILE_BUILDERS)}"
+                          f" (optionally .gz)")
     return _FILE_BUILDERS[ext]
 
 
@@ -104,7 +125,7 @@ def source_spec(source, hf_config=None, hf_split="train", text_field="text", max
     if source.startswith(BUNDLED + ":"):
         split = source.split(":", 1)[1]
         if split not in corpus.SPLITS:
-            raise ValueError(f"bundled source split must be one of {corpus.SPLITS}, got {source!r}")
+            raise SourceError(f"bundled source split must be one of {corpus.SPLITS}, got {source!r}")
         # recorded by content, not path, so a manifest does not depend on where the repo is checked out
         spec = {"kind": BUNDLED, "split": split, "sha256": _file_sha256(corpus.PATH), "text_field": "text"}
     else:
@@ -120,7 +141,7 @@ def source_spec(source, hf_config=None, hf_split="train", text_field="text", max
                     files.append(p)
             builders = {_builder_for(f) for f in files}
             if len(builders) != 1:
-                raise ValueError(f"source {source!r} mixes file types {sorted(builders)}; use one type per source")
+                raise SourceError(f"source {source!r} mixes file types {sorted(builders)}; use one type per source")
             spec = {"kind": "files", "builder": builders.pop(),
                     "files": [f if "://" in f else os.path.abspath(f) for f in files], "text_field": text_field}
         else:
@@ -133,25 +154,36 @@ def source_spec(source, hf_config=None, hf_split="train", text_field="text", max
 
 
 class DocProblems:
-    """Bad documents met while reading: each one counted and (the first `show`) warned about with its
-    source and row; `summary()` at the end."""
+    """Bad documents met while reading: each one counted and (the first `show` this process meets, and every
+    file cut short) warned about with its source and row; `summary()` at the end.
 
-    def __init__(self, show=20):
-        self.counts, self.show, self.shown = collections.Counter(), show, 0
+    `total` counts them by kind over every process that wrote the output (the manifest keeps it in the
+    resume cursor). A document's problem joins it once the cursor has passed the document (`commit`), since
+    a resumed run reads the documents after the cursor again: none is counted twice, none lost."""
 
-    def note(self, source, row, what):
-        self.counts[what] += 1
-        if self.shown < self.show:
+    def __init__(self, total=None, show=20):
+        self.total, self.pending = collections.Counter(total or {}), collections.deque()
+        self.show, self.shown = show, 0
+
+    def note(self, source, row, what, index, always=False):
+        """A bad document, number `index` of its segment's document order."""
+        self.pending.append((index, what))
+        if always or self.shown < self.show:
             print(f"warning: {source} row {row}: {what}", file=sys.stderr, flush=True)
         elif self.shown == self.show:
             print("warning: more bad documents: counted, not shown", file=sys.stderr, flush=True)
-        self.shown += 1
+        self.shown += not always
+
+    def commit(self, before):
+        """The problems of the documents numbered below `before` join `total`."""
+        while self.pending and self.pending[0][0] < before:
+            self.total[self.pending.popleft()[1]] += 1
 
     def summary(self):
-        if not self.counts:
+        if not self.total:
             return ""
-        return (f"{sum(self.counts.values()):,} bad document(s): "
-                + "; ".join(f"{n:,} {what}" for what, n in self.counts.most_common()))
+        return (f"{sum(self.total.values()):,} bad document(s): "
+                + "; ".join(f"{n:,} {what}" for what, n in self.total.most_common()))
 
 
 def clean_text(value):
@@ -178,20 +210,23 @@ def _text_rows(path):
 
 
 def _json_rows(path):
-    """Rows of a JSON Lines file (one object per line), or of a JSON array of objects or strings. Read here
-    rather than by pyarrow, which rejects a whole file for one lone-surrogate escape or bad byte."""
+    """Rows of a JSON Lines file (one object per line; a .jsonl always), or of a .json holding an array of
+    objects or strings. Read here rather than by pyarrow, which rejects a whole file for one lone-surrogate
+    escape or bad byte."""
     with _open_bytes(path) as f:
-        head = f.read(1 << 16)
-        if head.lstrip().startswith(b"["):
+        first = f.read(1)
+        while first.isspace():
+            first = f.read(1)
+        if first == b"[" and _extension(path) == ".json":
             try:
-                rows = json.loads((head + f.read()).decode("utf-8", "surrogateescape"))
+                rows = json.loads((first + f.read()).decode("utf-8", "surrogateescape"))
             except ValueError as e:
-                raise ValueError(f"source file {path}: not valid JSON ({e})") from None
+                raise SourceError(f"source file {path}: not valid JSON ({e})") from None
             for j, r in enumerate(rows):
                 yield j, (r if isinstance(r, dict) else {"text": r})
             return
-        j = 0                          # JSON Lines, streamed: the first chunk completed to its line end
-        for line in itertools.chain(io.BytesIO(head + f.readline()), f):
+        j = 0                          # JSON Lines, streamed
+        for line in itertools.chain([first + f.readline()], f):
             if not line.strip():
                 continue
             try:
@@ -212,8 +247,10 @@ def _csv_rows(path):
 
 
 class _Bad:
-    def __init__(self, what):
-        self.what = what
+    """A row that is no document: `what` is wrong with it; `always` warned about (a file cut short)."""
+
+    def __init__(self, what, always=False):
+        self.what, self.always = what, always
 
 
 def _rows(spec):
@@ -231,8 +268,13 @@ def _rows(spec):
             rows = enumerate(datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True))
         else:
             rows = {"text": _text_rows, "json": _json_rows, "csv": _csv_rows}[builder](path)
-        for j, row in rows:
-            yield path, j, row
+        j = -1
+        try:
+            for j, row in rows:
+                yield path, j, row
+        except _UNREADABLE as e:   # keep what was read: one bad row, as the rest of the source is fine
+            yield path, j + 1, _Bad(f"skipped: the rest of the file, cut short or damaged ({type(e).__name__}: "
+                                    f"{e})", always=True)
 
 
 def iter_documents(spec, start=0, problems=None):
@@ -242,42 +284,47 @@ def iter_documents(spec, start=0, problems=None):
     problems = problems if problems is not None else DocProblems()
     field_, limit = spec["text_field"], spec.get("max_docs")
     want_val = spec.get("split") == "val"
-    i, seen_field = 0, False
+    i, seen_field, lacking = 0, False, 0
     for source, row_no, row in _rows(spec):
         if spec["kind"] == BUNDLED and (row["book"] in corpus.VAL_BOOKS) != want_val:
             continue
         if limit is not None and i >= limit:
             return
-        if isinstance(row, dict) and field_ not in row and not seen_field:
-            raise KeyError(f"source {source}: no field {field_!r} (fields: {sorted(row)}); pass --text_field")
+        if isinstance(row, dict) and not seen_field:
+            seen_field = field_ in row
+            lacking += not seen_field
+            if lacking == _FIELD_GUARD:
+                raise SourceError(f"source {source}: none of the first {lacking} rows has the field {field_!r} "
+                                  f"(fields: {sorted(row)}); pass --text_field")
         if i >= start:
             if isinstance(row, _Bad):
-                text, what = None, row.what
+                text, what, always = None, row.what, row.always
             else:
-                seen_field = seen_field or field_ in row
                 text, what = clean_text(row.get(field_)) if field_ in row else (None, f"skipped: no field {field_!r}")
+                always = False
             if what:
-                problems.note(source, row_no, what)
+                problems.note(source, row_no, what, i, always)
             yield text
-        elif isinstance(row, dict) and field_ in row:
-            seen_field = True
         i += 1
 
 
 def make_plan(source=None, train_source=None, val_source=None, val_shards=1, **spec_kw):
     """Segments for the CLI's source flags: `--source X` or `--train_source X --val_source Y`."""
+    for flag, value in (("--source", source), ("--train_source", train_source), ("--val_source", val_source)):
+        if value is not None and not value.strip(", "):
+            raise SourceError(f"{flag} {value!r} names no source: give its dataset or files, or drop {flag}")
     if source == BUNDLED:
         if train_source or val_source:
-            raise ValueError("--source bundled already provides both splits; drop --train_source/--val_source")
+            raise SourceError("--source bundled already provides both splits; drop --train_source/--val_source")
         return [{"split": "val", "source": source_spec("bundled:val")},
                 {"split": "train", "source": source_spec("bundled:train")}]
     if source:
         if train_source or val_source:
-            raise ValueError("give either --source or --train_source/--val_source, not both")
+            raise SourceError("give either --source or --train_source/--val_source, not both")
         return [{"split": "auto", "val_shards": int(val_shards), "source": source_spec(source, **spec_kw)}]
     if not train_source:
-        raise ValueError("no source: pass --source (HF dataset name, local files, or 'bundled') "
-                         "or --train_source [--val_source]")
+        raise SourceError("no source: pass --source (HF dataset name, local files, or 'bundled') "
+                          "or --train_source [--val_source]")
     plan = []
     if val_source:
         plan.append({"split": "val", "source": source_spec(val_source, **spec_kw)})
@@ -405,9 +452,10 @@ class Writer:
     # split -> per-token-id counts of its closed shards (the loader's unigram entropy); None when resuming
     # a manifest written before counts were recorded (then none are recorded)
     counts: dict = field(default_factory=dict)
+    bad_docs: dict = field(default_factory=dict)    # kind -> bad documents before the cursor (all processes)
 
     def __post_init__(self):
-        self.problems = DocProblems()  # bad documents this process met
+        self.problems = DocProblems(self.bad_docs)
         self._buf = np.empty(self.shard_size, dtype=np.uint32)
         self._fill = 0
 
@@ -416,7 +464,8 @@ class Writer:
         m = {"format": FORMAT_VERSION, "tokenizer": tok.NAME, "vocab_size": tok.VOCAB_SIZE,
              "eot_id": tok.EOT_ID, "dtype": "uint32", "byteorder": "little",
              "shard_size": self.shard_size, "plan": self.plan, "shards": self.shards,
-             "cursor": self.cursor, "complete": self.complete}
+             "cursor": dict(self.cursor, bad_docs=dict(sorted(self.problems.total.items()))),
+             "complete": self.complete}
         if self.counts is not None:
             m["token_counts"] = {k: encode_counts(v) for k, v in sorted(self.counts.items())}
         return m
@@ -433,16 +482,17 @@ class Writer:
                                       f"or choose an empty --out")
             m = json.loads(out.read_text(MANIFEST))
             if m.get("tokenizer") != tok.NAME or m.get("format") != FORMAT_VERSION:
-                raise ValueError(f"{out.path(MANIFEST)}: written with tokenizer {m.get('tokenizer')!r} "
-                                 f"format {m.get('format')}, this is {tok.NAME!r} format {FORMAT_VERSION}")
+                raise SourceError(f"{out.path(MANIFEST)}: written with tokenizer {m.get('tokenizer')!r} "
+                                  f"format {m.get('format')}, this is {tok.NAME!r} format {FORMAT_VERSION}")
             if m["plan"] != json.loads(json.dumps(plan)) or m["shard_size"] != shard_size:
-                raise ValueError(f"{out.path(MANIFEST)}: --resume with different sources or --shard_size than "
-                                 f"the run that wrote it (manifest plan {m['plan']}, shard_size {m['shard_size']})")
+                raise SourceError(f"{out.path(MANIFEST)}: --resume with different sources or --shard_size than "
+                                  f"the run that wrote it (manifest plan {m['plan']}, shard_size {m['shard_size']})")
             counts = m.get("token_counts")
             counts = ({k: decode_counts(v) for k, v in counts.items()} if counts is not None
                       else None if m["shards"] else {})
-            w = cls(out, plan, shard_size, shards=m["shards"], cursor=m["cursor"], complete=m["complete"],
-                    counts=counts)
+            cursor = dict(m["cursor"])
+            w = cls(out, plan, shard_size, shards=m["shards"], complete=m["complete"], counts=counts,
+                    bad_docs=cursor.pop("bad_docs", {}), cursor=cursor)
         else:
             w = cls(out, plan, shard_size)
         out.remove_temps()
@@ -495,13 +545,16 @@ class Writer:
                     self._pack(seg, si, flat[offs[j]:offs[j + 1]], doc_index, progress)
             if seg["split"] == "auto":
                 self._check_train_shard(seg)
+            else:
+                self._check_some_text(seg, doc_index)
             if self._fill:
                 self._close_shard(seg, self._buf[: self._fill])
                 self._fill = 0
             self.cursor = {"segment": si + 1, "docs": 0, "carry": 0}
+            self.problems.commit(float("inf"))        # the segment is done: a resume reads none of it again
             self.complete = si + 1 == len(self.plan)
             self._write_manifest()
-        if self.problems.counts:
+        if self.problems.total:
             print(f"tokenize: {self.problems.summary()}", file=sys.stderr, flush=True)
         return self
 
@@ -511,11 +564,21 @@ class Writer:
             return
         n = sum(s["tokens"] for s in self.shards) + self._fill
         fit = n // (seg["val_shards"] + 1)
-        raise ValueError(f"the source has only {n:,} tokens: --val_shards {seg['val_shards']} shards of --shard_size "
-                         f"{self.shard_size:,} leave nothing for training. "
-                         + (f"Use --shard_size {fit:,} or less (or fewer --val_shards, or more data); "
-                            if fit else "Use more data; ")
-                         + f"remove {self.out.url} first (it holds this run's partial output)")
+        raise SourceError(f"the source has only {n:,} tokens: --val_shards {seg['val_shards']} shards of --shard_size "
+                          f"{self.shard_size:,} leave nothing for training. "
+                          + (f"Use --shard_size {fit:,} or less (or fewer --val_shards, or more data); "
+                             if fit else "Use more data; ")
+                          + f"remove {self.out.url} first (it holds this run's partial output)")
+
+    def _check_some_text(self, seg, n_docs):
+        """A --train_source or --val_source without text would leave its split silently empty."""
+        if self._fill or any(s["split"] == seg["split"] for s in self.shards):
+            return
+        flag, spec = f"--{seg['split']}_source", seg["source"]
+        files = spec.get("files") or [spec.get("name") or spec["kind"]]
+        name = files[0] + (f" and {len(files) - 1} more file(s)" if len(files) > 1 else "")
+        raise SourceError(f"{flag} {name}: its {n_docs:,} document(s) hold no text, so the {seg['split']} split "
+                          f"would be empty; give {flag} a source with text (or check --text_field)")
 
     def _pack(self, seg, si, toks, docs_after, progress):
         """Append one document's tokens; close every shard it fills. docs_after = documents consumed."""
@@ -530,6 +593,8 @@ class Writer:
                 self._fill = 0
                 # tokens of this document not in a closed shard yet (they start the open shard)
                 self.cursor = {"segment": si, "docs": docs_after, "carry": n - pos}
+                # a resume starts at the straddling document (when some of it is carried), so its problem waits
+                self.problems.commit(docs_after - 1 if pos < n else docs_after)
                 self._write_manifest()
         if progress is not None:
             progress(n)

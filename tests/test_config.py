@@ -24,7 +24,11 @@ INVALID = [
     ({"n_device_axis": (1, 2, 1), "micro_batch_size": 1, "train_batch_size": 4, "val_batch_size": 4},
      "--micro_batch_size (1) must be divisible by PP"),
     ({"train_batch_size": 5}, "--train_batch_size (5) must be divisible by --micro_batch_size (2)"),
-    ({"val_batch_size": 3}, "--val_batch_size (3) must be divisible by --micro_batch_size (2)"),
+    ({"val_batch_size": 3}, "--val_batch_size (3) must be divisible by DP x --micro_batch_size (1 x 2) (2)"),
+    # a count in all: each of 2 replicas' 3 sequences would not split into 2 micro-batches
+    ({"n_device_axis": (2, 1, 1), "val_batch_size": 6},
+     "--val_batch_size (6) must be divisible by DP x --micro_batch_size (2 x 2) (4); valid values of "
+     "--val_batch_size are multiples of 4"),
     ({"k": 5}, "--k (5) must be <= --n_experts (4)"),
     ({"k": 0}, "--k must be >= 1"),
     ({"n_experts": 0}, "--n_experts must be >= 1"),

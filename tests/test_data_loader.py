@@ -259,11 +259,13 @@ def test_error_tokenizer_mismatch(copy_dir):
 
 
 def test_error_token_id_out_of_vocab(copy_dir):
-    with pytest.raises(dataset.DataError, match=r"manifest.json: tokenizer vocab 100277 exceeds .* 1000"):
+    with pytest.raises(dataset.DataError, match=r"manifest.json: tokenizer vocab 100277 exceeds --vocab_size 1000; "
+                                                 r"use --vocab_size 100277 or more"):
         dataset.TokenDataset(copy_dir, "val", 1000)
     _edit_manifest(copy_dir, lambda m: m.update(vocab_size=1000))      # a manifest that understates it
     ds = dataset.TokenDataset(copy_dir, "val", 1000)                     # found as soon as it is read
-    with pytest.raises(dataset.DataError, match=r"val_000000.bin holds token id 100257 >= vocab_size 1000"):
+    with pytest.raises(dataset.DataError, match=r"val_000000.bin holds token id 100257 >= --vocab_size 1000 at "
+                                                 r"token 0 \(byte 0\)"):
         ds.read(0, 10)
 
 
@@ -271,14 +273,38 @@ def test_error_incomplete_or_missing_manifest(copy_dir, tmp_path):
     _edit_manifest(copy_dir, lambda m: m.update(complete=False))
     with pytest.raises(dataset.DataError, match="manifest.json: tokenization did not finish"):
         dataset.TokenDataset(copy_dir, "train", tok.VOCAB_SIZE)
-    with pytest.raises(dataset.DataError, match="nowhere/manifest.json: no manifest"):
+    with pytest.raises(dataset.DataError, match="nowhere: no such directory; tokenize into it first"):
         dataset.TokenDataset(str(tmp_path / "nowhere"), "train", tok.VOCAB_SIZE)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(dataset.DataError, match="empty/manifest.json: no manifest; tokenize into it first"):
+        dataset.TokenDataset(str(tmp_path / "empty"), "train", tok.VOCAB_SIZE)
 
 
 def test_error_too_little_data(data_dir):
     ds = dataset.TokenDataset(data_dir, "val", tok.VOCAB_SIZE)
     n = ds.n_windows(T)
-    with pytest.raises(dataset.DataError, match=rf"manifest.json: split 'val' has .* {n} windows .* global batch"):
+    with pytest.raises(dataset.DataError, match=rf"--T {T}: split 'val' of .*manifest.json has .* {n} windows .* "
+                                                 rf"global batch {n + 1}; use --T {T - 1} or less"):
         dataset.BatchLoader(ds, T, n + 1, _sharding((1, 1, 8)), seed=0)
+    dataset.BatchLoader(ds, T - 1, n + 1, _sharding((1, 1, 8)), seed=0)     # the T it suggests fits
     with pytest.raises(dataset.DataError, match="manifest.json"):
         dataset.validation_batches(ds, 4096, B, _sharding(), 2)
+
+
+def test_validation_set_is_the_same_windows_on_every_mesh(data_dir):
+    """main.py's validation set is --eval_steps batches of --val_batch_size sequences in all: the same
+    tokens on (1,1,1), (2,2,2) and (2,1,2), so val numbers compare across meshes and slices."""
+    import main
+    import model
+    import utils
+    val = {}
+    for mesh in ((1, 1, 1), (2, 2, 2), (2, 1, 2)):
+        cfg = utils.override(utils.PRESETS["tiny"], data_dir=data_dir, T=T, val_batch_size=8, eval_steps=3,
+                             max_tokens=0, n_device_axis=mesh)
+        utils.validate(cfg, jax.device_count())
+        sharding = NamedSharding(model.make_mesh(mesh), P("dp", None))
+        _, batches = main.load_data(cfg, sharding)
+        val[mesh] = [np.asarray(x) for x, _ in batches]
+        assert len(batches) == 3 and all(x.shape == (8, T) and x.sharding == sharding for x, _ in batches)
+    for mesh in ((2, 2, 2), (2, 1, 2)):
+        assert all(np.array_equal(a, b) for a, b in zip(val[mesh], val[(1, 1, 1)])), mesh

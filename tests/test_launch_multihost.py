@@ -59,7 +59,7 @@ def test_two_host_training_matches_single_process(tmux_env, two_hosts, tmp_path)
     """A tiny config trained on a (2, 2, 2) mesh spanning two processes (4 devices each) through
     launcher.sh and run.sh checkpoints and logs the same losses as one process with 8 devices."""
     common = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32", "--train_batch_size", "2",
-              "--val_batch_size", "2", "--eval_steps", "1", "--max_tokens", "0", "--training_steps", "4",
+              "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--training_steps", "4",
               "--checkpoint_steps", "2", "--output_dir", str(tmp_path / "runs")]
     p = launch(tmux_env, two_hosts, tmp_path, "multi", common + ["--name", "multi"], timeout=600)
     assert p.returncode == 0, p.out + all_text(tmp_path / "local-logs")
@@ -81,7 +81,7 @@ def test_two_host_training_matches_single_process(tmux_env, two_hosts, tmp_path)
 
 # a small model on the (2, 2, 2) mesh: quick to compile and to step on a loaded 2-core machine
 SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32",
-         "--train_batch_size", "2", "--val_batch_size", "2", "--eval_steps", "1", "--max_tokens", "8"]
+         "--train_batch_size", "2", "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "8"]
 
 
 def status(tmux_env, where, name):

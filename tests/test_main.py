@@ -26,9 +26,10 @@ TINY = ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 
         "--dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 --model_dtype float32 "
         "--val_batch_size 2 --eval_steps 1 --max_tokens 0 --checkpoint_steps 1 --bias_update_rate 1e-2").split()
 N = 20              # steps; checkpoints every 10 x --checkpoint_steps = 10 steps, so at 10 and 20
-# (1,1,1) with 8 sequences per replica and (2,2,2) with 4 see the same global batch of 8.
+# (1,1,1) with 8 sequences per replica and (2,2,2) with 4 see the same global batch of 8; each keeps the
+# validation set it had when --val_batch_size counted per replica (2 on (1,1,1), 2 x 2 on (2,2,2)).
 MESH1 = "--n_device_axis 1 1 1 --train_batch_size 8".split()
-MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --cpu_devices 8".split()
+MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --val_batch_size 4 --cpu_devices 8".split()
 
 
 def run(cpu_env, out, *args, steps=N, extra_env=None, expect=0, timeout=600):

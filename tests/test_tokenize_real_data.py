@@ -1,15 +1,19 @@
 """Tokenizing real-world text: bad documents are repaired or skipped, counted and named (source, row),
-never a crash, and resuming past them stays exact; local files by extension (.csv included) never go
-to the Hub; a source too small for --val_shards plus a training shard is a clear error."""
+never a crash, wherever they are in a file (its first row too, a compressed file cut short), and
+resuming past them stays exact, their count included, after a SIGKILL; local files by extension
+(.csv included) never go to the Hub; a source too small for --val_shards plus a training shard, or a
+val source without text, is a clear error."""
 import gzip
 import json
+import os
+import zlib
 
 import numpy as np
 import pytest
 
 import tokenize_faults
 from data import shards
-from data_util import reference_tokens, shard_tokens
+from data_util import corpus_documents, reference_tokens, run_driver, shard_tokens
 
 FFFD = "\ufffd"
 
@@ -38,6 +42,9 @@ def bad_jsonl(tmp_path):
 
 
 WANT = [GOOD[0], f"bad {FFFD}{FFFD} bytes", f"lone {FFFD} surrogate", GOOD[1], GOOD[2]]
+BAD_DOCS = {"repaired: undecodable bytes or lone surrogates -> U+FFFD": 2, "skipped: a JSON line that is not an object": 1,
+            "skipped: no field 'text'": 1, "skipped: not valid JSON": 1, "skipped: null text": 1,
+            "skipped: text of type int, not a string": 1}          # the manifest's count, by kind
 
 
 def test_bad_documents_are_repaired_or_skipped_counted_and_named(bad_jsonl, tmp_path, capsys):
@@ -50,7 +57,7 @@ def test_bad_documents_are_repaired_or_skipped_counted_and_named(bad_jsonl, tmp_
                       (6, "skipped: a JSON line that is not an object"), (7, "skipped: no field 'text'")]:
         assert f"warning: {bad_jsonl} row {row}: {what}" in err, (row, err)
     assert "tokenize: 7 bad document(s): 2 repaired" in err
-    assert m["complete"] and m["cursor"] == {"segment": 1, "docs": 0, "carry": 0}
+    assert m["complete"] and m["cursor"] == {"segment": 1, "docs": 0, "carry": 0, "bad_docs": BAD_DOCS}
 
 
 class _Crash(Exception):
@@ -101,3 +108,91 @@ def test_source_too_small_for_val_shards_says_what_shard_size_works(tmp_path):
         shards.tokenize(str(tmp_path / "a"), plan, 1_000)
     m = shards.tokenize(str(tmp_path / "b"), plan, n // 3)          # the suggested size works
     assert [s["split"] for s in m["shards"]] == ["val", "val", "train"] + ["train"] * (len(m["shards"]) - 3)
+
+
+def driver(tmp_path, *args, point="none"):
+    """data.tokenize_local as a user runs it (a subprocess; SIGKILLed at `point`) into tmp_path/out."""
+    return run_driver(["--out", str(tmp_path / "out"), "--workers", "0", *args], {}, point, check=False)
+
+
+def one_line_error(p):
+    """The driver's stderr, checked to be one `error:` line and exit 2."""
+    assert p.returncode == 2 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-3000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("first,what", [(b'{"body": "no text field"}', "skipped: no field 'text'"),
+                                        (b'["a", "list"]', "skipped: a JSON line that is not an object")],
+                         ids=["no-text-field", "json-array"])
+def test_a_bad_first_row_is_skipped_like_any_other(tmp_path, first, what):
+    """A .jsonl is JSON Lines whatever its first line holds; a bad first row is one bad document."""
+    src = tmp_path / "dump.jsonl"
+    src.write_bytes(b"\n".join([first] + [json.dumps({"text": t}).encode() for t in GOOD]) + b"\n")
+    p = driver(tmp_path, "--train_source", str(src), "--shard_size", "1000")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert np.array_equal(shard_tokens(str(tmp_path / "out"))[1], reference_tokens(GOOD))
+    assert f"warning: {src} row 0: {what}" in p.stderr and "tokenize: 1 bad document(s)" in p.stderr
+
+
+def test_a_source_whose_rows_lack_the_text_field_is_a_wrong_text_field(tmp_path):
+    """Not a stream of bad rows to skip through (hours, on a Hub dataset): after the first 100 (the
+    first 20 warned about) it stops, exit 2, saying so."""
+    src = tmp_path / "dump.jsonl"
+    src.write_text("".join(json.dumps({"content": t}) + "\n" for t in GOOD * 40))
+    p = driver(tmp_path, "--train_source", str(src), "--shard_size", "1000")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (f"error: source {src}: none of the first 100 rows has the field "
+                                                 f"'text' (fields: ['content']); pass --text_field")
+    assert driver(tmp_path, "--train_source", str(src), "--shard_size", "1000", "--text_field", "content",
+                  "--max_docs", "3").returncode == 0
+
+
+def test_a_gz_cut_short_keeps_what_was_read_and_names_the_file(tmp_path):
+    """An interrupted download: every whole line before the cut is tokenized, the rest of the file is one
+    bad document named in a warning, and the job finishes (one bad file does not stop a long run)."""
+    docs = corpus_documents("val")
+    whole = gzip.compress(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in docs))
+    src = tmp_path / "dump.jsonl.gz"
+    src.write_bytes(whole[: len(whole) * 2 // 3])
+    readable = zlib.decompressobj(wbits=31).decompress(src.read_bytes())      # what the cut left, read here
+    kept = [json.loads(line)["text"] for line in readable.split(b"\n")[:-1]]
+    assert 0 < len(kept) < len(docs)
+    p = driver(tmp_path, "--train_source", str(src), "--shard_size", "5000")
+    assert p.returncode == 0, p.stderr[-3000:]
+    m, toks = shard_tokens(str(tmp_path / "out"))
+    assert m["complete"] and np.array_equal(toks, reference_tokens(kept))
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {src} row {len(kept)}: skipped: the rest of "
+                                                         f"the file, cut short"), p.stderr
+
+
+@pytest.mark.parametrize("val", ["", "empty.jsonl"], ids=["empty-flag", "no-documents"])
+def test_a_val_source_without_text_is_refused_naming_the_flag(tmp_path, val):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in GOOD))
+    p = driver(tmp_path, "--train_source", str(tmp_path / "train.jsonl"),
+               "--val_source", val and str(tmp_path / val), "--shard_size", "1000")
+    assert one_line_error(p).startswith(f"error: --val_source {tmp_path / val if val else repr('')}"), p.stderr
+    assert not os.path.exists(tmp_path / "out")            # nothing half-written
+
+
+def test_the_bad_document_count_survives_a_sigkill_and_resume(bad_jsonl, tmp_path):
+    """The manifest counts the bad documents of every process that wrote it: a run SIGKILLed after the
+    documents before its first shard boundary (bad ones among them) and resumed records and reports
+    the same count as an uninterrupted one, and the same bytes."""
+    args = ["--train_source", bad_jsonl, "--shard_size", "300"]
+    ref = driver(tmp_path / "ref", *args)
+    assert ref.returncode == 0 and "tokenize: 7 bad document(s)" in ref.stderr, ref.stderr[-3000:]
+    killed = driver(tmp_path, *args, point="manifest:1")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    cursor = json.loads((tmp_path / "out" / shards.MANIFEST).read_text())["cursor"]
+    assert cursor["docs"] - (cursor["carry"] > 0) > 7          # past every bad document: a resume reads none
+    resumed = driver(tmp_path, *args, "--resume")
+    assert resumed.returncode == 0 and "warning:" not in resumed.stderr, resumed.stderr[-3000:]
+    assert "tokenize: 7 bad document(s): 2 repaired" in resumed.stderr
+    m = json.loads((tmp_path / "out" / shards.MANIFEST).read_text())
+    assert m["cursor"]["bad_docs"] == BAD_DOCS
+    for name in os.listdir(tmp_path / "ref" / "out"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / "out" / name).read_bytes(), name

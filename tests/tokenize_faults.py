@@ -115,8 +115,8 @@ def main(argv):
     from data import tokenize_local
     if argv[0] != "none":
         install(setattr, parse(argv[0]), sigkill_group)
-    tokenize_local.main(argv[1:])
+    return tokenize_local.main(argv[1:])
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
