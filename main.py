@@ -1223,7 +1223,7 @@ def train(cfg, mesh):
             if stopping:
                 break
         meter.fetch()
-    except Diverged:
+    except (Diverged, dataset.DataError):       # the state is sound: the checkpoint in flight completes
         bar.close()
         close_run(run)
         raise
