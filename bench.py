@@ -1,7 +1,7 @@
 """Training-step benchmark: `python bench.py [--preset P] [guide flags...] [--steps N] [--warmup W]`.
 
 Builds the config exactly as main.py does (preset, then every guide flag on top), validates it,
-compiles the training step main.py runs (value_and_grad of model.loss_and_metrics, global-norm
+compiles the training step main.py runs (value_and_grad of pipeline.loss_and_metrics, global-norm
 clipping, AdamW with weight decay on matrices only, params and optimizer state sharded over the mesh
 and donated), feeds it random tokens, runs W warm-up steps and N timed steps, and prints ONE JSON
 line (the fields are described in BENCHMARKS.md). In the same run it times a large matmul (bf16
@@ -42,9 +42,7 @@ import argparse
 import collections
 import glob
 import json
-import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -53,8 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import hlo
 import main as driver
 import model
+import pipeline
+import sharding
 import utils
 
 
@@ -128,210 +129,12 @@ def xla_flops(compiled):
     return float(cost["flops"])
 
 
-_COMP_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_SHAPE = re.compile(r"^\(?\s*(\w+)\[([\d,]*)\]")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-def _dims(text):
-    return [int(d) for d in text.split(",") if d]
-
-
-def _dot_category(rhs):
-    """Which part of the model a dot belongs to, from the op_name JAX writes into its metadata: the
-    output layer's dots run under the named scope "output_layer" (model.cross_entropy_sum), and
-    the dots of the backward pass keep the forward's name inside "transpose(...)"."""
-    name = re.search(r'op_name="([^"]*)"', rhs)
-    name = name.group(1) if name else ""
-    part = "output_layer" if "output_layer" in name else ("blocks" if name else "unattributed")
-    phase = ("remat" if "rematted_computation" in name else "backward" if "transpose(" in name else "forward")
-    return part, phase
-
-
-def _conv_flops(rhs, shapes):
-    """FLOPs of an HLO convolution, which is how TPU HLO writes matmuls (batch dimensions become
-    strided, dilated or padded windows): 2 x batch x output features x input features per group x,
-    for each spatial dimension, the (output position, window tap) pairs that land on a real input
-    element rather than padding or a dilation hole (as XLA's own cost analysis counts them)."""
-    out = _SHAPE.match(rhs.strip())
-    operands = re.search(r"\bconvolution\(([^)]*)\)", rhs)
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rhs)
-    if not (out and operands and labels):
-        return 0.0
-    names = [o.strip().split(" ")[-1].lstrip("%") for o in operands.group(1).split(",")]
-    lhs_shape, rhs_shape = (shapes.get(n) for n in names[:2])
-    if lhs_shape is None or rhs_shape is None:
-        return 0.0
-    out_shape = _dims(out.group(2))
-    lhs_l, rhs_l, out_l = labels.groups()
-    window = dict(re.findall(r"(\w+)=([\dx_]+)", (re.search(r"window=\{([^}]*)\}", rhs) or [None, ""])[1]))
-    per_dim = lambda key, default: ([tuple(map(int, v.split("_"))) if "_" in v else int(v)
-                                     for v in window[key].split("x")] if key in window else None) or default
-    spatial = sorted(c for c in lhs_l if c.isdigit())
-    n = len(spatial)
-    size, stride, pad = per_dim("size", [1] * n), per_dim("stride", [1] * n), per_dim("pad", [(0, 0)] * n)
-    lhs_dilate, rhs_dilate = per_dim("lhs_dilate", [1] * n), per_dim("rhs_dilate", [1] * n)
-    taps = 1
-    for i, d in enumerate(spatial):
-        extent = (lhs_shape[lhs_l.index(d)] - 1) * lhs_dilate[i] + 1
-        taps *= sum(1 for o in range(out_shape[out_l.index(d)]) for k in range(size[i])
-                    if 0 <= (p := o * stride[i] + k * rhs_dilate[i] - pad[i][0]) < extent and p % lhs_dilate[i] == 0)
-    return 2.0 * out_shape[out_l.index("b")] * out_shape[out_l.index("f")] * rhs_shape[rhs_l.index("i")] * taps
-
-
-def parse_hlo(hlo_text):
-    """An optimized HLO module's text as ({computation: [instruction lines]}, entry name), or None
-    when the text has no ENTRY computation."""
-    comps, entry, current = {}, None, None
-    for line in hlo_text.splitlines():
-        stripped = line.strip()
-        m = _COMP_HEADER.match(stripped)
-        if m and ("->" in stripped or stripped.startswith("ENTRY")):
-            current = m.group(1)
-            comps[current] = []
-            if stripped.startswith("ENTRY"):
-                entry = current
-            continue
-        if stripped == "}":
-            current = None
-            continue
-        if current is not None and " = " in stripped:
-            comps[current].append(stripped)
-    return (comps, entry) if entry is not None else None
-
-
-def trip_count(rhs, comps):
-    """Iterations of the while loop whose instruction right-hand side is `rhs`. XLA:CPU writes
-    known_trip_count; TPU HLO does not, but its loop conditions compare the counter (from 0) with a
-    constant: `compare(counter, constant(N)), direction=LT`. 1 when neither says."""
-    trip = _TRIP.search(rhs)
-    if trip:
-        return int(trip.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", rhs)
-    lines = comps.get(cond.group(1), []) if cond else []
-    constants = {ins.partition(" = ")[0].strip().lstrip("%"): int(c.group(1)) for ins in lines
-                 if (c := re.search(r"\bconstant\((-?\d+)\)", ins))}
-    root = next((ins for ins in lines if ins.startswith("ROOT") and "direction=LT" in ins), "")
-    operands = re.search(r"compare\(([^)]*)\)", root)
-    bound = [constants[o.strip().lstrip("%")] for o in operands.group(1).split(",")
-             if o.strip().lstrip("%") in constants] if operands else []
-    return bound[0] if bound else 1
-
-
-def hlo_sum(comps, entry, count, key):
-    """Sum of count(instruction right-hand side) -> {name: number} over everything the entry
-    computation runs: every while body times its trip count (nested loops multiply), every fusion,
-    call or async computation once where it is called (an async-start's, not again at its
-    async-update/-done), and a conditional's costliest branch: the one with the largest value of
-    `key` (a name in count's dicts, or a function of the branch's dict)."""
-    memo = {}
-    add = lambda acc, other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
-
-    def cost(name):
-        if name in memo:
-            return memo[name]
-        memo[name] = {}               # recursion guard
-        total = {}
-        for ins in comps.get(name, []):
-            rhs = ins.partition(" = ")[2]
-            add(total, count(rhs))
-            if re.search(r"\bwhile\(", rhs):
-                body = re.search(r"body=%?([\w.\-]+)", rhs)
-                if body:
-                    add(total, cost(body.group(1)), trip_count(rhs, comps))
-            elif re.search(r"\bconditional\(", rhs):
-                branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
-                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
-                costs = [cost(b) for b in names]
-                if costs:
-                    add(total, max(costs, key=key if callable(key) else lambda c: c.get(key, 0.0)))
-            elif not re.search(r"\basync-(?:update|done)\(", rhs):
-                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rhs):
-                    add(total, cost(callee))
-        memo[name] = total
-        return total
-
-    return cost(entry)
-
-
-def hlo_flops(hlo_text):
-    """Matmul FLOPs (2 x output elements x contracted size per dot) of an optimized, SPMD-partitioned
-    HLO module (so: per device), counting every while body times its known trip count, every fusion
-    or call where it is called, and a conditional's costliest branch (`hlo_sum`). Returns {"total": F,
-    "output_layer": F, "blocks": F, "unattributed": F, "forward": F, "backward": F, "remat": F}:
-    the first three split the total by part ("unattributed": dots XLA created without an op_name,
-    seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
-    inside the backward). The output layer is recognised by its "output_layer" scope. "by_dtype":
-    the total by operand dtypes, {"bf16 x bf16": F, "f32 x f32": F, ...}."""
-    parsed = parse_hlo(hlo_text)
-    if parsed is None:
-        return None
-    comps, entry = parsed
-
-    shapes, dtypes = {}, {}
-    for lines in comps.values():
-        for ins in lines:
-            lhs, _, rhs = ins.partition(" = ")
-            m = _SHAPE.match(rhs.strip())
-            if m:
-                name = lhs.replace("ROOT", "").strip().lstrip("%")
-                dtypes[name], shapes[name] = m.group(1), _dims(m.group(2))
-
-    def operand_dtypes(rhs):
-        """"bf16 x bf16": the dtypes of a dot's or convolution's two operands (named or typed inline)."""
-        operands = re.search(r"\b(?:dot|convolution)\(([^)]*)\)", rhs)
-        names = operands.group(1).split(",")[:2] if operands else []
-        found = [_SHAPE.match(o.strip()) or dtypes.get(o.strip().split(" ")[-1].lstrip("%")) for o in names]
-        return " x ".join(t.group(1) if isinstance(t, re.Match) else t or "?" for t in found)
-
-    def dot_flops(rhs):
-        out = _SHAPE.match(rhs.strip())
-        operands = re.search(r"\bdot\(([^)]*)\)", rhs)
-        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rhs)
-        if not (out and operands and contract):
-            return 0.0
-        first = operands.group(1).split(",")[0].strip()
-        lhs_shape = shapes.get(first.split(" ")[-1].lstrip("%"))
-        if lhs_shape is None:         # operand shapes printed inline: "f32[4,8]{1,0} %x"
-            inline = _SHAPE.match(first)
-            lhs_shape = _dims(inline.group(2)) if inline else None
-        if lhs_shape is None:
-            return 0.0
-        return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_shape[d] for d in _dims(contract.group(1)))
-
-    def matmuls(rhs):
-        matmul = dot_flops(rhs) if re.search(r"\bdot\(", rhs) else (
-            _conv_flops(rhs, shapes) if re.search(r"\bconvolution\(", rhs) else None)
-        if matmul is None:
-            return {}
-        part, phase = _dot_category(rhs)
-        return {"total": matmul, part: matmul, phase: matmul, ("dtype", operand_dtypes(rhs)): matmul}
-
-    result = {k: 0.0 for k in ("total", "output_layer", "blocks", "unattributed", "forward", "backward", "remat")}
-    result["by_dtype"] = {}
-    for k, v in hlo_sum(comps, entry, matmuls, "total").items():
-        if isinstance(k, tuple):
-            result["by_dtype"][k[1]] = v
-        else:
-            result[k] = result.get(k, 0.0) + v
-    return result
-
-
 def count_step_flops(cfg):
     """Per-device FLOPs of the compiled step for cfg: XLA's cost analysis and the loop-aware count."""
-    mesh = model.make_mesh(cfg.run.n_device_axis)
+    mesh = sharding.make_mesh(cfg.run.n_device_axis)
     step, _, _, abstract_args = build_step(cfg, mesh)
     compiled = step.lower(*abstract_args()).compile()
-    return {"xla_cost_analysis": xla_flops(compiled), **hlo_flops(compiled.as_text())}
-
-
-def pipeline_repeats(cfg):
-    """R, how many times the micro-batches go around the stage ring (the circular pipeline's
-    `pipeline_repeats`, a model config field); 1 is GPipe."""
-    for section in (cfg.run, cfg.model):
-        if hasattr(section, "pipeline_repeats"):
-            return int(section.pipeline_repeats)
-    return 1
+    return {"xla_cost_analysis": xla_flops(compiled), **hlo.matmul_flops(compiled.as_text())}
 
 
 def expected_pipeline_ratio(M, pp, R=1):
@@ -350,7 +153,7 @@ def pipeline_flops(cfg):
     pipeline, split over the stages (1/pp each), so the total ratio sits below the pipeline figure
     by how much of the step the output layer is; "ratio_by_part" shows both."""
     dp, pp, tp = cfg.run.n_device_axis
-    M, R = cfg.run.micro_batch_size, pipeline_repeats(cfg)
+    M, R = cfg.run.micro_batch_size, cfg.model.pipeline_repeats
     stages = sorted({1, pp} | {2 ** i for i in range(1, pp.bit_length()) if 2 ** i < pp})
     counts = {}
     for stage_count in stages:
@@ -443,7 +246,7 @@ def grad_error(cfg, tokens="zipf"):
     x, y = batch[:, :-1], batch[:, 1:]
     fp32 = utils.override(cfg, model_dtype="float32").model
     reference = jax.device_get(jax.jit(jax.grad(
-        lambda p: model.reference_loss_and_metrics(p, x, y, key, fp32)[0]))(params))
+        lambda p: pipeline.reference_loss_and_metrics(p, x, y, key, fp32)[0]))(params))
     ref_leaves = jax.tree_util.tree_leaves_with_path(reference)
 
     def errors(grads):
@@ -453,8 +256,8 @@ def grad_error(cfg, tokens="zipf"):
         return by_leaf, max(by_leaf, key=by_leaf.get)
 
     def on_mesh(shape):
-        mesh = model.make_mesh(shape)
-        grad = jax.jit(jax.grad(lambda p: model.loss_and_metrics(p, x, y, key, m, mesh, M)[0]))
+        mesh = sharding.make_mesh(shape)
+        grad = jax.jit(jax.grad(lambda p: pipeline.loss_and_metrics(p, x, y, key, m, mesh, M)[0]))
         return errors(grad(jax.device_put(params, model.param_shardings(params, mesh, m.expert_parallel))))
 
     runs = {"mesh": on_mesh(cfg.run.n_device_axis), "one_device": on_mesh((1, 1, 1)),
@@ -517,7 +320,7 @@ def compiled_memory(compiled):
 def run_benchmark(args, cfg):
     dp, pp, tp = cfg.run.n_device_axis
     n_mesh = dp * pp * tp
-    mesh = model.make_mesh(cfg.run.n_device_axis)
+    mesh = sharding.make_mesh(cfg.run.n_device_axis)
     device_kind = jax.devices()[0].device_kind
     step, make_state, make_batch, abstract_args = build_step(cfg, mesh)
 
@@ -562,7 +365,7 @@ def run_benchmark(args, cfg):
         "mfu_vs_measured_peak": utils.mfu(tok_s, fpt, n_mesh, measured_peak),
         "peak_memory_bytes": peak_memory(mesh.devices.flat),
         "compiled_memory_bytes": compiled_memory(compiled),
-        "hlo_matmul_flops_per_device_step": (hlo_flops(compiled.as_text()) or {}).get("total"),
+        "hlo_matmul_flops_per_device_step": (hlo.matmul_flops(compiled.as_text()) or {}).get("total"),
         "params_total": counts["total"], "params_active": counts["active"],
         "final_loss": float(stats["loss"]),
         **({"profile": profile} if profile else {}),

@@ -56,9 +56,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import dataset
+import generate
 import model
 import multihost
+import pipeline
 import pod
+import sharding
 import spikes
 import utils
 from data.tokenizer import get_tokenizer
@@ -487,7 +490,7 @@ def _check_checksums(state, saved):
 def _in_layout(target, saved_repeats, repeats):
     """target (abstract state, stored for --pipeline_repeats `repeats`) with every stacked block leaf
     (under a "blocks" key: params and optimizer moments) shaped as `saved_repeats` stores it
-    (model.pipeline_layout) and replicated over pp, which need not split that layout's stacked axis;
+    (pipeline.pipeline_layout) and replicated over pp, which need not split that layout's stacked axis;
     target itself when nothing differs."""
     changed = []
     lead = 1 if repeats == 1 else 2                 # target's stacked dims: [blocks] or [R, blocks/R]
@@ -681,7 +684,7 @@ class Trainer(NamedTuple):
 
 def build_trainer(cfg, mesh):
     """The jitted training and eval steps for cfg on mesh, and the training state's layout."""
-    abstract_params = jax.eval_shape(partial(model.init_pipeline_params, cfg.model), jax.random.key(0))
+    abstract_params = jax.eval_shape(partial(pipeline.init_pipeline_params, cfg.model), jax.random.key(0))
     optimizer = make_optimizer(cfg.optim, abstract_params)
     shardings, abstract_state = state_layout(cfg, optimizer, abstract_params, mesh)
     replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp", None))
@@ -726,7 +729,7 @@ def state_layout(cfg, optimizer, abstract_params, mesh):
 def init_state(cfg, optimizer, shardings, mesh, seed):
     """A fresh training state, computed straight into its shardings (no host holds the whole model)."""
     init_key, train_key = jax.random.split(jax.random.key(seed))
-    params = model.init_sharded_params(cfg.model, init_key, mesh)
+    params = pipeline.init_sharded_params(cfg.model, init_key, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
     # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
     return {"params": params, "opt_state": opt_state,
@@ -777,7 +780,7 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
     Gradients of the params only: the routing bias is state the loss reads, not a parameter."""
     xs, ys = batch
     G = len(xs)
-    grad_fn = jax.value_and_grad(lambda p, x, y, k: model.loss_and_metrics(
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: pipeline.loss_and_metrics(
         model.with_router_bias(p, router_bias), x, y, k, cfg.model, mesh, cfg.run.micro_batch_size, True),
         has_aux=True)
 
@@ -798,7 +801,7 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
 
 
 def eval_step(params, router_bias, x, y, *, cfg, mesh):
-    _, metrics = model.loss_and_metrics(model.with_router_bias(params, router_bias), x, y, jax.random.key(0),
+    _, metrics = pipeline.loss_and_metrics(model.with_router_bias(params, router_bias), x, y, jax.random.key(0),
                                         cfg.model, mesh, cfg.run.micro_batch_size, False)
     return metrics["ce"], jnp.sum(metrics["balance"])
 
@@ -1139,7 +1142,7 @@ def sample_text(state, cfg, ids, step):
     ic, enc = cfg.inference, get_tokenizer()
     key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), step)
     params = model.with_router_bias(state["params"], state["router_bias"])
-    new = model.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
+    new = generate.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
     return enc.decode([t for t in new if t < enc.n_vocab])
 
 
@@ -1252,7 +1255,7 @@ def sample_from_checkpoint(cfg):
         cfg.model, **{k: v for k, v in (newest[1].get("model") or {}).items() if k in fields}))
     utils.validate(cfg, jax.device_count())
     ids = prompt_ids(cfg.inference, cfg.model.T)
-    trainer = build_trainer(cfg, model.make_mesh(cfg.run.n_device_axis))
+    trainer = build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis))
     state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
     mngr.close()
     text = sample_text(state, cfg, ids, int(meta["step"]))
@@ -1287,7 +1290,7 @@ def main(argv=None):
         if cfg.run.sample:                 # validated with the model config the checkpoint recorded
             return sample_from_checkpoint(cfg)
         utils.validate(cfg, jax.device_count())
-        return train(cfg, model.make_mesh(cfg.run.n_device_axis))
+        return train(cfg, sharding.make_mesh(cfg.run.n_device_axis))
     except utils.ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@
 (`pip install -r requirements-tpu.txt`) compiles for a TPU topology on a CPU (as MaxText's
 train_compile does), so a config's per-chip memory plan, FLOPs and compile time are known before a
 pod is rented, with the bytes each chip moves in collectives per step (`collective_bytes`, counted
-from the compiled HLO). The mesh comes from `model.make_mesh` over the topology's devices, the same function
+from the compiled HLO). The mesh comes from `sharding.make_mesh` over the topology's devices, the same function
 and device order a real run on that slice uses; the steps are `main.build_trainer`'s, the ones
 main.py runs. Nothing is trained and nothing is written.
 
@@ -22,9 +22,10 @@ import jax
 import numpy as np
 from jax.experimental import topologies
 
-import bench
+import hlo
 import main as driver
 import model
+import sharding
 import utils
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
@@ -78,7 +79,7 @@ def topology_devices(tpu):
 
 
 def rehearse(cfg, tpu):
-    mesh = model.make_mesh(cfg.run.n_device_axis, topology_devices(tpu))
+    mesh = sharding.make_mesh(cfg.run.n_device_axis, topology_devices(tpu))
     trainer = driver.build_trainer(cfg, mesh)
     report = Report(cfg, tpu, mesh)
     report.header()
@@ -149,7 +150,7 @@ class Report:
         tpu, mesh = self.tpu, self.mesh
         dp, pp, tp = self.cfg.run.n_device_axis
         kind = mesh.devices.flat[0].device_kind
-        crossing = model.axes_across_hosts(mesh)
+        crossing = sharding.axes_across_hosts(mesh)
         print(f"slice: {tpu.name} = {tpu.chips} {kind} chips ({tpu.topology_name}) on {tpu.hosts} host(s) of "
               f"{math.prod(tpu.host_grid)} chips; usable HBM {tpu.hbm_bytes / GiB:.2f} GiB per chip")
         print(f"mesh: dp={dp} pp={pp} tp={tp}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
@@ -162,7 +163,7 @@ class Report:
 
     def step(self, name, compiled, seconds, cpu_seconds, abstract_state):
         """Print the step's plan; return the GiB it needs per chip."""
-        mem, hlo = compiled.memory_analysis(), compiled.as_text()     # the text of a big step is megabytes
+        mem, hlo_text = compiled.memory_analysis(), compiled.as_text()   # the text of a big step is megabytes
         state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
         total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
@@ -173,14 +174,14 @@ class Report:
               f" | code {_gib(mem.generated_code_size_in_bytes)} | total {_gib(total)} of "
               f"{self.tpu.hbm_bytes / GiB:.2f} GiB ({100 * total / self.tpu.hbm_bytes:.0f}%)")
         print("  largest buffers: " + "; ".join(f"{what} {_gib(size).strip()}"
-                                                for what, size in _largest_buffers(hlo, 4)))
-        self._collectives(hlo)
+                                                for what, size in hlo.largest_buffers(hlo_text, 4)))
+        self._collectives(hlo_text)
         if name == "train step":
-            self._flops(hlo)
+            self._flops(hlo_text)
         return total / GiB
 
-    def _collectives(self, hlo):
-        counted = collective_bytes(hlo)
+    def _collectives(self, hlo_text):
+        counted = hlo.collective_bytes(hlo_text)
         print("  collectives per chip per step (compiled HLO, loops x trip counts; bytes: each op's full-size "
               "buffer on the chip, sent: a ring's share of it, BENCHMARKS.md 'Collective bytes'):")
         for kind, c in counted.items():
@@ -189,9 +190,9 @@ class Report:
               f"{_gib(sum(c['bytes'] for c in counted.values()))} "
               f"{_gib(sum(c['link_bytes'] for c in counted.values()))} sent")
 
-    def _flops(self, hlo):
+    def _flops(self, hlo_text):
         cfg, tpu = self.cfg, self.tpu
-        counted = bench.hlo_flops(hlo)
+        counted = hlo.matmul_flops(hlo_text)
         peak = utils.peak_flops(self.mesh.devices.flat[0].device_kind)
         tokens = cfg.optim.grad_step * cfg.run.n_device_axis[0] * cfg.run.train_batch_size * cfg.model.T
         useful = model.flops_per_token(cfg.model) * tokens / tpu.chips
@@ -208,108 +209,7 @@ class Report:
                   f"{tokens / seconds:,.0f} tokens/s ({tokens:,} tokens a step)")
 
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-_COLLECTIVE_OP = re.compile(r'^([^="]*?)\s(' + "|".join(sorted(COLLECTIVES, key=len, reverse=True))
-                            + r")(-start|-done)?\(")
-
-
-def collective_bytes(hlo_text):
-    """Per-chip collective traffic of one run of an optimized, SPMD-partitioned HLO module (as
-    `compiled.as_text()` gives it): {kind: {"count": ops run, "bytes": B, "link_bytes": L}} for each
-    kind in COLLECTIVES that occurs. Ops inside while loops count once per iteration (the trip
-    count XLA annotates, or the loop condition's bound; nested loops multiply), fused or async ones
-    where they are called (an async pair once), a conditional's branch with the most bytes.
-
-    bytes: the op's full-size buffer on one chip: an all-gather's result, a reduce-scatter's input
-    (group size x its result), an all-reduce's, all-to-all's or collective-permute's input (= its
-    result), a ragged-all-to-all's input (the send buffer: an upper bound, the rows actually sent
-    depend on the routing). link_bytes: what a ring or pairwise algorithm sends out of each chip
-    for that buffer over a group of n chips: (n-1)/n of it for all-gather, reduce-scatter,
-    all-to-all and ragged-all-to-all, 2(n-1)/n for all-reduce, all of it for collective-permute."""
-    parsed = bench.parse_hlo(hlo_text)
-    if parsed is None:
-        return {}
-    comps, entry = parsed
-    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
-    partitions = int(partitions.group(1)) if partitions else 1
-    defined = {ins.partition(" = ")[0].replace("ROOT", "").strip().lstrip("%"): ins.partition(" = ")[2]
-               for lines in comps.values() for ins in lines}
-
-    def result_bytes(rhs):                           # an array or a tuple of arrays
-        result_type = re.match(r'^([^="]*?)\s[\w\-]+\(', rhs)
-        return sum(math.prod(_dims(dims)) * _DTYPE_BYTES[dtype] for dtype, dims in
-                   re.findall(r"\b(\w+)\[([\d,]*)\]", result_type.group(1) if result_type else "")
-                   if dtype in _DTYPE_BYTES)
-
-    def first_operand(rhs):                          # its defining instruction's right-hand side
-        name = re.search(r"[\w\-]+\(\s*(?:[^%(),]*\s)?%([\w.\-]+)", rhs)
-        return defined.get(name.group(1), "") if name else ""
-
-    def group_size(rhs):
-        explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", rhs)
-        if explicit:
-            return len(explicit.group(1).split(","))
-        mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rhs)   # mesh[...] {'axis_1',...}
-        if mesh:
-            sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
-            return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)))
-        iota = re.search(r"replica_groups=\[([\d,]+)\]<=", rhs)        # [groups, size]<=[devices]
-        return int(iota.group(1).split(",")[-1]) if iota else partitions
-
-    def count(rhs):
-        m = _COLLECTIVE_OP.match(rhs)
-        if not m or m.group(3) == "-start":          # an async pair counts at its -done
-            return {}
-        kind = m.group(2)
-        attrs = first_operand(rhs) if m.group(3) == "-done" else rhs      # the groups are on the -start
-        n = group_size(attrs)
-        size = result_bytes(first_operand(rhs) if kind == "ragged-all-to-all" else rhs)
-        if kind == "reduce-scatter":
-            size *= n
-        share = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
-        return {(kind, "count"): 1, (kind, "bytes"): size, (kind, "link_bytes"): share * size}
-
-    totals = bench.hlo_sum(comps, entry, count, key=lambda c: sum(v for (_, what), v in c.items() if what == "bytes"))
-    return {kind: {"count": int(totals[kind, "count"]), "bytes": int(totals[kind, "bytes"]),
-                   "link_bytes": totals[kind, "link_bytes"]}
-            for kind in COLLECTIVES if (kind, "count") in totals}
-
-
-def _dims(text):
-    return [int(d) for d in text.split(",") if d]
-
-
 def _shard_bytes(abstract):
     """Bytes one device holds of a sharded ShapeDtypeStruct."""
     shape = abstract.sharding.shard_shape(abstract.shape)
     return math.prod(shape) * abstract.dtype.itemsize
-
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-
-
-def _largest_buffers(hlo_text, n):
-    """The n largest distinct array shapes the per-chip program materialises (values inside a fusion
-    never reach HBM, so fused computations are skipped), each with the JAX operation that first makes
-    one."""
-    sizes, fused = {}, False
-    for line in hlo_text.splitlines():
-        if line.startswith(("%", "ENTRY")):
-            fused = line.startswith("%fused")
-        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]+)\]", line)
-        op = re.search(r'op_name="([^"]+)"', line)
-        if fused or not (m and op) or m.group(1) not in _DTYPE_BYTES:
-            continue
-        (dtype, dims), op = m.groups(), op.group(1)
-        shape = f"{dtype}[{dims}]"
-        if shape not in sizes:
-            size = math.prod(int(d) for d in dims.split(",")) * _DTYPE_BYTES[dtype]
-            sizes[shape] = (size, f"{shape} {op.split('/')[-1].replace(chr(92), '')} ({_short_scope(op)})")
-    return [(what, size) for size, what in sorted(sizes.values(), key=lambda v: -v[0])[:n]]
-
-
-def _short_scope(op_name):
-    """A readable place for an op_name: the forward/backward pass and the named scope, if any."""
-    scope = "output layer" if "output_layer" in op_name else "blocks" if "while" in op_name else "step"
-    return ("backward, " if "transpose(" in op_name else "") + scope

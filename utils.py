@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
-import model
-
 # The embedding table is padded to a multiple of this many rows, independent of the mesh, so that a
 # checkpoint written on one mesh restores on any other and the vocab splits evenly over tp.
 VOCAB_PAD_MULTIPLE = 128
@@ -22,15 +20,6 @@ VOCAB_PAD_MULTIPLE = 128
 def flag(default, help):
     """A config field and its --help text: the one place that says what the field means."""
     return field(default=default, metadata={"help": help})
-
-
-def remat_choices():
-    """--remat values: model.py's checkpoint policies, and none (nothing recomputed)."""
-    return (*model.REMAT_POLICIES, "none")
-
-
-def moe_impl_choices():
-    return tuple(model.MOE_IMPLS)
 
 
 @dataclass(frozen=True)
@@ -197,9 +186,9 @@ PRESETS["moe1B-v4-32"] = dataclasses.replace(PRESETS["moe1B"], run=dataclasses.r
     micro_batch_size=8))
 PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
 
-# Flags whose values are the keys of a table in model.py (read when the CLI is built, not at import:
-# model.py may import this module).
-CHOICES = {"remat": remat_choices, "moe_impl": moe_impl_choices}
+# Flags that pick an implementation, and their values: the keys of model.REMAT_POLICIES (with none:
+# nothing recomputed) and of experts.MOE_IMPLS (tests/test_config.py checks they agree).
+CHOICES = {"remat": ("full", "dots", "none"), "moe_impl": ("buffers", "ragged")}
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
 
@@ -235,7 +224,7 @@ def build_parser():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
             kwargs = {"default": None, "help": f"{f.metadata['help']} ({_preset_values(section, f.name)})",
-                      "choices": CHOICES[f.name]() if f.name in CHOICES else None}
+                      "choices": CHOICES.get(f.name)}
             if f.name == "n_device_axis":
                 kwargs.update(nargs=3, type=int, metavar=("DP", "PP", "TP"))
             elif f.type is bool or f.type == "bool":
@@ -334,7 +323,7 @@ def validate(cfg, n_devices=None):
     if m.model_dtype not in ("bfloat16", "float32"):
         errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
     for name, value in (("remat", m.remat), ("moe_impl", m.moe_impl)):
-        choices = CHOICES[name]()
+        choices = CHOICES[name]
         if value not in choices:
             errors.append(f"--{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
     if m.n_experts >= 1 and m.k > m.n_experts:

@@ -1,7 +1,7 @@
 """The program we check is the program that runs.
 
 Every platform traces the same training step: whether bf16 operands are widened for XLA:CPU is decided
-when the step is lowered for its devices (`model.fp32_product`), so these CPU tests trace the step a
+when the step is lowered for its devices (`sharding.fp32_product`), so these CPU tests trace the step a
 TPU VM or a GPU traces, and `--compile_for` compiles it. Lowered for an accelerator here, its matmuls
 take bf16 operands, and no gradient is summed in bf16 on the way (the scatter-adds and scan carries
 of parameter-shaped cotangents, and every psum, are fp32).
@@ -16,6 +16,8 @@ from jax.extend import core as jax_core
 
 import main
 import model
+import pipeline
+import sharding
 import utils
 from test_model import CFG, KEY, abstract_params, batch, with_model
 
@@ -39,7 +41,7 @@ def train_step_jaxpr(cfg, mesh):
 def test_the_train_step_traces_alike_whatever_backend_traces_it(monkeypatch, shape, changes):
     """What jax.default_backend() says (the CPU here, the TPU on a TPU VM) changes nothing in the traced
     step: pod.py's trace for a slice is the slice's own."""
-    cfg, mesh = with_model(BF16, **changes), model.make_mesh(shape)
+    cfg, mesh = with_model(BF16, **changes), sharding.make_mesh(shape)
     here = str(train_step_jaxpr(cfg, mesh))
     for backend in ("tpu", "gpu"):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
@@ -60,8 +62,8 @@ def test_matmuls_lowered_for_an_accelerator_take_bf16_operands(moe_impl):
     outputs: one each per MoE layer in the forward, plus two transposes each in the gradient. The
     backward's matmuls round the fp32 cotangent first (JAX's own transpose would multiply it in fp32:
     TF32 GEMMs on GPU). The same trace lowered for the CPU widens every operand to fp32."""
-    cfg, mesh = with_model(BF16, moe_impl=moe_impl), model.make_mesh((2, 1, 2))
-    loss = lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0]
+    cfg, mesh = with_model(BF16, moe_impl=moe_impl), sharding.make_mesh((2, 1, 2))
+    loss = lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0]
     for platform in ("tpu", "cuda"):
         forward, gradient = (dot_operand_dtypes(fn, cfg, mesh, platform) for fn in (loss, jax.grad(loss)))
         assert {(a, b) for _, a, b in forward + gradient} == {("bf16", "bf16"), ("f32", "f32")}, platform
@@ -132,7 +134,7 @@ def test_no_gradient_is_summed_in_bf16(shape, changes):
     chunked cross-entropy carries the table's gradient across chunks in fp32, and every psum of a
     cotangent (over tp, over dp and pp for the table) is fp32. The gradient's own scatter-adds, scans
     and sums all appear in this jaxpr, which every platform traces alike."""
-    cfg, mesh = with_model(BF16, **changes), model.make_mesh(shape)
+    cfg, mesh = with_model(BF16, **changes), sharding.make_mesh(shape)
     jaxpr = train_step_jaxpr(cfg, mesh).jaxpr
     names = {eqn.primitive.name for eqn in _equations(jaxpr)}
     assert {"scatter-add", "scan"} <= names and names & SUMS, "the walk must see the step's sums"

@@ -147,3 +147,12 @@ def test_lr_schedule_shape():
     lr = utils.lr_schedule(o)
     assert float(lr(0)) == 0.0 and abs(float(lr(5)) - 0.5) < 1e-6 and abs(float(lr(10)) - 1.0) < 1e-6
     assert abs(float(lr(60)) - 0.55) < 1e-6 and abs(float(lr(110)) - 0.1) < 1e-6 and abs(float(lr(500)) - 0.1) < 1e-6
+
+
+def test_implementation_choices_are_the_tables_keys():
+    """utils names --remat's and --moe_impl's values without importing the model; they must be the keys
+    of the tables that implement them."""
+    import experts
+    import model
+    assert set(utils.CHOICES["remat"]) == {*model.REMAT_POLICIES, "none"}
+    assert set(utils.CHOICES["moe_impl"]) == set(experts.MOE_IMPLS) == set(experts.EXPERT_PARALLEL_IMPLS)

@@ -295,16 +295,16 @@ def test_validation_set_is_the_same_windows_on_every_mesh(data_dir):
     """main.py's validation set is --eval_steps batches of --val_batch_size sequences in all: the same
     tokens on (1,1,1), (2,2,2) and (2,1,2), so val numbers compare across meshes and slices."""
     import main
-    import model
+    import sharding
     import utils
     val = {}
     for mesh in ((1, 1, 1), (2, 2, 2), (2, 1, 2)):
         cfg = utils.override(utils.PRESETS["tiny"], data_dir=data_dir, T=T, val_batch_size=8, eval_steps=3,
                              max_tokens=0, n_device_axis=mesh)
         utils.validate(cfg, jax.device_count())
-        sharding = NamedSharding(model.make_mesh(mesh), P("dp", None))
-        _, batches = main.load_data(cfg, sharding)
+        rows = NamedSharding(sharding.make_mesh(mesh), P("dp", None))
+        _, batches = main.load_data(cfg, rows)
         val[mesh] = [np.asarray(x) for x, _ in batches]
-        assert len(batches) == 3 and all(x.shape == (8, T) and x.sharding == sharding for x, _ in batches)
+        assert len(batches) == 3 and all(x.shape == (8, T) and x.sharding == rows for x, _ in batches)
     for mesh in ((2, 2, 2), (2, 1, 2)):
         assert all(np.array_equal(a, b) for a, b in zip(val[mesh], val[(1, 1, 1)])), mesh

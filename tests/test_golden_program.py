@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import main
-import model
+import sharding
 import utils
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "programs")
@@ -45,7 +45,7 @@ def programs(case):
     """{"train": StableHLO text, "eval": StableHLO text} of main.py's jitted steps for CASES[case]."""
     cfg = utils.config_from_args(BASE + CASES[case])
     utils.validate(cfg, jax.device_count())
-    mesh = model.make_mesh(cfg.run.n_device_axis)
+    mesh = sharding.make_mesh(cfg.run.n_device_axis)
     trainer = main.build_trainer(cfg, mesh)
     rows = cfg.run.n_device_axis[0] * cfg.run.train_batch_size
     train = jax.ShapeDtypeStruct((rows, cfg.model.T), jnp.int32, sharding=trainer.data_sharding)

@@ -9,9 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-import bench
+import experts
+import generate
+import hlo
 import model
+import pipeline
+import sharding
 import utils
 
 # MoE + RoPE + NoPE layers, 8 blocks so that pp can be 8 and 8 experts so that expert parallelism
@@ -50,7 +55,7 @@ def rel_err(a, b):
 def reference():
     params = model.init_params(CFG, KEY)
     x, y = batch()
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: model.reference_loss_and_metrics(
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: pipeline.reference_loss_and_metrics(
         model.with_router_bias(p, ROUTER_BIAS), x, y, KEY, CFG), has_aux=True))(params)
     assert 0 < float(jnp.mean(metrics["drop_rate"])) < 1, "the test config should drop some tokens"
     return params, loss, metrics, grads
@@ -60,7 +65,7 @@ def sharded_value_and_grad(cfg, mesh, n_micro, router_bias=None):
     """value_and_grad of the sharded loss in the params (routed with router_bias when given)."""
     def loss(p, x, y):
         p = p if router_bias is None else model.with_router_bias(p, router_bias)
-        return model.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro)
+        return pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro)
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
@@ -81,11 +86,11 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     and drops are decided before the all-to-all, so they are the reference's)."""
     params, ref_loss, ref_metrics, ref_grads = reference
     cfg = with_model(CFG, **changes)
-    mesh = model.make_mesh(shape)
-    stored = model.pipeline_layout(params, cfg.pipeline_repeats)        # as the training state holds them
+    mesh = sharding.make_mesh(shape)
+    stored = pipeline.pipeline_layout(params, cfg.pipeline_repeats)        # as the training state holds them
     sharded = jax.device_put(stored, model.param_shardings(stored, mesh, cfg.expert_parallel))
     (loss, metrics), grads = sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(sharded, *batch())
-    grads = model.model_order(grads)
+    grads = pipeline.model_order(grads)
     assert rel_err(loss, ref_loss) < 1e-5
     for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
@@ -104,17 +109,17 @@ def test_circular_layout_puts_groups_r_pp_plus_s_on_stage_s():
     model_order undoes, and sharding its second axis over pp puts on stage s the R groups r pp + s of
     L = blocks/(pp R) consecutive blocks (as the schedule assumes); R = 1 is the model order itself."""
     params = jax.eval_shape(lambda: model.init_params(CFG, KEY))
-    assert model.pipeline_layout(params, 1)["blocks"] == params["blocks"]
+    assert pipeline.pipeline_layout(params, 1)["blocks"] == params["blocks"]
     R, pp = 2, 2
     L = CFG.blocks // (pp * R)
     w = jnp.arange(CFG.blocks * 3.0).reshape(CFG.blocks, 3)                     # row g = block g
     tree = {"embed": jnp.zeros((1, 1)), "blocks": {"moe": {"moe": {"router": w[:, :, None]}}}}
-    stored = model.pipeline_layout(tree, R)
+    stored = pipeline.pipeline_layout(tree, R)
     router = stored["blocks"]["moe"]["moe"]["router"]
     assert router.shape == (R, CFG.blocks // R, 3, 1)
-    np.testing.assert_array_equal(model.model_order(stored)["blocks"]["moe"]["moe"]["router"], w[:, :, None])
+    np.testing.assert_array_equal(pipeline.model_order(stored)["blocks"]["moe"]["moe"]["router"], w[:, :, None])
     assert tuple(model.param_specs(stored)["blocks"]["moe"]["moe"]["router"]) == (None, "pp", "dp", None)
-    mesh = model.make_mesh((1, pp, 1))
+    mesh = sharding.make_mesh((1, pp, 1))
     placed = jax.device_put(stored, model.param_shardings(stored, mesh))["blocks"]["moe"]["moe"]["router"]
     for shard in placed.addressable_shards:
         s = mesh.devices.flatten().tolist().index(shard.device)
@@ -129,7 +134,7 @@ def test_checkpoint_restores_across_pipeline_repeats(tmp_path):
     """A training state saved with --pipeline_repeats 1 restores with 2: the same numbers in model
     order (params and Adam moments), on the restoring run's layout [R, blocks/R, ...] and shardings."""
     import main
-    mesh = model.make_mesh((1, 2, 1))
+    mesh = sharding.make_mesh((1, 2, 1))
     cfgs = {R: utils.override(utils.Config(model=CFG), n_device_axis=(1, 2, 1), pipeline_repeats=R) for R in (1, 2)}
     # every leaf of the state (params, Adam moments, ...) numbered 0, 1, 2, ... in its own order
     saved = jax.tree.map(lambda t: jax.device_put(np.arange(math.prod(t.shape)).reshape(t.shape).astype(t.dtype),
@@ -150,8 +155,8 @@ def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():
     """The dp all-gathers move bf16 weights (fp32 only for the router), and the gradients' reduce-
     scatters sum fp32: a bf16 sum would round at every step (`bench.py --grad_error` measures it)."""
     cfg = with_model(CFG, model_dtype="bfloat16")
-    mesh = model.make_mesh((8, 1, 1))
-    grad = jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0])
+    mesh = sharding.make_mesh((8, 1, 1))
+    grad = jax.grad(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0])
     jaxpr = str(jax.make_jaxpr(grad)(abstract_params(cfg, mesh), *batch()))
     # A collective prints as `name:dtype[shape]{V:axes} = primitive[params] operand`.
     collectives = re.findall(r"(\w+)\[[\d,]*\](?:\{[^}]*\})? = (all_gather|reduce_scatter)\[([^\]]*)\]", jaxpr)
@@ -163,12 +168,12 @@ def test_remat_dots_saves_the_matmul_products_full_recomputes():
     """--remat dots recomputes well under half of what --remat full adds to no remat: it keeps the
     products without batch dims, which einsum_fp32 names for the policy (a checkpoint policy does not
     see the dot inside its custom_vjp; without the name, dots recomputed ~all that full does)."""
-    mesh = model.make_mesh((1, 1, 1))
+    mesh = sharding.make_mesh((1, 1, 1))
 
     def step_flops(remat):
         cfg = with_model(CFG, remat=remat)
-        grad = jax.jit(jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 1)[0]))
-        return bench.hlo_flops(grad.lower(abstract_params(cfg, mesh), *batch()).compile().as_text())["total"]
+        grad = jax.jit(jax.grad(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 1)[0]))
+        return hlo.matmul_flops(grad.lower(abstract_params(cfg, mesh), *batch()).compile().as_text())["total"]
     none, dots, full = map(step_flops, ("none", "dots", "full"))
     assert none < dots and dots - none < 0.6 * (full - none), (none, dots, full)
 
@@ -177,11 +182,11 @@ def test_expert_parallel_sends_tokens_instead_of_gathering_expert_weights():
     """With --expert_parallel no routed expert's weights [E, D, F/tp] are all-gathered over dp (each
     shard keeps its E/dp experts whole) and tokens cross dp by all-to-all, in bf16 both ways and in
     the backward; without it, no all-to-all."""
-    mesh = model.make_mesh((4, 1, 2))
+    mesh = sharding.make_mesh((4, 1, 2))
     E, D, F = CFG.n_experts, CFG.model_dimension, CFG.ffn_dim // 2
 
     def collectives_over_dp(cfg):
-        grad = jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0])
+        grad = jax.grad(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 2)[0])
         jaxpr = str(jax.make_jaxpr(grad)(abstract_params(cfg, mesh), *batch()))
         found = re.findall(r"(\w+)\[([\d,]*)\](?:\{[^}]*\})? = (all_gather|all_to_all)\[([^\]]*)\]", jaxpr)
         return [(primitive, dtype, shape) for dtype, shape, primitive, params in found
@@ -197,11 +202,11 @@ def test_expert_parallel_sends_tokens_instead_of_gathering_expert_weights():
 
 def test_bfloat16_matmuls_track_the_fp32_reference(reference):
     params, ref_loss, _, _ = reference
-    mesh = model.make_mesh((2, 2, 2))
+    mesh = sharding.make_mesh((2, 2, 2))
     cfg = with_model(CFG, model_dtype="bfloat16")
     sharded = jax.device_put(params, model.param_shardings(params, mesh))
-    loss, _ = jax.jit(lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 4))(sharded, *batch())
-    bf16_ref, _ = model.reference_loss_and_metrics(params, *batch(), KEY, cfg)
+    loss, _ = jax.jit(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 4))(sharded, *batch())
+    bf16_ref, _ = pipeline.reference_loss_and_metrics(params, *batch(), KEY, cfg)
     assert rel_err(loss, ref_loss) < 1e-2 and rel_err(loss, bf16_ref) < 1e-3
 
 
@@ -220,7 +225,7 @@ def test_cross_entropy_equals_log_softmax(n_seq, T):
         log_p = jax.nn.log_softmax(h_BTD @ table_VD[:cfg.vocab_size].T, axis=-1)
         return -jnp.sum(jnp.take_along_axis(log_p, y_BT[..., None], axis=-1))
 
-    fused = lambda table_VD, h_BTD: model.cross_entropy_sum(table_VD, h_BTD, y_BT, cfg, model.Axes())
+    fused = lambda table_VD, h_BTD: pipeline.cross_entropy_sum(table_VD, h_BTD, y_BT, cfg, sharding.Axes())
     value, grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(table_VD, h_BTD)
     ref_value, ref_grads = jax.value_and_grad(naive, argnums=(0, 1))(table_VD, h_BTD)
     assert rel_err(value, ref_value) < 1e-6
@@ -232,18 +237,18 @@ def test_dropout_masks_do_not_depend_on_the_mesh():
     cfg = with_model(CFG, dropout_rate=0.2)
     params = model.init_params(cfg, KEY)
     x, y = batch()
-    train, _ = model.reference_loss_and_metrics(params, x, y, KEY, cfg, train=True)
-    evaluation, _ = model.reference_loss_and_metrics(params, x, y, KEY, cfg, train=False)
-    mesh = model.make_mesh((2, 2, 2))
+    train, _ = pipeline.reference_loss_and_metrics(params, x, y, KEY, cfg, train=True)
+    evaluation, _ = pipeline.reference_loss_and_metrics(params, x, y, KEY, cfg, train=False)
+    mesh = sharding.make_mesh((2, 2, 2))
     sharded = jax.device_put(params, model.param_shardings(params, mesh))
-    loss, _ = jax.jit(lambda p: model.loss_and_metrics(p, x, y, KEY, cfg, mesh, 4, train=True))(sharded)
+    loss, _ = jax.jit(lambda p: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 4, train=True))(sharded)
     assert rel_err(loss, train) < 1e-6 and rel_err(train, evaluation) > 1e-5   # dropout is active
 
 
 def test_init_is_mesh_independent():
     """The same global arrays on every mesh, with expert parallelism too (only the layout differs, so
     a checkpoint restores across both; main.py and test_main's (2,2,2) runs init without it)."""
-    inits = [model.init_sharded_params(with_model(CFG, expert_parallel=ep), KEY, model.make_mesh(shape))
+    inits = [pipeline.init_sharded_params(with_model(CFG, expert_parallel=ep), KEY, sharding.make_mesh(shape))
              for shape, ep in [((1, 1, 1), False), ((2, 2, 2), True)]]
     for leaves in zip(*map(jax.tree.leaves, inits)):
         for other in leaves[1:]:
@@ -273,10 +278,10 @@ def _train(params, loss_fn, steps=3):
 
 def test_three_steps_keep_replicas_identical_and_match_reference():
     params = model.init_params(CFG, KEY)
-    mesh = model.make_mesh((2, 2, 2))
+    mesh = sharding.make_mesh((2, 2, 2))
     sharded = _train(jax.device_put(params, model.param_shardings(params, mesh)),
-                     lambda p, x, y: model.loss_and_metrics(p, x, y, KEY, CFG, mesh, 4))
-    reference = _train(params, lambda p, x, y: model.reference_loss_and_metrics(p, x, y, KEY, CFG))
+                     lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, CFG, mesh, 4))
+    reference = _train(params, lambda p, x, y: pipeline.reference_loss_and_metrics(p, x, y, KEY, CFG))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sharded), jax.tree.leaves(reference)):
         copies = {}
         for shard in a.addressable_shards:   # every device holding the same slice holds the same bits
@@ -291,9 +296,9 @@ def test_three_steps_keep_replicas_identical_and_match_reference():
     # Checkpointless reshard: the trained (2,2,2) params on other meshes, and with expert parallelism,
     # give the same loss.
     x, y = batch(seed=99)
-    meshes = [(mesh, 4, CFG), (model.make_mesh((1, 8, 1)), 8, CFG),
-              (model.make_mesh((4, 1, 2)), 2, with_model(CFG, expert_parallel=True))]
-    losses = [float(model.loss_and_metrics(jax.device_put(sharded, model.param_shardings(sharded, m, c.expert_parallel)),
+    meshes = [(mesh, 4, CFG), (sharding.make_mesh((1, 8, 1)), 8, CFG),
+              (sharding.make_mesh((4, 1, 2)), 2, with_model(CFG, expert_parallel=True))]
+    losses = [float(pipeline.loss_and_metrics(jax.device_put(sharded, model.param_shardings(sharded, m, c.expert_parallel)),
                                            x, y, KEY, c, m, n)[0]) for m, n, c in meshes]
     np.testing.assert_allclose(losses, losses[0], rtol=1e-6)
 
@@ -317,6 +322,12 @@ def _moe_weights(seed=0):
             "expert_down": jnp.asarray(rng.normal(size=(3, F, 3)), jnp.float32),
             "shared_up": jnp.asarray(rng.normal(size=(1, 3, F)), jnp.float32),
             "shared_down": jnp.asarray(rng.normal(size=(1, F, 3)), jnp.float32)}
+
+
+def moe(w, x_BTD, cfg, axes, fill_BE=None):
+    """The MoE layer holding weights w (router, expert_up, ..., optionally router_bias) on x_BTD."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: model.MoE(cfg, nnx.Rngs(0), "router_bias" in w)))
+    return nnx.merge(graphdef, w)(x_BTD, axes, fill_BE)
 
 
 def test_routing_by_hand():
@@ -387,7 +398,7 @@ def test_balance_loss_is_applied_in_every_moe_layer_and_summed():
                                 "expert_down": jnp.zeros_like(layers["moe"]["expert_down"]),
                                 "shared_down": jnp.zeros_like(layers["moe"]["shared_down"])}}}}
     ids = np.array([[1, 2, 3, 4, 5, 6], [7, 7, 0, 1, 1, 2]])
-    loss, metrics = model.reference_loss_and_metrics(params, jnp.asarray(ids), jnp.asarray(ids), KEY, cfg)
+    loss, metrics = pipeline.reference_loss_and_metrics(params, jnp.asarray(ids), jnp.asarray(ids), KEY, cfg)
 
     x = embed[ids]                                                              # [B, T, D]
     for layer, router in enumerate(routers):
@@ -421,21 +432,21 @@ def test_router_logits_are_fp32_at_full_precision():
     """On TPU an fp32 dot at default precision is one bf16 pass: the router's must ask for HIGHEST."""
     cfg = with_model(CFG, model_dtype="bfloat16", n_experts=4)        # E != dhR: w_kr is [D, dhR]
     params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
-    hlo = jax.jit(lambda p, x: model.forward(p, x, cfg)[0]).lower(params, batch()[0]).as_text()
+    hlo = jax.jit(lambda p, x: model.build(pipeline.model_order(p), cfg)(x)[0]).lower(params, batch()[0]).as_text()
     router_type = f"tensor<{cfg.model_dimension}x{cfg.n_experts}xf32>"   # [D, E], no other weight has it
     router_dots = [line for line in hlo.splitlines() if "dot_general" in line and f"{router_type}) ->" in line]
     assert router_dots and all("precision = [HIGHEST, HIGHEST]" in line for line in router_dots), router_dots
 
 
-@pytest.mark.parametrize("impl", sorted(model.MOE_IMPLS))
+@pytest.mark.parametrize("impl", sorted(experts.MOE_IMPLS))
 def test_moe_output_drops_and_shared_expert_by_hand(impl):
     w = _moe_weights()
     cfg = with_model(MOE_CFG, moe_impl=impl)
-    out, stats, _ = model.moe(w, jnp.asarray(LOGITS)[None], cfg, model.Axes())
+    out, stats, _ = moe(w, jnp.asarray(LOGITS)[None], cfg, sharding.Axes())
     np.testing.assert_allclose(out[0], _moe_by_hand(w, capacity=2), rtol=1e-5, atol=1e-5)
     assert float(stats["dropped"]) == 6                      # e0: t3 t4, e1: t3 t4 t5, e2: t5
     no_shared = dict(w, shared_up=w["shared_up"][:0], shared_down=w["shared_down"][:0])
-    out_routed, _, _ = model.moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), model.Axes())
+    out_routed, _, _ = moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), sharding.Axes())
     assert not np.allclose(out, out_routed), "the shared expert's output must be added"
 
 
@@ -445,8 +456,8 @@ def test_dropless_equals_capacity_mode_when_nothing_is_dropped():
     roomy = with_model(MOE_CFG, capacity_factor=1.25)   # C = 5 >= the busiest expert's 5 tokens
     dropless = with_model(MOE_CFG, capacity_factor=0.0)  # C = T = 6
     assert (model.expert_capacity(roomy), model.expert_capacity(dropless)) == (5, 6)
-    out_roomy, stats_roomy, _ = model.moe(w, x, roomy, model.Axes())
-    out_dropless, stats_dropless, _ = model.moe(w, x, dropless, model.Axes())
+    out_roomy, stats_roomy, _ = moe(w, x, roomy, sharding.Axes())
+    out_dropless, stats_dropless, _ = moe(w, x, dropless, sharding.Axes())
     assert float(stats_roomy["dropped"]) == float(stats_dropless["dropped"]) == 0
     np.testing.assert_allclose(out_roomy, out_dropless, rtol=1e-6)
     np.testing.assert_allclose(out_dropless[0], _moe_by_hand(w, capacity=6), rtol=1e-5, atol=1e-5)
@@ -473,16 +484,16 @@ def test_cached_and_uncached_generation_agree(capacity_factor):
     cfg = with_model(CFG, blocks=2, T=24, remat="full", capacity_factor=capacity_factor)
     params = model.init_params(cfg, jax.random.key(3))
     args = (params, cfg, [5, 17, 42, 7], jax.random.key(4), 12, 20, 0.9)
-    cached, cached_logits = model.generate(*args, use_cache=True, return_logits=True)
-    plain, plain_logits = model.generate(*args, use_cache=False, return_logits=True)
+    cached, cached_logits = generate.generate(*args, use_cache=True, return_logits=True)
+    plain, plain_logits = generate.generate(*args, use_cache=False, return_logits=True)
     assert cached == plain and len(cached) == 12
     np.testing.assert_allclose(cached_logits, plain_logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="--max_tokens"):
-        model.generate(params, cfg, [1] * 20, jax.random.key(0), 10, 5, 1.0)
+        generate.generate(params, cfg, [1] * 20, jax.random.key(0), 10, 5, 1.0)
 
 
 def test_cache_holds_only_latent_rotary_key_and_expert_fill():
-    caches = model.init_caches(CFG, batch=1, length=CFG.T)
+    caches = generate.init_caches(CFG, batch=1, length=CFG.T)
     shapes = {jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(caches)}
     assert shapes == {"['dense']['attn']['c_kv']": (CFG.blocks, 1, 1, CFG.T, CFG.latent_dim),
                       "['dense']['attn']['k_rope']": (CFG.blocks, 1, 1, CFG.T, CFG.dhR),
@@ -511,7 +522,7 @@ def test_param_counts_and_flops():
 
 
 def test_compile_time_does_not_grow_with_depth():
-    mesh = model.make_mesh((1, 2, 1))
+    mesh = sharding.make_mesh((1, 2, 1))
     times = {}
     for blocks in (2, 8):
         cfg = with_model(CFG, blocks=blocks, remat="full")

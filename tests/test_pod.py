@@ -11,7 +11,10 @@ import sys
 
 import pytest
 
+import hlo
 import model
+import pipeline
+import sharding
 import utils
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,12 +40,12 @@ def test_each_dp_row_is_one_hosts_pp_by_tp_plane_of_neighbouring_chips(topology,
     devices = topology(slice_name)
     tpu = utils.tpu_slice(slice_name)
     assert len(devices) == tpu.chips and len({d.process_index for d in devices}) == tpu.hosts
-    mesh = model.make_mesh(shape, devices)
+    mesh = sharding.make_mesh(shape, devices)
     grid = mesh.devices
     hosts = [{d.process_index for d in plane.flat} for plane in grid]
     assert all(len(h) == 1 for h in hosts), f"a pp x tp plane spans hosts: {hosts}"
     assert len(set.union(*hosts)) == shape[0], "two dp rows share a host"
-    assert model.axes_across_hosts(mesh) == ["dp"]
+    assert sharding.axes_across_hosts(mesh) == ["dp"]
     distance = lambda a, b: sum(abs(x - y) for x, y in zip(a.coords, b.coords))
     for plane in grid:                             # tp and pp neighbours are direct links on the host
         assert all(distance(plane[p, 0], plane[p, 1]) == 1 for p in range(shape[1]))
@@ -58,15 +61,15 @@ def test_libtpu_builds_every_known_slice_with_its_chips_and_hosts(topology):
 def test_jax_make_mesh_cannot_place_the_guides_mesh_on_v4_64(topology):
     import jax
     with pytest.raises(Exception):
-        jax.make_mesh((8, 2, 2), model.MESH_AXES, devices=topology("v4-64"))
-    assert model.make_mesh((8, 2, 2), topology("v4-64")).devices.shape == (8, 2, 2)
+        jax.make_mesh((8, 2, 2), sharding.MESH_AXES, devices=topology("v4-64"))
+    assert sharding.make_mesh((8, 2, 2), topology("v4-64")).devices.shape == (8, 2, 2)
 
 
 def test_real_devices_keep_their_order():
     import jax
-    mesh = model.make_mesh((2, 2, 2))
+    mesh = sharding.make_mesh((2, 2, 2))
     assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[:8]]
-    assert model.axes_across_hosts(mesh) == []
+    assert sharding.axes_across_hosts(mesh) == []
 
 
 def test_compile_for_reports_the_plan_and_fits(tmp_path):
@@ -178,11 +181,10 @@ def test_collective_bytes_counts_loop_trip_counts_on_cpu():
     """XLA:CPU annotates the loops' known_trip_count."""
     import jax
     import numpy as np
-    import pod
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
-    hlo = _collectives_program(jax, mesh)
-    assert '"known_trip_count":{"n":"5"}' in hlo
-    assert pod.collective_bytes(hlo) == EXPECTED_COLLECTIVES
+    text = _collectives_program(jax, mesh)
+    assert '"known_trip_count":{"n":"5"}' in text
+    assert hlo.collective_bytes(text) == EXPECTED_COLLECTIVES
 
 
 def test_collective_bytes_counts_loop_trip_counts_for_a_tpu(topology):
@@ -192,11 +194,10 @@ def test_collective_bytes_counts_loop_trip_counts_for_a_tpu(topology):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import pod
     mesh = jax.sharding.Mesh(np.array(topology("v4-8")).reshape(2, 2), ("a", "b"))
-    hlo = _collectives_program(jax, mesh)
-    assert "collective-permute-start" in hlo and "known_trip_count" not in hlo
-    assert pod.collective_bytes(hlo) == EXPECTED_COLLECTIVES
+    text = _collectives_program(jax, mesh)
+    assert "collective-permute-start" in text and "known_trip_count" not in text
+    assert hlo.collective_bytes(text) == EXPECTED_COLLECTIVES
 
     def ragged(x):                   # 8 rows of 128 f32 per chip; send 2 rows to each of the 2 chips over "b"
         sizes, offsets = jnp.array([2, 2], jnp.int32), jnp.array([0, 2], jnp.int32)
@@ -207,14 +208,13 @@ def test_collective_bytes_counts_loop_trip_counts_for_a_tpu(topology):
     spec = jax.sharding.PartitionSpec(("a", "b"))
     f = jax.jit(jax.shard_map(ragged, mesh=mesh, in_specs=spec, out_specs=spec))
     arg = jax.ShapeDtypeStruct((32, 128), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
-    assert pod.collective_bytes(f.lower(arg).compile().as_text()) == {
+    assert hlo.collective_bytes(f.lower(arg).compile().as_text()) == {
         "ragged-all-to-all": {"count": 1, "bytes": 8 * 128 * 4, "link_bytes": 4 * 128 * 4}}
 
 
 def test_collective_bytes_reads_each_replica_group_format():
     """Group sizes (for the bytes sent) from mesh-style, iota and empty (= every partition) groups."""
-    import pod
-    hlo = """HloModule m, num_partitions=8
+    text = """HloModule m, num_partitions=8
 
 ENTRY %main (p: f32[4]) -> f32[1] {
   %p = f32[4]{0} parameter(0)
@@ -223,7 +223,7 @@ ENTRY %main (p: f32[4]) -> f32[1] {
   ROOT %rs = f32[2]{0} reduce-scatter(%ag), channel_id=3, replica_groups={}, dimensions={0}, to_apply=%add
 }
 """
-    assert pod.collective_bytes(hlo) == {
+    assert hlo.collective_bytes(text) == {
         "all-gather": {"count": 1, "bytes": 64, "link_bytes": 64 * 3 / 4},
         "reduce-scatter": {"count": 1, "bytes": 64, "link_bytes": 64 * 7 / 8},
         "all-reduce": {"count": 1, "bytes": 16, "link_bytes": 16 * 2 * 3 / 4}}
@@ -237,17 +237,16 @@ def test_dropless_expert_parallel_path_compiles_for_a_tpu(topology):
     shapes and types only, not the numbers (no TPU here)."""
     import jax
     import jax.numpy as jnp
-    import pod
     from jax.sharding import NamedSharding, PartitionSpec as P
     cfg = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=2, blocks=2, layers_per_block=2, T=16,
                             latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1, capacity_factor=0.0,
                             moe_impl="ragged", expert_parallel=True)
     utils.validate(utils.override(utils.Config(model=cfg), n_device_axis=(2, 1, 2), max_tokens=0), n_devices=4)
-    mesh = model.make_mesh((2, 1, 2), topology("v4-8"))
+    mesh = sharding.make_mesh((2, 1, 2), topology("v4-8"))
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
                           model.param_shardings(params, mesh, expert_parallel=True))
     tokens = jax.ShapeDtypeStruct((4, cfg.T), jnp.int32, sharding=NamedSharding(mesh, P("dp")))
-    grad = jax.jit(jax.grad(lambda p, x, y: model.loss_and_metrics(p, x, y, jax.random.key(0), cfg, mesh, 2)[0]))
-    collectives = pod.collective_bytes(grad.lower(params, tokens, tokens).compile().as_text())
+    grad = jax.jit(jax.grad(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, jax.random.key(0), cfg, mesh, 2)[0]))
+    collectives = hlo.collective_bytes(grad.lower(params, tokens, tokens).compile().as_text())
     assert collectives["ragged-all-to-all"]["count"] > 0, collectives

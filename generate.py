@@ -1,0 +1,72 @@
+"""Generation with the latent KV cache: one jitted scan over positions, top-k and temperature
+sampling; the cache holds only the KV latent c_kv and the rotated shared key (plus each MoE layer's
+per-expert fill count, so cached decode keeps and drops exactly what the full forward does).
+"""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import model
+from pipeline import model_order
+from sharding import Axes
+
+
+def init_caches(cfg, batch, length, dtype=jnp.float32):
+    """Per layer, stacked like the params: the attention cache (the KV latent, plus the rotated
+    shared key in RoPE layers) and in MoE layers each sequence's tokens queued per expert so far."""
+    n_dense = cfg.layers_per_block - 1
+    latent = lambda *lead: jnp.zeros((*lead, batch, length, cfg.latent_dim), dtype)
+    return {"dense": {"attn": {"c_kv": latent(cfg.blocks, n_dense),
+                               "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)}},
+            "moe": {"attn": {"c_kv": latent(cfg.blocks)},
+                    "expert_fill": jnp.zeros((cfg.blocks, batch, cfg.n_experts), jnp.int32)}}
+
+
+def _sample(logits_V, key, top_k, temperature):
+    values, ids = lax.top_k(logits_V / temperature, top_k)
+    return ids[jax.random.categorical(key, values)]
+
+
+@partial(jax.jit, static_argnames=("cfg", "n_total", "top_k", "use_cache"))
+def _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, use_cache):
+    """Fill tokens_T[n_prompt:n_total] one position at a time. Returns tokens and the fp32 logits
+    (real vocab) that chose each position. The cached path feeds one token per step; the uncached
+    path recomputes the whole prefix each step. Both draw position p with fold_in(key, p)."""
+    transformer = model.build(params, cfg)
+    T = tokens_T.shape[0]
+
+    def logits_at(h_D):
+        return transformer.embed.logits(h_D[None, None], Axes())[0, 0, :cfg.vocab_size]
+
+    def step(carry, p):
+        tokens_T, caches = carry
+        if use_cache:
+            h_1TD, _, caches = transformer(tokens_T[p][None, None], positions_T=p[None], caches=caches)
+            logits_V = logits_at(h_1TD[0, 0])
+        else:
+            h_1TD, _, _ = transformer(tokens_T[None])
+            logits_V = logits_at(h_1TD[0, p])
+        chosen = _sample(logits_V, jax.random.fold_in(key, p + 1), top_k, temperature)
+        write = p + 1 >= n_prompt
+        tokens_T = tokens_T.at[p + 1].set(jnp.where(write, chosen, tokens_T[p + 1]))
+        return (tokens_T, caches), logits_V
+
+    caches = init_caches(cfg, 1, T) if use_cache else None
+    (tokens_T, _), logits_PV = lax.scan(step, (tokens_T, caches), jnp.arange(n_total - 1))
+    return tokens_T, logits_PV
+
+
+def generate(params, cfg, prompt_ids, key, max_tokens, top_k, temperature, use_cache=True, return_logits=False):
+    """Sample max_tokens new ids after prompt_ids (top-k, temperature); the prompt plus the new tokens
+    must fit in the context T. Returns the new ids (and the logits that chose them)."""
+    n_prompt = len(prompt_ids)
+    if n_prompt < 1 or n_prompt + max_tokens > cfg.T:
+        raise ValueError(f"prompt ({n_prompt} tokens) + --max_tokens ({max_tokens}) must be between 1 and --T "
+                         f"({cfg.T}); shorten --prompt or lower --max_tokens")
+    tokens_T = jnp.zeros((cfg.T,), jnp.int32).at[:n_prompt].set(jnp.asarray(prompt_ids, jnp.int32))
+    tokens_T, logits_PV = _decode(model_order(params), cfg, tokens_T, n_prompt, key, n_prompt + max_tokens,
+                                  min(top_k, cfg.vocab_size), temperature, use_cache)
+    new = [int(t) for t in tokens_T[n_prompt:n_prompt + max_tokens]]
+    return (new, logits_PV[n_prompt - 1:]) if return_logits else new

@@ -1,0 +1,294 @@
+"""Reading an optimized, SPMD-partitioned HLO module (`compiled.as_text()`: per device) as XLA:CPU,
+XLA:GPU or libtpu writes it: computations and instructions (`parse`), loops times their trip counts
+(`trip_count`, `loop_sum`), and from that the matmul FLOPs (`matmul_flops`, by part, pass and operand
+dtype), the collective bytes (`collective_bytes`) and the largest buffers (`largest_buffers`) of one
+run of the module. Nothing here imports the project: bench.py and pod.py use it.
+"""
+import math
+import re
+
+_COMP_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_SHAPE = re.compile(r"^\(?\s*(\w+)\[([\d,]*)\]")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _dims(text):
+    return [int(d) for d in text.split(",") if d]
+
+
+def _dot_category(rhs):
+    """Which part of the model a dot belongs to, from the op_name JAX writes into its metadata: the
+    output layer's dots run under the named scope "output_layer" (pipeline.cross_entropy_sum), and
+    the dots of the backward pass keep the forward's name inside "transpose(...)"."""
+    name = re.search(r'op_name="([^"]*)"', rhs)
+    name = name.group(1) if name else ""
+    part = "output_layer" if "output_layer" in name else ("blocks" if name else "unattributed")
+    phase = ("remat" if "rematted_computation" in name else "backward" if "transpose(" in name else "forward")
+    return part, phase
+
+
+def _conv_flops(rhs, shapes):
+    """FLOPs of an HLO convolution, which is how TPU HLO writes matmuls (batch dimensions become
+    strided, dilated or padded windows): 2 x batch x output features x input features per group x,
+    for each spatial dimension, the (output position, window tap) pairs that land on a real input
+    element rather than padding or a dilation hole (as XLA's own cost analysis counts them)."""
+    out = _SHAPE.match(rhs.strip())
+    operands = re.search(r"\bconvolution\(([^)]*)\)", rhs)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rhs)
+    if not (out and operands and labels):
+        return 0.0
+    names = [o.strip().split(" ")[-1].lstrip("%") for o in operands.group(1).split(",")]
+    lhs_shape, rhs_shape = (shapes.get(n) for n in names[:2])
+    if lhs_shape is None or rhs_shape is None:
+        return 0.0
+    out_shape = _dims(out.group(2))
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = dict(re.findall(r"(\w+)=([\dx_]+)", (re.search(r"window=\{([^}]*)\}", rhs) or [None, ""])[1]))
+    per_dim = lambda key, default: ([tuple(map(int, v.split("_"))) if "_" in v else int(v)
+                                     for v in window[key].split("x")] if key in window else None) or default
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    n = len(spatial)
+    size, stride, pad = per_dim("size", [1] * n), per_dim("stride", [1] * n), per_dim("pad", [(0, 0)] * n)
+    lhs_dilate, rhs_dilate = per_dim("lhs_dilate", [1] * n), per_dim("rhs_dilate", [1] * n)
+    taps = 1
+    for i, d in enumerate(spatial):
+        extent = (lhs_shape[lhs_l.index(d)] - 1) * lhs_dilate[i] + 1
+        taps *= sum(1 for o in range(out_shape[out_l.index(d)]) for k in range(size[i])
+                    if 0 <= (p := o * stride[i] + k * rhs_dilate[i] - pad[i][0]) < extent and p % lhs_dilate[i] == 0)
+    return 2.0 * out_shape[out_l.index("b")] * out_shape[out_l.index("f")] * rhs_shape[rhs_l.index("i")] * taps
+
+
+def parse(hlo_text):
+    """An optimized HLO module's text as ({computation: [instruction lines]}, entry name), or None
+    when the text has no ENTRY computation."""
+    comps, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        stripped = line.strip()
+        m = _COMP_HEADER.match(stripped)
+        if m and ("->" in stripped or stripped.startswith("ENTRY")):
+            current = m.group(1)
+            comps[current] = []
+            if stripped.startswith("ENTRY"):
+                entry = current
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        if current is not None and " = " in stripped:
+            comps[current].append(stripped)
+    return (comps, entry) if entry is not None else None
+
+
+def trip_count(rhs, comps):
+    """Iterations of the while loop whose instruction right-hand side is `rhs`. XLA:CPU writes
+    known_trip_count; TPU HLO does not, but its loop conditions compare the counter (from 0) with a
+    constant: `compare(counter, constant(N)), direction=LT`. 1 when neither says."""
+    trip = _TRIP.search(rhs)
+    if trip:
+        return int(trip.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", rhs)
+    lines = comps.get(cond.group(1), []) if cond else []
+    constants = {ins.partition(" = ")[0].strip().lstrip("%"): int(c.group(1)) for ins in lines
+                 if (c := re.search(r"\bconstant\((-?\d+)\)", ins))}
+    root = next((ins for ins in lines if ins.startswith("ROOT") and "direction=LT" in ins), "")
+    operands = re.search(r"compare\(([^)]*)\)", root)
+    bound = [constants[o.strip().lstrip("%")] for o in operands.group(1).split(",")
+             if o.strip().lstrip("%") in constants] if operands else []
+    return bound[0] if bound else 1
+
+
+def loop_sum(comps, entry, count, key):
+    """Sum of count(instruction right-hand side) -> {name: number} over everything the entry
+    computation runs: every while body times its trip count (nested loops multiply), every fusion,
+    call or async computation once where it is called (an async-start's, not again at its
+    async-update/-done), and a conditional's costliest branch: the one with the largest value of
+    `key` (a name in count's dicts, or a function of the branch's dict)."""
+    memo = {}
+    add = lambda acc, other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
+
+    def cost(name):
+        if name in memo:
+            return memo[name]
+        memo[name] = {}               # recursion guard
+        total = {}
+        for ins in comps.get(name, []):
+            rhs = ins.partition(" = ")[2]
+            add(total, count(rhs))
+            if re.search(r"\bwhile\(", rhs):
+                body = re.search(r"body=%?([\w.\-]+)", rhs)
+                if body:
+                    add(total, cost(body.group(1)), trip_count(rhs, comps))
+            elif re.search(r"\bconditional\(", rhs):
+                branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+                costs = [cost(b) for b in names]
+                if costs:
+                    add(total, max(costs, key=key if callable(key) else lambda c: c.get(key, 0.0)))
+            elif not re.search(r"\basync-(?:update|done)\(", rhs):
+                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rhs):
+                    add(total, cost(callee))
+        memo[name] = total
+        return total
+
+    return cost(entry)
+
+
+def matmul_flops(hlo_text):
+    """Matmul FLOPs (2 x output elements x contracted size per dot) of an optimized, SPMD-partitioned
+    HLO module (so: per device), counting every while body times its known trip count, every fusion
+    or call where it is called, and a conditional's costliest branch (`hlo_sum`). Returns {"total": F,
+    "output_layer": F, "blocks": F, "unattributed": F, "forward": F, "backward": F, "remat": F}:
+    the first three split the total by part ("unattributed": dots XLA created without an op_name,
+    seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
+    inside the backward). The output layer is recognised by its "output_layer" scope. "by_dtype":
+    the total by operand dtypes, {"bf16 x bf16": F, "f32 x f32": F, ...}."""
+    parsed = parse(hlo_text)
+    if parsed is None:
+        return None
+    comps, entry = parsed
+
+    shapes, dtypes = {}, {}
+    for lines in comps.values():
+        for ins in lines:
+            lhs, _, rhs = ins.partition(" = ")
+            m = _SHAPE.match(rhs.strip())
+            if m:
+                name = lhs.replace("ROOT", "").strip().lstrip("%")
+                dtypes[name], shapes[name] = m.group(1), _dims(m.group(2))
+
+    def operand_dtypes(rhs):
+        """"bf16 x bf16": the dtypes of a dot's or convolution's two operands (named or typed inline)."""
+        operands = re.search(r"\b(?:dot|convolution)\(([^)]*)\)", rhs)
+        names = operands.group(1).split(",")[:2] if operands else []
+        found = [_SHAPE.match(o.strip()) or dtypes.get(o.strip().split(" ")[-1].lstrip("%")) for o in names]
+        return " x ".join(t.group(1) if isinstance(t, re.Match) else t or "?" for t in found)
+
+    def dot_flops(rhs):
+        out = _SHAPE.match(rhs.strip())
+        operands = re.search(r"\bdot\(([^)]*)\)", rhs)
+        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rhs)
+        if not (out and operands and contract):
+            return 0.0
+        first = operands.group(1).split(",")[0].strip()
+        lhs_shape = shapes.get(first.split(" ")[-1].lstrip("%"))
+        if lhs_shape is None:         # operand shapes printed inline: "f32[4,8]{1,0} %x"
+            inline = _SHAPE.match(first)
+            lhs_shape = _dims(inline.group(2)) if inline else None
+        if lhs_shape is None:
+            return 0.0
+        return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_shape[d] for d in _dims(contract.group(1)))
+
+    def matmuls(rhs):
+        matmul = dot_flops(rhs) if re.search(r"\bdot\(", rhs) else (
+            _conv_flops(rhs, shapes) if re.search(r"\bconvolution\(", rhs) else None)
+        if matmul is None:
+            return {}
+        part, phase = _dot_category(rhs)
+        return {"total": matmul, part: matmul, phase: matmul, ("dtype", operand_dtypes(rhs)): matmul}
+
+    result = {k: 0.0 for k in ("total", "output_layer", "blocks", "unattributed", "forward", "backward", "remat")}
+    result["by_dtype"] = {}
+    for k, v in loop_sum(comps, entry, matmuls, "total").items():
+        if isinstance(k, tuple):
+            result["by_dtype"][k[1]] = v
+        else:
+            result[k] = result.get(k, 0.0) + v
+    return result
+
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
+_COLLECTIVE_OP = re.compile(r'^([^="]*?)\s(' + "|".join(sorted(COLLECTIVES, key=len, reverse=True))
+                            + r")(-start|-done)?\(")
+
+
+def collective_bytes(hlo_text):
+    """Per-chip collective traffic of one run of an optimized, SPMD-partitioned HLO module (as
+    `compiled.as_text()` gives it): {kind: {"count": ops run, "bytes": B, "link_bytes": L}} for each
+    kind in COLLECTIVES that occurs. Ops inside while loops count once per iteration (the trip
+    count XLA annotates, or the loop condition's bound; nested loops multiply), fused or async ones
+    where they are called (an async pair once), a conditional's branch with the most bytes.
+
+    bytes: the op's full-size buffer on one chip: an all-gather's result, a reduce-scatter's input
+    (group size x its result), an all-reduce's, all-to-all's or collective-permute's input (= its
+    result), a ragged-all-to-all's input (the send buffer: an upper bound, the rows actually sent
+    depend on the routing). link_bytes: what a ring or pairwise algorithm sends out of each chip
+    for that buffer over a group of n chips: (n-1)/n of it for all-gather, reduce-scatter,
+    all-to-all and ragged-all-to-all, 2(n-1)/n for all-reduce, all of it for collective-permute."""
+    parsed = parse(hlo_text)
+    if parsed is None:
+        return {}
+    comps, entry = parsed
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    partitions = int(partitions.group(1)) if partitions else 1
+    defined = {ins.partition(" = ")[0].replace("ROOT", "").strip().lstrip("%"): ins.partition(" = ")[2]
+               for lines in comps.values() for ins in lines}
+
+    def result_bytes(rhs):                           # an array or a tuple of arrays
+        result_type = re.match(r'^([^="]*?)\s[\w\-]+\(', rhs)
+        return sum(math.prod(_dims(dims)) * DTYPE_BYTES[dtype] for dtype, dims in
+                   re.findall(r"\b(\w+)\[([\d,]*)\]", result_type.group(1) if result_type else "")
+                   if dtype in DTYPE_BYTES)
+
+    def first_operand(rhs):                          # its defining instruction's right-hand side
+        name = re.search(r"[\w\-]+\(\s*(?:[^%(),]*\s)?%([\w.\-]+)", rhs)
+        return defined.get(name.group(1), "") if name else ""
+
+    def group_size(rhs):
+        explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", rhs)
+        if explicit:
+            return len(explicit.group(1).split(","))
+        mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rhs)   # mesh[...] {'axis_1',...}
+        if mesh:
+            sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+            return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(2)))
+        iota = re.search(r"replica_groups=\[([\d,]+)\]<=", rhs)        # [groups, size]<=[devices]
+        return int(iota.group(1).split(",")[-1]) if iota else partitions
+
+    def count(rhs):
+        m = _COLLECTIVE_OP.match(rhs)
+        if not m or m.group(3) == "-start":          # an async pair counts at its -done
+            return {}
+        kind = m.group(2)
+        attrs = first_operand(rhs) if m.group(3) == "-done" else rhs      # the groups are on the -start
+        n = group_size(attrs)
+        size = result_bytes(first_operand(rhs) if kind == "ragged-all-to-all" else rhs)
+        if kind == "reduce-scatter":
+            size *= n
+        share = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
+        return {(kind, "count"): 1, (kind, "bytes"): size, (kind, "link_bytes"): share * size}
+
+    totals = loop_sum(comps, entry, count, key=lambda c: sum(v for (_, what), v in c.items() if what == "bytes"))
+    return {kind: {"count": int(totals[kind, "count"]), "bytes": int(totals[kind, "bytes"]),
+                   "link_bytes": totals[kind, "link_bytes"]}
+            for kind in COLLECTIVES if (kind, "count") in totals}
+
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def largest_buffers(hlo_text, n):
+    """The n largest distinct array shapes the per-chip program materialises (values inside a fusion
+    never reach HBM, so fused computations are skipped), each with the JAX operation that first makes
+    one."""
+    sizes, fused = {}, False
+    for line in hlo_text.splitlines():
+        if line.startswith(("%", "ENTRY")):
+            fused = line.startswith("%fused")
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]+)\]", line)
+        op = re.search(r'op_name="([^"]+)"', line)
+        if fused or not (m and op) or m.group(1) not in DTYPE_BYTES:
+            continue
+        (dtype, dims), op = m.groups(), op.group(1)
+        shape = f"{dtype}[{dims}]"
+        if shape not in sizes:
+            size = math.prod(int(d) for d in dims.split(",")) * DTYPE_BYTES[dtype]
+            sizes[shape] = (size, f"{shape} {op.split('/')[-1].replace(chr(92), '')} ({_short_scope(op)})")
+    return [(what, size) for size, what in sorted(sizes.values(), key=lambda v: -v[0])[:n]]
+
+
+def _short_scope(op_name):
+    """A readable place for an op_name: the forward/backward pass and the named scope, if any."""
+    scope = "output layer" if "output_layer" in op_name else "blocks" if "while" in op_name else "step"
+    return ("backward, " if "transpose(" in op_name else "") + scope

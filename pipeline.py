@@ -1,0 +1,286 @@
+"""The loss on the mesh: the pipeline schedule over pp inside one `jax.shard_map` over ("dp", "pp",
+"tp"), the vocab-parallel chunked cross-entropy of the tied output layer, and the single-device
+reference they are checked against; and the layout the pipeline stores the params in.
+"""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import model
+from sharding import Axes, axis_index, dot32, psum, sharded_axes, vary_like
+
+
+# ----------------------------------------------------------------------------------------------
+# The layout: stacked blocks as [blocks, ...] (GPipe) or [R, blocks/R, ...] (circular)
+
+
+def model_order(params):
+    """params with every stacked block leaf as [blocks, ...], in model order (undoes `pipeline_layout`;
+    leaves already so are returned as they are)."""
+    axes = model.logical_axes(True)
+
+    def flat(path, a):
+        extra = len(a.shape) > len(axes[("blocks", *(k.key for k in path))])
+        return a.reshape(-1, *a.shape[2:]) if extra else a
+    return params | {"blocks": jax.tree_util.tree_map_with_path(flat, params["blocks"])}
+
+
+def pipeline_layout(params, repeats):
+    """The layout the circular pipeline stores params in (R = repeats > 1): every stacked block leaf
+    [blocks, ...] reshaped to [R, blocks/R, ...], a pure reshape of the model order. Block (r, k) is
+    block r blocks/R + k; with the second axis split over pp, stage s holds k in [s L, (s+1) L),
+    L = blocks/(pp R), i.e. the R non-adjacent groups r pp + s of L consecutive blocks. R = 1: the
+    model order, as GPipe stores them."""
+    params = model_order(params)
+    if repeats == 1:
+        return params
+    return params | {"blocks": jax.tree.map(lambda a: a.reshape(repeats, -1, *a.shape[1:]), params["blocks"])}
+
+
+def init_pipeline_params(cfg, key):
+    """init_params in the layout the sharded path stores (`pipeline_layout` with cfg.pipeline_repeats):
+    the same numbers whatever R."""
+    return pipeline_layout(model.init_params(cfg, key), cfg.pipeline_repeats)
+
+
+def init_sharded_params(cfg, key, mesh):
+    """init_pipeline_params computed directly into the mesh layout (no host ever holds the full model)."""
+    abstract = jax.eval_shape(partial(init_pipeline_params, cfg), key)
+    return jax.jit(partial(init_pipeline_params, cfg), out_shardings=model.param_shardings(abstract, mesh, cfg.expert_parallel))(key)
+
+
+def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
+    """Summed cross-entropy with the vocab split over tp (Megatron's parallel softmax), a chunk of
+    whole sequences at a time. Per chunk each rank reduces its vocab rows to three numbers per token
+    (`_vocab_softmax_stats`); the ranks then combine maxima, rescaled sums of exponentials and the
+    target logit, which exactly one rank holds. No fp32 logits outlive one chunk, in the forward or
+    the backward pass (which recomputes them): memory is O(chunk x V/tp) whatever the batch.
+
+    table_VD is fp32 (`Embedding.gathered`) and is rounded to the matmul dtype inside each chunk: as a
+    constant of the chunk scan, its gradient is then accumulated over the chunks in an fp32 carry (the
+    transposed scan's), where a table rounded before the scan would carry a bf16 sum."""
+    # Guide: vocab-parallel cross-entropy over the tp-split table; no [B, T, V] logits are formed.
+    V, dtype = table_VD.shape[0], jnp.dtype(cfg.model_dtype)
+    vocab_start = axis_index(axes.tp) * V
+    n_real = jnp.clip(cfg.vocab_size - vocab_start, 0, V)          # rows past the real vocab are padding
+    local_targets_BT = targets_BT - vocab_start
+    # A custom_vjp must hand back cotangents typed like its inputs, and the table's gradient varies
+    # over every axis the tokens do (and the tokens' over tp). Casting both to the union first
+    # makes JAX put the reductions in the cast's transpose: psum over dp/pp for the table (on top of
+    # FSDP's reduce-scatter), over tp for the hidden states, both in fp32.
+    table_VD, h_BTD = vary_like((table_VD, h_BTD), (table_VD, h_BTD, local_targets_BT, n_real))
+
+    def one(h_TD, y_T):                                             # T: the chunk's tokens
+        local_max_T, sum_exp_T, target_T = _vocab_softmax_stats(dtype, table_VD, h_TD, y_T, n_real)
+        local_max_T = lax.stop_gradient(local_max_T)
+        max_T = local_max_T if axes.tp is None else lax.pmax(local_max_T, axes.tp)
+        sum_exp_T = psum(sum_exp_T * jnp.exp(local_max_T - max_T), axes.tp)
+        return jnp.sum(max_T + jnp.log(sum_exp_T) - psum(target_T, axes.tp))
+
+    B, T, D = h_BTD.shape
+    n = B // _sequences_per_chunk(B, T)
+    with jax.named_scope("output_layer"):
+        _, sums = lax.scan(lambda _, inputs: (None, one(*inputs)), None,
+                           (h_BTD.reshape(n, -1, D), local_targets_BT.reshape(n, -1)))
+    return jnp.sum(sums)
+
+
+def _sequences_per_chunk(B, T, min_tokens=128):
+    """Whole sequences per cross-entropy chunk: the fewest (dividing B) that make min_tokens. Below
+    ~128 tokens XLA:CPU's vocab-sized matmuls lose efficiency; above it memory grows for no speed."""
+    return next(g for g in range(1, B + 1) if B % g == 0 and (g * T >= min_tokens or g == B))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _vocab_softmax_stats(dtype, table_VD, h_TD, local_targets_T, n_real):
+    """Over this rank's vocab rows [0, n_real) of the fp32 table, rounded here to the matmul dtype: per
+    token the max logit m, sum_v exp(logit_v - m), and the target's logit (0 when another rank holds
+    the target). m gets no gradient: the loss does not depend on it. The backward pass recomputes the
+    logits rather than keeping [V, T] floats per chunk, and returns the table's and the hidden states'
+    gradients in fp32. The residuals are the inputs themselves (the table a constant of the chunk
+    scan, not a per-chunk copy)."""
+    return _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real)[0]
+
+
+def _exp_logits_VT(table_VD, h_TD, n_real, max_T=None):
+    """exp(logits - max) [V, T] from operands in the matmul dtype, 0 on padding rows, and the max.
+    Vocab-major: XLA:CPU runs the backward's products with it up to 2x faster than with token-major
+    [T, V] (BENCHMARKS.md)."""
+    logits_VT = dot32("vd,td->vt", table_VD, h_TD)
+    real_V1 = (jnp.arange(table_VD.shape[0]) < n_real)[:, None]
+    if max_T is None:
+        max_T = jnp.max(jnp.where(real_V1, logits_VT, -jnp.inf), axis=0)
+    return jnp.where(real_V1, jnp.exp(logits_VT - max_T), 0.0), max_T
+
+
+def _target_rows(table_VD, local_targets_T, n_real):
+    """Each token's target row of the table, and whether this rank holds it."""
+    inside_T = (local_targets_T >= 0) & (local_targets_T < n_real)
+    return inside_T, table_VD[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)]
+
+
+def _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real):
+    table_r, h_r = table_VD.astype(dtype), h_TD.astype(dtype)
+    exp_VT, max_T = _exp_logits_VT(table_r, h_r, n_real)
+    inside_T, rows_TD = _target_rows(table_r, local_targets_T, n_real)
+    target_T = jnp.where(inside_T, dot32("td,td->t", rows_TD, h_r), 0.0)
+    return (max_T, jnp.sum(exp_VT, axis=0), target_T), (table_VD, h_TD, local_targets_T, n_real, max_T)
+
+
+def _softmax_stats_bwd(dtype, residuals, cotangents):
+    """d logit[v, t] = g_sum[t] exp(logit[v, t] - m[t]) + g_target[t] [v is t's target]. The g_sum
+    scaling is applied on the [T, D] side of both products, so the recomputed exponentials are the
+    only [V, T] array."""
+    table_VD, h_TD, local_targets_T, n_real, max_T = residuals
+    _, g_sum_T, g_target_T = cotangents
+    table_r, h_r = table_VD.astype(dtype), h_TD.astype(dtype)
+    exp_VT = _exp_logits_VT(table_r, h_r, n_real, max_T)[0].astype(dtype)
+    inside_T, rows_TD = _target_rows(table_r, local_targets_T, n_real)
+    g_target_T = jnp.where(inside_T, g_target_T, 0.0)
+    d_h_TD = (g_sum_T[:, None] * dot32("vd,vt->td", table_r, exp_VT)
+              + g_target_T[:, None] * rows_TD.astype(jnp.float32))
+    d_table_VD = dot32("vt,td->vd", exp_VT, (h_TD * g_sum_T[:, None]).astype(dtype))
+    d_table_VD = d_table_VD.at[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)].add(
+        g_target_T[:, None] * h_r.astype(jnp.float32))
+    return d_table_VD.astype(table_VD.dtype), d_h_TD.astype(h_TD.dtype), None, None
+
+
+_vocab_softmax_stats.defvjp(_softmax_stats_fwd, _softmax_stats_bwd)
+
+
+def summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
+    """Loss and metrics from sums over the global batch: mean CE plus, as DeepSeek-V3 and Megatron,
+    alpha x the balance loss of every MoE layer (averaged over sequences), summed over the layers.
+    Per MoE layer (one per block): that balance term [blocks], the routed choices each expert
+    received before capacity drops [blocks, E] (integers, so exact on every mesh) and the fraction of
+    the k x tokens choices dropped [blocks]."""
+    ce = ce_sum / n_tokens
+    balance = cfg.alpha * stats["balance"] / n_sequences
+    metrics = {"ce": ce, "balance": balance, "tokens_per_expert": stats["tokens_per_expert"],
+               "drop_rate": stats["dropped"] / (n_tokens * cfg.k)}
+    return ce + jnp.sum(balance), metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The single-device reference: the ground truth for every mesh, and the path generation uses.
+
+
+def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
+    ctx = {"train": train, "key": key, "seq_ids": jnp.arange(x_BT.shape[0])}
+    transformer = model.build(model_order(params), cfg)
+    h_BTD, stats, _ = transformer(x_BT, ctx=ctx)
+    ce_sum = cross_entropy_sum(transformer.embed.gathered(Axes()), h_BTD, y_BT, cfg, Axes())
+    return summarise(ce_sum, stats, x_BT.size, x_BT.shape[0], cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sharded path: one shard_map over ("dp", "pp", "tp") with a GPipe schedule over pp, or with
+# cfg.pipeline_repeats = R > 1 a circular one (MaxText's num_pipeline_repeats).
+
+
+def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
+    """Runs on one device with its shards: x_BT is this dp replica's [b, T] tokens (all pp/tp ranks of
+    the replica hold the same rows); params["blocks"] holds this stage's blocks: B/pp of them, or with
+    R = cfg.pipeline_repeats > 1 [R, L] of them (`pipeline_layout`), L = B/(pp R), repeat r being the
+    group of blocks [(r pp + s) L, (r pp + s + 1) L) of stage s.
+
+    The schedule: at tick t stage s works on item i = t - s of the R M items (micro-batch i mod M in
+    its repeat i div M) with its blocks of that repeat, and passes the result to stage s + 1. The last
+    stage files repeat R - 1's outputs, and (R > 1) sends the others round the ring to stage 0, which
+    keeps them in a buffer of M micro-batches until their next turn, M - pp ticks later (hence M >=
+    pp). R M + pp - 1 ticks of L blocks: the bubble is (pp - 1)/(R M + pp - 1)."""
+    axes = sharded_axes(cfg, platform)
+    R = cfg.pipeline_repeats
+    n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
+    repeat_of = lambda r: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), params["blocks"])
+    # The embedding and the output layer's modules (R > 1: with any one repeat's blocks, unused).
+    transformer = model.build(params if R == 1 else params | {"blocks": repeat_of(0)}, cfg)
+    b, T = x_BT.shape
+    M, mb = n_micro, b // n_micro
+    n_items = R * M
+    positions_T = jnp.arange(T)
+    table_VD = transformer.embed.gathered(axes)                                    # [V/tp, D/dp] -> [V/tp, D]
+    x_MbT, y_MbT = x_BT.reshape(M, mb, T), y_BT.reshape(M, mb, T)
+    emb_MbTD = transformer.embed(x_MbT, axes, table_VD)                             # [M, mb, T, D]
+    blocks_per_stage = jax.tree.leaves(params["blocks"])[0].shape[0 if R == 1 else 1]
+    seq_base = lax.axis_index("dp") * b
+
+    # Guide: one block group per device per tick (the guide vmaps over every layer a device holds, each tick).
+    def tick(carry, t):
+        """Every stage works on one item: stage s on item t - s (a bubble when outside [0, R M):
+        computed on stale data and masked out of every sum)."""
+        received_bTD, waiting_MbTD, outputs_MbTD, stats_sum = carry
+        i = t - stage
+        valid = (i >= 0) & (i < n_items)
+        i_clipped = jnp.clip(i, 0, n_items - 1)
+        m_clipped, r = (i_clipped, 0) if R == 1 else (i_clipped % M, i_clipped // M)
+        if R == 1:
+            x_bTD = jnp.where(stage == 0, emb_MbTD[jnp.minimum(t, M - 1)], received_bTD)
+            stage_model, first_block = transformer, stage * blocks_per_stage
+        else:
+            # Stage 0 files what the last stage sent last tick (its item t - pp), then reads micro-batch
+            # m: the embedding in repeat 0, afterwards what came back round the ring (filed >= 0 ticks ago).
+            back = t - n_stages
+            slot = jnp.clip(back, 0, n_items - 1) % M
+            file_it = (stage == 0) & (back >= 0) & (back < n_items)
+            waiting_MbTD = waiting_MbTD.at[slot].set(jnp.where(file_it, received_bTD, waiting_MbTD[slot]))
+            first_input_bTD = jnp.where(r == 0, emb_MbTD[m_clipped], waiting_MbTD[m_clipped])
+            x_bTD = jnp.where(stage == 0, first_input_bTD, received_bTD)
+            stage_model = model.build(params | {"blocks": repeat_of(r)}, cfg)
+            first_block = (r * n_stages + stage) * blocks_per_stage
+        ctx = {"train": train, "key": key, "seq_ids": seq_base + m_clipped * mb + jnp.arange(mb)}
+        y_bTD, stats, _ = stage_model.run_blocks(x_bTD, positions_T, axes, ctx, first_block=first_block)
+        if R == 1:
+            stats_sum = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats_sum, stats)
+        else:
+            stats_sum = jax.tree.map(lambda acc, s: acc.at[r].add(jnp.where(valid, s, 0)), stats_sum, stats)
+        # The last stage files finished micro-batches (the last repeat's); other stages keep their buffer at zero.
+        keep = (stage == n_stages - 1) & valid
+        if R > 1:
+            keep = keep & (r == R - 1)
+        outputs_MbTD = outputs_MbTD.at[m_clipped].set(jnp.where(keep, y_bTD, outputs_MbTD[m_clipped]))
+        # Stage s -> s + 1. GPipe: non-cyclic (stage 0 receives zeros; it reads the embeddings instead).
+        # Circular: the last stage's results go back to stage 0 for their next repeat.
+        ring = [(s, s + 1) for s in range(n_stages - 1)] + ([(n_stages - 1, 0)] if R > 1 else [])
+        received_bTD = lax.ppermute(y_bTD, "pp", ring)
+        return (received_bTD, waiting_MbTD, outputs_MbTD, stats_sum), None
+
+    # Carries differ per dp replica and per stage: declare them varying over both for check_vma.
+    zeros = lambda shape, dtype=jnp.float32: lax.pcast(jnp.zeros(shape, dtype), ("dp", "pp"), to="varying")
+    lead = (blocks_per_stage,) if R == 1 else (R, blocks_per_stage)
+    stats_sum = {"balance": zeros(lead), "dropped": zeros(lead),
+                 "tokens_per_expert": zeros((*lead, cfg.n_experts), jnp.int32)}
+    waiting_MbTD = None if R == 1 else zeros(emb_MbTD.shape)
+    init = (zeros(emb_MbTD.shape[1:]), waiting_MbTD, zeros(emb_MbTD.shape), stats_sum)
+    (_, _, outputs_MbTD, stats), _ = lax.scan(tick, init, jnp.arange(n_items + n_stages - 1))
+    # Only the last stage holds real outputs; a reduce-scatter over pp hands each stage M/pp of them,
+    # so the (large-vocab) output layer's work is split over the stages: [M, mb, T, D] -> [M/pp, ...].
+    mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
+    targets_MbT = lax.dynamic_slice_in_dim(y_MbT, stage * (M // n_stages), M // n_stages)
+    h_MbTD = transformer.final_norm(mine_MbTD)
+    ce_sum = lax.psum(cross_entropy_sum(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T),
+                                        cfg, axes), ("dp", "pp"))
+    # Per-block stats in model order, summed over dp. GPipe: stage s has blocks [s B/pp, (s+1) B/pp).
+    # Circular: [R, L] per stage, gathered over pp to [R, B/R], which is model order once flattened.
+    stats = {name: lax.psum(lax.all_gather(s, "pp", axis=0 if R == 1 else 1, tiled=True, to="invarying"), "dp")
+             for name, s in stats.items()}
+    if R > 1:
+        stats = {name: s.reshape(-1, *s.shape[2:]) for name, s in stats.items()}
+    n_dp = lax.axis_size("dp")
+    return summarise(ce_sum, stats, x_BT.size * n_dp, b * n_dp, cfg)
+
+
+def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
+    """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params.
+    params in either layout (`pipeline_layout`; the one cfg.pipeline_repeats asks for costs no reshard)."""
+    params = pipeline_layout(params, cfg.pipeline_repeats)
+    x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
+    metric_specs = {"ce": P(), "balance": P(), "tokens_per_expert": P(), "drop_rate": P()}
+    platform = mesh.devices.flat[0].platform          # for the mesh's devices, whatever this process runs on
+    loss = partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train, platform=platform)
+    sharded = jax.shard_map(loss, mesh=mesh, in_specs=(model.param_specs(params, cfg.expert_parallel), P("dp"), P("dp"), P()),
+                            out_specs=(P(), metric_specs), check_vma=True)
+    return sharded(params, x_BT, y_BT, key)
