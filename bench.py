@@ -99,19 +99,14 @@ def build_step(cfg, mesh):
     abstract arguments for compiling without data. Returns (step, make_state, make_batch, abstract_args)."""
     trainer = driver.build_trainer(cfg, mesh)
     data_shard = trainer.data_sharding
-    G, rows, T = cfg.optim.grad_step, cfg.run.n_device_axis[0] * cfg.run.train_batch_size, cfg.model.T
+    G, rows, T = cfg.optim.grad_step, utils.global_batch(cfg), cfg.model.T
 
     def make_batch(seed):
         tokens = jax.random.randint(jax.random.key(seed), (G, rows, T + 1), 0, cfg.model.vocab_size, jnp.int32)
         return tuple(tuple(jax.device_put(tokens[i, :, part], data_shard) for i in range(G))
                      for part in (slice(None, -1), slice(1, None)))
 
-    def abstract_args():
-        state = trainer.abstract_state
-        batch = tuple(jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=data_shard) for _ in range(G))
-        return state, (batch, batch)
-
-    return trainer.step, trainer.fresh_state, make_batch, abstract_args
+    return trainer.step, trainer.fresh_state, make_batch, lambda: driver.abstract_step_args(cfg, trainer)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,7 +174,7 @@ def pipeline_flops(cfg):
     return {
         "mode": "pipeline_flops", "mesh": [dp, pp, tp], "flat_mesh": [dp, 1, tp], "micro_batches": M,
         "pipeline_repeats": R,
-        "global_batch": dp * cfg.run.train_batch_size, "T": cfg.model.T, "remat": cfg.model.remat,
+        "global_batch": utils.global_batch(cfg), "T": cfg.model.T, "remat": cfg.model.remat,
         "per_device_flops_pp": with_pp["total"], "per_device_flops_pp1": without["total"],
         "ratio": ratio(with_pp, without, "total"), "gpipe_expected_ratio": expected_pipeline_ratio(M, pp),
         "expected_ratio": expected,
@@ -240,7 +235,7 @@ def grad_error(cfg, tokens="zipf"):
     m, M = cfg.model, cfg.run.micro_batch_size
     params = model.init_params(m, jax.random.key(cfg.run.seed))
     key = jax.random.key(cfg.run.seed + 1)
-    shape = (cfg.run.n_device_axis[0] * cfg.run.train_batch_size, m.T + 1)
+    shape = (utils.global_batch(cfg), m.T + 1)
     batch = (zipf_tokens(cfg.run.seed + 1, shape, m.vocab_size) if tokens == "zipf" else
              jax.random.randint(key, shape, 0, m.vocab_size))
     x, y = batch[:, :-1], batch[:, 1:]
@@ -342,7 +337,7 @@ def run_benchmark(args, cfg):
 
     profile = profile_steps(compiled, state, batch, args.steps, args.profile) if args.profile else None
 
-    tokens_per_step = cfg.optim.grad_step * dp * cfg.run.train_batch_size * cfg.model.T
+    tokens_per_step = utils.sequences_per_step(cfg) * cfg.model.T
     median = statistics.median(times)
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     tok_s = tokens_per_step / median
@@ -354,7 +349,7 @@ def run_benchmark(args, cfg):
         "preset": args.preset, "mesh": [dp, pp, tp], "devices": n_mesh, "device_kind": device_kind,
         "backend": jax.default_backend(), "jax_version": jax.__version__,
         "model_dtype": cfg.model.model_dtype, "remat": cfg.model.remat,
-        "global_batch": dp * cfg.run.train_batch_size, "T": cfg.model.T,
+        "global_batch": utils.global_batch(cfg), "T": cfg.model.T,
         "micro_batches": cfg.run.micro_batch_size, "grad_step": cfg.optim.grad_step,
         "tokens_per_step": tokens_per_step, "steps": args.steps, "warmup": args.warmup,
         "tokens_per_s": tok_s, "step_time_median_s": median,

@@ -698,6 +698,16 @@ def build_trainer(cfg, mesh):
                    utils.lr_schedule(cfg.optim), data)
 
 
+def abstract_step_args(cfg, trainer):
+    """The arguments of the train and eval steps as shapes, dtypes and shardings, for compiling without
+    data: ((state, (xs, ys)), (params, router_bias, x, y)). A global batch of token ids [sequences, T]
+    laid out over dp: utils.global_batch per micro-step, --val_batch_size to evaluate."""
+    batch = lambda rows: jax.ShapeDtypeStruct((rows, cfg.model.T), jnp.int32, sharding=trainer.data_sharding)
+    state, micro_steps, val = trainer.abstract_state, (batch(utils.global_batch(cfg)),) * cfg.optim.grad_step, \
+        batch(cfg.run.val_batch_size)
+    return (state, (micro_steps, micro_steps)), (state["params"], state["router_bias"], val, val)
+
+
 def make_optimizer(oc, abstract_params):
     """Global-norm clipping, then AdamW, inside spikes.skip_spikes: it keeps the running grad-norm median
     in the optimizer state (checkpointed with it) and, with --skip_spikes F > 0, leaves params and
@@ -829,7 +839,7 @@ class Run:
 
     @property
     def sequences_per_step(self):
-        return self.cfg.optim.grad_step * self.cfg.run.n_device_axis[0] * self.cfg.run.train_batch_size
+        return utils.sequences_per_step(self.cfg)
 
 
 def open_run(cfg, mesh):
@@ -855,7 +865,7 @@ def open_run(cfg, mesh):
     logger = Logger(cfg, run_dir, run_id, proc0)
     if meta is not None:
         logger.metrics(utils.metrics_record("event", start_step, event="resume"))
-    loader = dataset.BatchLoader(train_ds, cfg.model.T, rc.n_device_axis[0] * rc.train_batch_size,
+    loader = dataset.BatchLoader(train_ds, cfg.model.T, utils.global_batch(cfg),
                                  trainer.data_sharding, rc.seed, consumed=start_seq)
     return Run(cfg, trainer, mngr, logger, train_ds, val_batches, loader, state, meta, start_step, start_seq,
                run_id, sample_ids)
@@ -867,7 +877,7 @@ def start_position(meta, cfg):
         return 0, 0, uuid.uuid4().hex[:8]
     step = int(meta["step"])
     # sequences consumed, whatever batch layout consumed them (checkpoints before it: data_step batches)
-    global_batch = cfg.run.n_device_axis[0] * cfg.run.train_batch_size
+    global_batch = utils.global_batch(cfg)
     sequences = int(meta.get("sequences", meta.get("data_step", step * cfg.optim.grad_step) * global_batch))
     return step, sequences, meta.get("run_id") or uuid.uuid4().hex[:8]
 

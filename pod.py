@@ -19,7 +19,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 from jax.experimental import topologies
 
 import hlo
@@ -83,8 +82,9 @@ def rehearse(cfg, tpu):
     trainer = driver.build_trainer(cfg, mesh)
     report = Report(cfg, tpu, mesh)
     report.header()
-    steps = (("train step", trainer.step, _train_args(cfg, trainer), trainer.abstract_state),
-             ("eval step", trainer.eval_step, _eval_args(cfg, trainer),
+    train_args, eval_args = driver.abstract_step_args(cfg, trainer)
+    steps = (("train step", trainer.step, train_args, trainer.abstract_state),
+             ("eval step", trainer.eval_step, eval_args,
               {k: trainer.abstract_state[k] for k in ("params", "router_bias")}))
     for name, jitted, args, state in steps:
         try:
@@ -100,23 +100,6 @@ def rehearse(cfg, tpu):
             return 1
     print(f"fits on {tpu.name}")
     return 0
-
-
-def _batch(cfg, trainer, per_replica):
-    """A global batch of token ids as main.py feeds it: dp x per_replica sequences, laid out over dp."""
-    return jax.ShapeDtypeStruct((cfg.run.n_device_axis[0] * per_replica, cfg.model.T), np.int32,
-                                sharding=trainer.data_sharding)
-
-
-def _train_args(cfg, trainer):
-    state = trainer.abstract_state
-    micro_steps = (_batch(cfg, trainer, cfg.run.train_batch_size),) * cfg.optim.grad_step
-    return state, (micro_steps, micro_steps)
-
-
-def _eval_args(cfg, trainer):
-    batch = _batch(cfg, trainer, cfg.run.val_batch_size // cfg.run.n_device_axis[0])  # a global count
-    return trainer.abstract_state["params"], trainer.abstract_state["router_bias"], batch, batch
 
 
 def _compile(jitted, args):
@@ -194,7 +177,7 @@ class Report:
         cfg, tpu = self.cfg, self.tpu
         counted = hlo.matmul_flops(hlo_text)
         peak = utils.peak_flops(self.mesh.devices.flat[0].device_kind)
-        tokens = cfg.optim.grad_step * cfg.run.n_device_axis[0] * cfg.run.train_batch_size * cfg.model.T
+        tokens = utils.sequences_per_step(cfg) * cfg.model.T
         useful = model.flops_per_token(cfg.model) * tokens / tpu.chips
         flops = counted["total"]
         print(f"  FLOPs per chip per step (compiled HLO, loops x trip counts): {flops:.3e} (output layer "

@@ -389,6 +389,17 @@ def describe(cfg):
     return "\n".join(lines)
 
 
+def global_batch(cfg):
+    """Sequences per micro-step over every data-parallel replica: DP x --train_batch_size (the guide's
+    --train_batch_size is per replica)."""
+    return cfg.run.n_device_axis[0] * cfg.run.train_batch_size
+
+
+def sequences_per_step(cfg):
+    """Sequences per optimizer step: --grad_step micro-steps of the global batch."""
+    return cfg.optim.grad_step * global_batch(cfg)
+
+
 def lr_schedule(o):
     """Linear warmup min_lr -> max_lr, cosine max_lr -> end_lr at end_steps, then end_lr. Pure Python + jnp."""
 

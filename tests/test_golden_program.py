@@ -21,7 +21,6 @@ if __name__ == "__main__":          # run as a script: the environment conftest.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import jax.numpy as jnp
 
 import main
 import sharding
@@ -47,12 +46,8 @@ def programs(case):
     utils.validate(cfg, jax.device_count())
     mesh = sharding.make_mesh(cfg.run.n_device_axis)
     trainer = main.build_trainer(cfg, mesh)
-    rows = cfg.run.n_device_axis[0] * cfg.run.train_batch_size
-    train = jax.ShapeDtypeStruct((rows, cfg.model.T), jnp.int32, sharding=trainer.data_sharding)
-    val = jax.ShapeDtypeStruct((cfg.run.val_batch_size, cfg.model.T), jnp.int32, sharding=trainer.data_sharding)
-    state = trainer.abstract_state
-    return {"train": trainer.step.lower(state, ((train,), (train,))).as_text(),
-            "eval": trainer.eval_step.lower(state["params"], state["router_bias"], val, val).as_text()}
+    train_args, eval_args = main.abstract_step_args(cfg, trainer)
+    return {"train": trainer.step.lower(*train_args).as_text(), "eval": trainer.eval_step.lower(*eval_args).as_text()}
 
 
 def golden_path(case, step):
