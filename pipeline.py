@@ -182,31 +182,31 @@ def reference_loss_and_metrics(params, x_BT, y_BT, key, cfg, train=True):
 
 
 def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
-    """Runs on one device with its shards: x_BT is this dp replica's [b, T] tokens (all pp/tp ranks of
-    the replica hold the same rows); params["blocks"] holds this stage's blocks: B/pp of them, or with
-    R = cfg.pipeline_repeats > 1 [R, L] of them (`pipeline_layout`), L = B/(pp R), repeat r being the
-    group of blocks [(r pp + s) L, (r pp + s + 1) L) of stage s.
-
-    The schedule: at tick t stage s works on item i = t - s of the R M items (micro-batch i mod M in
-    its repeat i div M) with its blocks of that repeat, and passes the result to stage s + 1. The last
-    stage files repeat R - 1's outputs, and (R > 1) sends the others round the ring to stage 0, which
-    keeps them in a buffer of M micro-batches until their next turn, M - pp ticks later (hence M >=
-    pp). R M + pp - 1 ticks of L blocks: the bubble is (pp - 1)/(R M + pp - 1)."""
+    """On one device with its shards: x_BT is this dp replica's [b, T] tokens (the same on its pp and tp
+    ranks); params["blocks"] this stage's R groups of L blocks (R = cfg.pipeline_repeats, L = B/(pp R),
+    `pipeline_layout`), group r being blocks [(r pp + s) L, (r pp + s + 1) L) of stage s; GPipe is R = 1.
+    The R M items are the M micro-batches in each repeat (item i = r M + m). At tick t stage s works on
+    item t - s with its blocks of repeat r and passes the result to stage s + 1; the last stage files
+    repeat R - 1's outputs and sends the others back to stage 0, which keeps them until their next
+    turn, M - pp ticks later (hence M >= pp). R M + pp - 1 ticks: the bubble is (pp - 1)/(R M + pp - 1)."""
     axes = sharded_axes(cfg, platform)
     R = cfg.pipeline_repeats
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
-    repeat_of = lambda r: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, r, keepdims=False), params["blocks"])
-    # The embedding and the output layer's modules (R > 1: with any one repeat's blocks, unused).
-    transformer = model.build(params if R == 1 else params | {"blocks": repeat_of(0)}, cfg)
+    # Normalised on entry: the stage's blocks as [R, L, ...] whatever R (GPipe stores them as [L, ...]).
+    blocks_RL = params["blocks"] if R > 1 else jax.tree.map(lambda a: a[None], params["blocks"])
+    blocks_of = lambda r: jax.tree.map(lambda a: a[r], blocks_RL)
+    # The embedding and the output layer's modules (with any one repeat's blocks, unused).
+    transformer = model.build(params | {"blocks": blocks_of(0)}, cfg)
     b, T = x_BT.shape
     M, mb = n_micro, b // n_micro
-    n_items = R * M
+    n_items, blocks_per_stage = R * M, jax.tree.leaves(blocks_RL)[0].shape[1]
     positions_T = jnp.arange(T)
     table_VD = transformer.embed.gathered(axes)                                    # [V/tp, D/dp] -> [V/tp, D]
     x_MbT, y_MbT = x_BT.reshape(M, mb, T), y_BT.reshape(M, mb, T)
     emb_MbTD = transformer.embed(x_MbT, axes, table_VD)                             # [M, mb, T, D]
-    blocks_per_stage = jax.tree.leaves(params["blocks"])[0].shape[0 if R == 1 else 1]
     seq_base = lax.axis_index("dp") * b
+    # Stage s -> s + 1, and with R > 1 the last stage back to stage 0 for the next repeat.
+    ring = [(s, (s + 1) % n_stages) for s in range(n_stages if R > 1 else n_stages - 1)]
 
     # Guide: one block group per device per tick (the guide vmaps over every layer a device holds, each tick).
     def tick(carry, t):
@@ -216,61 +216,60 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
         i = t - stage
         valid = (i >= 0) & (i < n_items)
         i_clipped = jnp.clip(i, 0, n_items - 1)
-        m_clipped, r = (i_clipped, 0) if R == 1 else (i_clipped % M, i_clipped // M)
-        if R == 1:
-            x_bTD = jnp.where(stage == 0, emb_MbTD[jnp.minimum(t, M - 1)], received_bTD)
-            stage_model, first_block = transformer, stage * blocks_per_stage
-        else:
-            # Stage 0 files what the last stage sent last tick (its item t - pp), then reads micro-batch
-            # m: the embedding in repeat 0, afterwards what came back round the ring (filed >= 0 ticks ago).
-            back = t - n_stages
-            slot = jnp.clip(back, 0, n_items - 1) % M
-            file_it = (stage == 0) & (back >= 0) & (back < n_items)
-            waiting_MbTD = waiting_MbTD.at[slot].set(jnp.where(file_it, received_bTD, waiting_MbTD[slot]))
-            first_input_bTD = jnp.where(r == 0, emb_MbTD[m_clipped], waiting_MbTD[m_clipped])
-            x_bTD = jnp.where(stage == 0, first_input_bTD, received_bTD)
-            stage_model = model.build(params | {"blocks": repeat_of(r)}, cfg)
-            first_block = (r * n_stages + stage) * blocks_per_stage
-        ctx = {"train": train, "key": key, "seq_ids": seq_base + m_clipped * mb + jnp.arange(mb)}
-        y_bTD, stats, _ = stage_model.run_blocks(x_bTD, positions_T, axes, ctx, first_block=first_block)
-        if R == 1:
-            stats_sum = jax.tree.map(lambda acc, s: acc + jnp.where(valid, s, 0), stats_sum, stats)
-        else:
-            stats_sum = jax.tree.map(lambda acc, s: acc.at[r].add(jnp.where(valid, s, 0)), stats_sum, stats)
-        # The last stage files finished micro-batches (the last repeat's); other stages keep their buffer at zero.
-        keep = (stage == n_stages - 1) & valid
-        if R > 1:
-            keep = keep & (r == R - 1)
-        outputs_MbTD = outputs_MbTD.at[m_clipped].set(jnp.where(keep, y_bTD, outputs_MbTD[m_clipped]))
-        # Stage s -> s + 1. GPipe: non-cyclic (stage 0 receives zeros; it reads the embeddings instead).
-        # Circular: the last stage's results go back to stage 0 for their next repeat.
-        ring = [(s, s + 1) for s in range(n_stages - 1)] + ([(n_stages - 1, 0)] if R > 1 else [])
-        received_bTD = lax.ppermute(y_bTD, "pp", ring)
-        return (received_bTD, waiting_MbTD, outputs_MbTD, stats_sum), None
+        # With one repeat, r is the Python 0: the stage's blocks are then the same every tick, and XLA
+        # all-gathers their weights over dp once per step instead of once per tick.
+        r, m = (0, i_clipped) if R == 1 else (i_clipped // M, i_clipped % M)
+        # Stage 0's inputs wait in a buffer of M micro-batches, the embeddings at first: it files what the
+        # last stage sent last tick (its item t - pp) when that has a repeat to go (none when R = 1),
+        # then reads micro-batch m (filed >= 0 ticks ago).
+        back = t - n_stages
+        slot = jnp.clip(back, 0, n_items - 1) % M
+        file_it = (stage == 0) & (back >= 0) & (back < n_items - M)
+        waiting_MbTD = waiting_MbTD.at[slot].set(jnp.where(file_it, received_bTD, waiting_MbTD[slot]))
+        x_bTD = jnp.where(stage == 0, waiting_MbTD[m], received_bTD)
+        ctx = {"train": train, "key": key, "seq_ids": seq_base + m * mb + jnp.arange(mb)}
+        y_bTD, stats, _ = model.build(params | {"blocks": blocks_of(r)}, cfg).run_blocks(
+            x_bTD, positions_T, axes, ctx, first_block=(r * n_stages + stage) * blocks_per_stage)
+        stats_sum = jax.tree.map(lambda acc, s: acc.at[r].add(jnp.where(valid, s, 0)), stats_sum, stats)
+        # The last stage files the last repeat's outputs; other stages keep their buffer at zero.
+        keep = (stage == n_stages - 1) & valid & (r == R - 1)
+        outputs_MbTD = outputs_MbTD.at[m].set(jnp.where(keep, y_bTD, outputs_MbTD[m]))
+        return (lax.ppermute(y_bTD, "pp", ring), waiting_MbTD, outputs_MbTD, stats_sum), None
 
-    # Carries differ per dp replica and per stage: declare them varying over both for check_vma.
-    zeros = lambda shape, dtype=jnp.float32: lax.pcast(jnp.zeros(shape, dtype), ("dp", "pp"), to="varying")
-    lead = (blocks_per_stage,) if R == 1 else (R, blocks_per_stage)
-    stats_sum = {"balance": zeros(lead), "dropped": zeros(lead),
-                 "tokens_per_expert": zeros((*lead, cfg.n_experts), jnp.int32)}
-    waiting_MbTD = None if R == 1 else zeros(emb_MbTD.shape)
-    init = (zeros(emb_MbTD.shape[1:]), waiting_MbTD, zeros(emb_MbTD.shape), stats_sum)
+    init = _initial_carry(emb_MbTD, R, blocks_per_stage, cfg.n_experts)
     (_, _, outputs_MbTD, stats), _ = lax.scan(tick, init, jnp.arange(n_items + n_stages - 1))
-    # Only the last stage holds real outputs; a reduce-scatter over pp hands each stage M/pp of them,
-    # so the (large-vocab) output layer's work is split over the stages: [M, mb, T, D] -> [M/pp, ...].
-    mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
-    targets_MbT = lax.dynamic_slice_in_dim(y_MbT, stage * (M // n_stages), M // n_stages)
-    h_MbTD = transformer.final_norm(mine_MbTD)
-    ce_sum = lax.psum(cross_entropy_sum(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T),
-                                        cfg, axes), ("dp", "pp"))
-    # Per-block stats in model order, summed over dp. GPipe: stage s has blocks [s B/pp, (s+1) B/pp).
-    # Circular: [R, L] per stage, gathered over pp to [R, B/R], which is model order once flattened.
-    stats = {name: lax.psum(lax.all_gather(s, "pp", axis=0 if R == 1 else 1, tiled=True, to="invarying"), "dp")
-             for name, s in stats.items()}
-    if R > 1:
-        stats = {name: s.reshape(-1, *s.shape[2:]) for name, s in stats.items()}
+    ce_sum = _output_layer_ce(transformer, table_VD, outputs_MbTD, y_MbT, cfg, axes)
     n_dp = lax.axis_size("dp")
-    return summarise(ce_sum, stats, x_BT.size * n_dp, b * n_dp, cfg)
+    return summarise(ce_sum, _stats_in_model_order(stats), x_BT.size * n_dp, b * n_dp, cfg)
+
+
+def _initial_carry(emb_MbTD, R, L, E):
+    """The schedule's carry before tick 0: what stage s received (nothing yet), stage 0's buffer (the
+    embeddings), the last stage's outputs and the per-block MoE stats [R, L] (zeros). They differ per
+    dp replica and per stage: declared varying over both for check_vma."""
+    zeros = lambda *shape, dtype=jnp.float32: lax.pcast(jnp.zeros(shape, dtype), ("dp", "pp"), to="varying")
+    stats = {"balance": zeros(R, L), "dropped": zeros(R, L), "tokens_per_expert": zeros(R, L, E, dtype=jnp.int32)}
+    received_bTD = zeros(*emb_MbTD.shape[1:])
+    return received_bTD, vary_like((emb_MbTD,), (received_bTD,))[0], zeros(*emb_MbTD.shape), stats
+
+
+def _stats_in_model_order(stats):
+    """Per-block stats [R, L] per stage, gathered over pp to [R, B/R] (GPipe: stage s has blocks
+    [s B/pp, (s+1) B/pp)), flattened to model order [B], summed over dp."""
+    return {name: lax.psum(lax.all_gather(s, "pp", axis=1, tiled=True, to="invarying"), "dp").reshape(-1, *s.shape[2:])
+            for name, s in stats.items()}
+
+
+def _output_layer_ce(transformer, table_VD, outputs_MbTD, y_MbT, cfg, axes):
+    """The summed cross-entropy of the pipeline's outputs, which only the last stage holds: a
+    reduce-scatter over pp hands each stage M/pp of them, so the (large-vocab) output layer's work is
+    split over the stages, [M, mb, T, D] -> [M/pp, mb, T, D]; summed over dp and pp."""
+    M, T, n_stages = y_MbT.shape[0], y_MbT.shape[-1], lax.axis_size("pp")
+    mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
+    targets_MbT = lax.dynamic_slice_in_dim(y_MbT, lax.axis_index("pp") * (M // n_stages), M // n_stages)
+    h_MbTD = transformer.final_norm(mine_MbTD)
+    return lax.psum(cross_entropy_sum(table_VD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T),
+                                      cfg, axes), ("dp", "pp"))
 
 
 def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
