@@ -842,6 +842,14 @@ class Run:
         return utils.sequences_per_step(self.cfg)
 
 
+def check_data_source(cfg):
+    """RunRefused when a pod preset would train on the bundled corpus (no --data_dir)."""
+    if cfg.preset in utils.PRESET_SLICES and not cfg.run.data_dir:
+        raise RunRefused(f"--data_dir: --preset {cfg.preset} is the guide's run on FineWeb-Edu, not the bundled "
+                         f"corpus; tokenize it first ({utils.TOKENIZE_FINEWEB}) and pass --data_dir "
+                         f"gs://BUCKET/fineweb-edu (--compile_for needs no data)")
+
+
 def open_run(cfg, mesh):
     """Take the run directory, print the run's header, load the data, restore or start the state."""
     rc, proc0 = cfg.run, jax.process_index() == 0
@@ -1299,6 +1307,7 @@ def main(argv=None):
     try:
         if cfg.run.sample:                 # validated with the model config the checkpoint recorded
             return sample_from_checkpoint(cfg)
+        check_data_source(cfg)
         utils.validate(cfg, jax.device_count())
         return train(cfg, sharding.make_mesh(cfg.run.n_device_axis))
     except utils.ConfigError as e:

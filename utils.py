@@ -150,6 +150,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    preset: str = "tiny"          # the --preset the flags were laid over
 
 
 PRESETS = {
@@ -185,6 +186,9 @@ PRESETS["moe1B-v4-32"] = dataclasses.replace(PRESETS["moe1B"], run=dataclasses.r
     PRESETS["moe1B"].run, name="moe1B-v4-32", n_device_axis=(4, 2, 2), train_batch_size=64, val_batch_size=256,
     micro_batch_size=8))
 PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
+# The pod presets are the guide's run on FineWeb-Edu: they train on --data_dir, never on the bundled corpus.
+TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/fineweb-edu --hf_config sample-350BT "
+                    "--out gs://BUCKET/fineweb-edu --shard_size 100000000 --val_shards 1")
 
 # Flags that pick an implementation, and their values: the keys of model.REMAT_POLICIES (with none:
 # nothing recomputed) and of experts.MOE_IMPLS (tests/test_config.py checks they agree).
@@ -238,7 +242,8 @@ def build_parser():
 def config_from_args(argv=None):
     """Parse the CLI into a Config: the preset, then every flag given on top of it."""
     args = vars(build_parser().parse_args(argv))
-    return override(PRESETS[args.pop("preset")], **{k: v for k, v in args.items() if v is not None})
+    preset = args.pop("preset")
+    return override(dataclasses.replace(PRESETS[preset], preset=preset), **{k: v for k, v in args.items() if v is not None})
 
 
 def override(cfg, **values):
@@ -382,7 +387,7 @@ def _plain_name(name):
 
 def describe(cfg):
     """A few lines summarising the run, for the log."""
-    lines = []
+    lines = [f"   preset: {cfg.preset}"]
     for section in SECTIONS:
         values = dataclasses.asdict(getattr(cfg, section))
         lines.append(f"{section:>9}: " + " ".join(f"{k}={v}" for k, v in values.items()))

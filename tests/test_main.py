@@ -286,7 +286,8 @@ def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_pa
     (["--n_device_axis", "1", "1", "3"], "TP of --n_device_axis"),
     (["--max_lr", "inf"], "--max_lr must be a finite number, got inf"),
     (["--seed", "-1"], "--seed must be in [0, "),
-    (["--name", "../.."], "--name must be one directory name under --output_dir")])
+    (["--name", "../.."], "--name must be one directory name under --output_dir"),
+    (["--preset", "moe1B"], "--data_dir: --preset moe1B is the guide's run on FineWeb-Edu, not the bundled corpus")])
 def test_config_error_names_the_flag(cpu_env, tmp_path, flags, message):
     """Refused before anything is compiled or written (a seed of -1 used to fail after the compile)."""
     proc = run(cpu_env, tmp_path, *flags, expect=2, timeout=120)
