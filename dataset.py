@@ -52,8 +52,9 @@ def default_cache_dir():
 # The bundled corpus
 # ----------------------------------------------------------------------------------------------------
 
-def ensure_bundled_shards(cache_dir: str) -> str:
-    """Shard directory of the bundled KJV corpus (train + val splits), tokenized on first use.
+def ensure_bundled_shards(cache_dir: str, say=lambda text: None) -> str:
+    """Shard directory of the bundled KJV corpus (train + val splits), tokenized on first use (`say`
+    is told so first: it takes a while).
 
     Built in a temporary directory and renamed into place, so a crash never leaves a half-written cache
     and concurrent callers agree on one result. Keyed by the corpus' sha256 and the tokenizer name.
@@ -64,6 +65,7 @@ def ensure_bundled_shards(cache_dir: str) -> str:
     out = os.path.join(os.path.abspath(cache_dir), f"kjv_{_tok.NAME}_{key}_s{BUNDLED_SHARD_SIZE}_c")
     if _complete(out):
         return out
+    say(f"tokenizing the bundled corpus (the King James Bible) into {out}, once")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

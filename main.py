@@ -280,14 +280,22 @@ class Diverged(Exception):
 
 
 def checkpoint_manager(run_dir, read_only=False):
+    """The run's checkpoints: saving every --checkpoint_steps interval it is asked to, keeping the last 3;
+    read_only (--sample): a manager that writes nothing."""
     options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
                ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True, create=True))
     # a URL goes to Orbax as it is (every host writes its shards there); only a local path is made absolute
     directory = f"{run_dir.rstrip('/')}/checkpoints" if is_url(run_dir) else os.path.join(os.path.abspath(run_dir),
                                                                                              "checkpoints")
-    # handlers named up front, so that a checkpoint's tree can be inspected before restoring (_restore)
-    return ocp.CheckpointManager(directory, options=options, item_handlers={
-        "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    # Orbax warns that a read-only manager is read only (the directory may well be writable): asked for.
+    absl, level = logging.getLogger("absl"), logging.getLogger("absl").level
+    absl.setLevel(logging.ERROR if read_only else level)
+    try:
+        # handlers named up front, so that a checkpoint's tree can be inspected before restoring (_restore)
+        return ocp.CheckpointManager(directory, options=options, item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    finally:
+        absl.setLevel(level)
 
 
 def save(mngr, step, state, meta, force=False):
@@ -656,7 +664,7 @@ def data_dir_for(cfg):
         return cfg.run.data_dir
     cache = dataset.default_cache_dir()
     try:
-        return dataset.ensure_bundled_shards(cache)
+        return dataset.ensure_bundled_shards(cache, say=log)
     except OSError as e:
         raise dataset.DataError(f"JAXFORMER_CACHE={cache}: cannot write the bundled corpus' shards there ({e}); "
                                 f"point JAXFORMER_CACHE at a writable directory, or pass --data_dir") from None
@@ -871,8 +879,6 @@ def open_run(cfg, mesh):
         log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position {start_seq} "
             f"sequences, run id {run_id}")
     logger = Logger(cfg, run_dir, run_id, proc0)
-    if meta is not None:
-        logger.metrics(utils.metrics_record("event", start_step, event="resume"))
     loader = dataset.BatchLoader(train_ds, cfg.model.T, utils.global_batch(cfg),
                                  trainer.data_sharding, rc.seed, consumed=start_seq)
     return Run(cfg, trainer, mngr, logger, train_ds, val_batches, loader, state, meta, start_step, start_seq,
@@ -1148,7 +1154,7 @@ def sample(run, state, step):
         return
     try:
         text = sample_text(state, run.cfg, run.sample_ids, step)
-        log(f"sample @ {step}: {ic.prompt}{text!r}")
+        log(f"sample @ {step}:\n{ic.prompt}{text}")
         run.logger.sample(step, ic.prompt, text)
     except Exception as e:
         log(f"WARNING: sampling at step {step} failed ({type(e).__name__}: {e}); training goes on")
@@ -1180,12 +1186,25 @@ def stopped(run, step, signal_name):
     return 0
 
 
+def finished(run):
+    """Whether the checkpoint restored is the end of the run: its last step, or --stop_at_val_loss met."""
+    return run.meta is not None and (run.start_step >= run.cfg.optim.training_steps
+                                     or val_target_reached(run.meta.get("val_loss"), run.cfg.run))
+
+
+def nothing_to_do(run):
+    """A finished run started again: say so, write nothing (no metrics record, no sample), exit 0."""
+    close_run(run)
+    val = run.meta.get("val_loss")
+    log(f"{run.mngr.directory}/{run.start_step} ends this run (--training_steps {run.cfg.optim.training_steps}"
+        + (f", val cross-entropy {val:.4f} at its last evaluation" if val is not None else "")
+        + "): nothing to do; raise --training_steps to train on, or add --restart to start over")
+    return 0
+
+
 def finish(run, state, step, val_ce, saved, t0):
-    """The end of the run (the last step, --stop_at_val_loss, or a finished run started again): its
-    checkpoint, and the final val cross-entropy against the unigram entropy of the training tokens."""
-    if val_ce is None:                          # resumed a finished run: just report
-        val_ce, _ = evaluate(run.trainer, state, run.val_batches)
-        sample(run, state, step)
+    """The end of the run (the last step or --stop_at_val_loss): its checkpoint, and the final val
+    cross-entropy against the unigram entropy of the training tokens."""
     if not saved:
         save_checkpoint(run, step, state, val_ce)
     wait_for_save(run.mngr)                     # the final line only once its checkpoint is written
@@ -1208,17 +1227,20 @@ def train(cfg, mesh):
     or --stop_at_val_loss; SIGTERM or Ctrl-C saves and stops early."""
     oc, rc = cfg.optim, cfg.run
     run = open_run(cfg, mesh)
+    if finished(run):
+        return nothing_to_do(run)
+    if run.meta is not None:
+        run.logger.metrics(utils.metrics_record("event", run.start_step, event="resume"))
     state, step = run.state, run.start_step
-    bar = tqdm(total=oc.training_steps, initial=step, disable=jax.process_index() != 0, dynamic_ncols=True,
-               desc="train", unit="step", file=sys.stdout,
-               mininterval=0.5 if sys.stdout.isatty() else 60)    # a log file gets a line a minute
+    # A progress bar on a terminal; a log file (launcher.sh's) gets the interval lines alone, not redraws.
+    bar = tqdm(total=oc.training_steps, initial=step, disable=jax.process_index() != 0 or not sys.stdout.isatty(),
+               dynamic_ncols=True, desc="train", unit="step", file=sys.stdout, mininterval=0.5)
     meter, stop = Meter(run, bar), StopSignals()
     # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
     stop_agreed = multihost.StopAgreement(lambda: stop.requested)
     batches = run.loader.iterate(0)
-    val_ce, stopping, last_saved = None, False, run.start_step if run.meta is not None else None
-    # a run that stopped at --stop_at_val_loss is finished: the same command reports, as after the last step
-    reached = run.meta is not None and val_target_reached(run.meta.get("val_loss"), rc)
+    say(bar, "compiling the training step (the first step waits for it)")
+    val_ce, stopping, reached, last_saved = None, False, False, None
     try:
         while step < oc.training_steps and not reached:
             state, metrics = run.trainer.step(state, next_batch(batches, oc.grad_step))
@@ -1277,7 +1299,7 @@ def sample_from_checkpoint(cfg):
     state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
     mngr.close()
     text = sample_text(state, cfg, ids, int(meta["step"]))
-    log(f"sample @ {meta['step']} of {mngr.directory}: {cfg.inference.prompt}{text}")
+    log(f"sample @ {meta['step']} of {mngr.directory}:\n{cfg.inference.prompt}{text}")
     return 0
 
 

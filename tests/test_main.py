@@ -259,7 +259,7 @@ def test_stop_at_val_loss_ends_at_the_first_evaluation_reaching_it(cpu_env, base
     assert max(losses(tmp_path)) == stop
     # The same command again: the run is finished, as after its last step; nothing more is trained.
     proc = run(cpu_env, tmp_path, *MESH1, "--stop_at_val_loss", str(target))
-    assert "resumed from" in proc.stdout and max(losses(tmp_path)) == stop
+    assert "nothing to do" in proc.stdout and max(losses(tmp_path)) == stop
 
 
 def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_path):

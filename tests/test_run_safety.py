@@ -52,6 +52,20 @@ def newest_checkpoint(out):
 # 1. a changed model flag
 
 
+def test_a_finished_run_started_again_has_nothing_to_do_and_writes_nothing(cpu_env, trained, tmp_path):
+    """The same command after the last step: one line saying so, exit 0, nothing compiled (no first
+    step, no evaluation, no sample) and nothing appended to metrics.jsonl or samples.txt."""
+    shutil.copytree(trained / "run", tmp_path / "run")
+    before = snapshot(tmp_path)
+    start = time.time()
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", steps=2, timeout=300)
+    print(f"\nthe finished run started again took {time.time() - start:.1f} s")
+    assert f"{tmp_path}/run/checkpoints/2 ends this run (--training_steps 2" in proc.stdout
+    assert "nothing to do" in proc.stdout and "jaxformer started" not in proc.stdout
+    assert "sample @" not in proc.stdout and "final:" not in proc.stdout
+    assert snapshot(tmp_path) == before
+
+
 def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_run_aside(cpu_env, trained, tmp_path):
     shutil.copytree(trained / "run", tmp_path / "run")
     before = snapshot(tmp_path)
@@ -180,7 +194,7 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
     # 64 experts, one per token, and 32 tokens a step: at least 32 experts get no token.
     proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
                "--micro_batch_size", "1", steps=2, timeout=300)
-    assert "sample @ 2: " in proc.stdout                     # sampled from <|endoftext|>
+    assert "sample @ 2:\n" in proc.stdout                    # sampled from <|endoftext|>, printed as text
     assert "WARNING: sampling at step 2 failed (IsADirectoryError" in proc.stdout
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
     assert "load max/min inf (no tokens: expert 0." in proc.stdout
@@ -326,7 +340,8 @@ def test_sample_from_a_run_trained_on_222_on_111_writes_nothing(cpu_env, tmp_pat
            "--prompt", "And God said,", "--max_tokens", "6"]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"sample @ 1 of {tmp_path}/run/checkpoints: And God said," in proc.stdout
+    assert f"sample @ 1 of {tmp_path}/run/checkpoints:\nAnd God said," in proc.stdout
+    assert "read only" not in proc.stderr, proc.stderr       # Orbax's notes on the read-only manager it was asked for
     assert snapshot(tmp_path) == before
     proc = subprocess.run(cmd[:5] + ["nothing", "--sample"], cwd=REPO, env=cpu_env, capture_output=True, text=True,
                           timeout=300)
