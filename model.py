@@ -310,7 +310,7 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_BTD, axes):
         dtype = jnp.dtype(self.cfg.model_dtype)
-        # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
+        # One psum over tp, as in MLA (Megatron).
         return psum(ffn(fetch(self.w_up, axes, dtype), fetch(self.w_down, axes, dtype), x_BTD), axes.tp)
 
 
@@ -356,7 +356,7 @@ class MoE(nnx.Module):
         routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
         # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
         shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
-        # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
+        # One psum over tp, as in MLA (Megatron).
         out_BTD = psum(routed_BTD + shared_BTD, axes.tp)
         stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
                  "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}

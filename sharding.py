@@ -96,11 +96,8 @@ def vary_like(arrays, others):
 
 
 def varying_axes(x):
-    """The mesh axes x varies over (check_vma's type). JAX 0.10 keeps them in the aval's
-    manual_axis_type; earlier releases called the same set `vma`."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return mat.varying if mat is not None else aval.vma
+    """The mesh axes x varies over (check_vma's type)."""
+    return jax.typeof(x).manual_axis_type.varying
 
 
 def mesh_spec(logical_axes, expert_parallel=False):
