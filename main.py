@@ -193,7 +193,7 @@ class Logger:
     def metrics(self, record):
         if not self.enabled:
             return
-        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
         if self.wandb is not None:
             try:
                 self.wandb.log(wandb_scalars(record), step=record["step"])
@@ -218,6 +218,18 @@ class Logger:
                 self.wandb.finish()
             except Exception as e:
                 warnings.warn(f"wandb.finish failed ({e})")
+
+
+def _finite(value):
+    """`value` with every non-finite float as None: json.dumps writes NaN and Infinity, which strict JSON
+    readers (jq, JavaScript, pandas' default engine) reject, so metrics.jsonl holds null there."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def wandb_scalars(record):
