@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import glob
 import json
+import logging
 import math
 import os
 import posixpath
@@ -43,6 +44,7 @@ from functools import partial
 from typing import Callable, NamedTuple
 
 import fsspec
+import fsspec.asyn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,46 +119,115 @@ def make_run_dir(run_dir):
     fs.makedirs(path, exist_ok=True)           # a no-op under a bucket, where directories are prefixes
 
 
+# gcsfs logs every request it gives up on with its traceback, then raises the error to its caller, which
+# reports it in one line (a run file's warning, the lock, SaveFailed): a store outage printed each error twice,
+# the second time as a screenful of aiohttp frames
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+
+EXIT_WAIT_S = 5.0           # at exit, how long a store that does not answer may hold the process
+
+
+def _exit_timeout(fs):
+    """fsspec's per-call time limit, for the writes at exit (an async filesystem such as gcsfs takes one; gcsfs
+    alone retries a refused connection for about 30 s)."""
+    return {"timeout": EXIT_WAIT_S} if isinstance(fs, fsspec.asyn.AsyncFileSystem) else {}
+
+
+def _warn(text):
+    print(f"WARNING: {text}", file=sys.stderr, flush=True)
+
+
+def _append(path, data):
+    """Append `data` whole or not at all: a disk that fills up mid-write is truncated back, so that no half
+    record is left to be glued to the next one."""
+    with open(path, "ab", buffering=0) as f:
+        start = f.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view):]
+        except OSError:
+            f.truncate(start)
+            raise
+
+
 class RunFile:
     """One growing text file of the run directory (metrics.jsonl, samples.txt), written by process 0.
 
     A local directory gets every record appended at once. An object store cannot append, and rewriting a
     growing object on every line would cost O(lines^2): records wait in memory and go out as whole
     numbered objects, NAME.parts/000001, 000002, ... at flush() (each checkpoint, at most every FLUSH_S
-    seconds otherwise, and at close). `read_run_file` puts either layout back together."""
+    seconds otherwise, and at close). `read_run_file` puts either layout back together.
+
+    A write that fails (a read-only or full disk, a store that is down) never stops training: one warning,
+    and the records wait in memory for the next write that succeeds. At close (also at exit, however the
+    process ends) what is still waiting is tried once more, then spilled to a local file that one line names."""
     FLUSH_S = 60.0
 
     def __init__(self, run_dir, name):
         self.run_dir, self.name = run_dir, name
         self.remote = is_url(run_dir)
         self.path = f"{run_dir.rstrip('/')}/{name}" if self.remote else os.path.join(run_dir, name)
-        self._buf, self._last = [], time.monotonic()
+        self._buf, self._last, self._failing = [], time.monotonic(), False
         if self.remote:
             self.fs, parts = fsspec.core.url_to_fs(f"{self.path}.parts")
             self.parts = parts.rstrip("/")
             self._next = 1 + max([int(p) for p in _part_names(self.fs, self.parts)] or [0])
+        atexit.register(self.close)
 
     def write(self, text):
-        if not self.remote:
-            with open(self.path, "a") as f:
-                f.write(text)
-            return
         self._buf.append(text)
-        if time.monotonic() - self._last >= self.FLUSH_S:
+        if not self.remote or time.monotonic() - self._last >= self.FLUSH_S:
             self.flush()
 
     def flush(self):
-        """Write what is buffered as the next part object (an object store only; never fatal)."""
-        if not self.remote or not self._buf:
+        """Write what is waiting (never fatal): appended to the local file, or as the next part object."""
+        if not self._buf:
             return
-        name = f"{self.parts}/{self._next:06d}"
         try:
-            self.fs.pipe_file(name, "".join(self._buf).encode("utf-8"))
-        except Exception as e:                 # metrics never stop training; kept for the next flush
-            warnings.warn(f"could not write {self.fs.unstrip_protocol(name)} ({type(e).__name__}: {e}); "
-                          f"keeping {len(self._buf)} record(s) in memory for the next try")
+            self._put("".join(self._buf))
+        except Exception as e:                 # metrics never stop training; kept for the next try
+            self._last = time.monotonic()      # a store that is down is tried again in FLUSH_S, not every record
+            if not self._failing:
+                _warn(f"could not write {self._target()} ({_os_error(e)}); keeping its records in memory and "
+                      f"trying again {'at the next checkpoint' if self.remote else 'with the next record'}")
+            self._failing = True
             return
-        self._buf, self._last, self._next = [], time.monotonic(), self._next + 1
+        self._buf, self._last, self._failing = [], time.monotonic(), False
+
+    def close(self):
+        """The last try at what is waiting (at most EXIT_WAIT_S on a store); what it cannot write goes to a
+        local file in $JAXFORMER_CACHE/unwritten, named in one line with how to put it back."""
+        if not self._buf:
+            return
+        text, n, target = "".join(self._buf), len(self._buf), self._target()
+        self._buf = []
+        try:
+            self._put(text, **(_exit_timeout(self.fs) if self.remote else {}))
+            return
+        except Exception as e:
+            error = f"no answer in {EXIT_WAIT_S:.0f} s" if isinstance(e, TimeoutError) else _os_error(e)
+        spill = os.path.join(dataset.default_cache_dir(), "unwritten",
+                             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self.name}")
+        try:
+            os.makedirs(os.path.dirname(spill), exist_ok=True)
+            _append(spill, text.encode("utf-8"))
+        except OSError as e:
+            _warn(f"{n} record(s) could not be written to {target} ({error}) nor to {spill} ({e}): they are lost")
+            return
+        _warn(f"{n} record(s) could not be written to {target} ({error}); they are in {spill}: "
+              + (f"upload it as {target} when the store is back" if self.remote else
+                 f"append it to {target} (cat {spill} >> {target}) once that can be written"))
+
+    def _target(self):
+        return f"{self.path}.parts/{self._next:06d}" if self.remote else self.path
+
+    def _put(self, text, **kwargs):
+        if not self.remote:
+            _append(self.path, text.encode("utf-8"))
+            return
+        self.fs.pipe_file(f"{self.parts}/{self._next:06d}", text.encode("utf-8"), **kwargs)
+        self._next += 1
 
 
 def _part_names(fs, parts):
@@ -212,7 +283,9 @@ class Logger:
                 warnings.warn(f"wandb sample logging failed ({e})")
 
     def close(self):
-        self.flush()
+        if self.enabled:
+            self.metrics_file.close()
+            self.samples_file.close()
         if self.wandb is not None:
             try:
                 self.wandb.finish()

@@ -9,7 +9,9 @@ outside it (signals, a read-only mount, a full tmpfs, a second run in the same d
 - a checkpoint directory that is read-only or full: one line, non-zero exit, within 30 s
 - the data position is in sequences: a new batch layout resumes right after the last sequence
 - --sample on (1,1,1) from a run trained on (2,2,2), writing nothing
+- the run directory's disk full mid-run: one warning, no record lost
 """
+import contextlib
 import json
 import os
 import shutil
@@ -22,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from test_main import MESH1, MESH8, REPO, checkpoints, records, run, start, wait_for, wait_for_step
+from test_main import MESH1, MESH8, REPO, checkpoints, last_step, records, run, start, wait_for, wait_for_step
 
 
 def snapshot(path):
@@ -134,7 +136,9 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
     proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
                "--micro_batch_size", "1", steps=2, timeout=300)
     assert "sample @ 2: " in proc.stdout                     # sampled from <|endoftext|>
-    assert "WARNING: sampling at step 2 failed (IsADirectoryError" in proc.stdout
+    # samples.txt cannot be written: a warning, and the sample spilled to a file named at exit
+    assert f"WARNING: could not write {tmp_path}/run/samples.txt ([Errno 21] Is a directory" in proc.stderr
+    assert f"2 record(s) could not be written to {tmp_path}/run/samples.txt ([Errno 21]" in proc.stderr
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
     assert "load max/min inf (no tokens: expert 0." in proc.stdout
     assert all(r["expert_load_spread"] is None and min(r["idle_expert_fraction"]) >= 0.5
@@ -245,3 +249,41 @@ def test_sample_from_a_run_trained_on_222_on_111_writes_nothing(cpu_env, tmp_pat
                           timeout=300)
     assert proc.returncode == 2 and "--sample: no readable checkpoint in" in proc.stderr
     assert not os.path.exists(tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. the run directory itself: full mid-run
+
+
+def _lines(text, prefix):
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_full_disk_mid_run_keeps_the_records_until_there_is_room(cpu_env, tmp_path):
+    """The run directory's disk fills up mid-run: one warning, no half-written record; the records wait in
+    memory and are written once there is room again; SIGTERM then saves and exits 0."""
+    out, log = tmp_path / "out", tmp_path / "log"
+    os.makedirs(out)
+    _mount("-t", "tmpfs", "-o", "size=256m", "tmpfs", str(out))
+    try:
+        proc = start(cpu_env, out, log, *MESH1, "--checkpoint_steps", "5")     # no save before step 50
+        wait_for_step(proc, out, log, 2)
+        with open(out / "filler", "wb", buffering=0) as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * (1 << 20))
+        wait_for(proc, log, lambda: "No space left on device" in open(f"{log}.err").read(), "the full-disk warning")
+        os.remove(out / "filler")
+        wait_for_step(proc, out, log, last_step(out) + 3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0, open(f"{log}.err").read()[-3000:]
+        err = open(f"{log}.err").read()
+        assert "Traceback" not in err and _lines(err, "WARNING:") == [
+            f"WARNING: could not write {out}/run/metrics.jsonl ([Errno 28] No space left on device); keeping its "
+            f"records in memory and trying again with the next record"], err[-3000:]
+        with open(out / "run" / "metrics.jsonl") as f:
+            lines = [json.loads(line) for line in f]                           # every line whole
+        steps = [r["step"] for r in lines if "loss" in r]
+        assert steps == list(range(1, max(steps) + 1)) and max(steps) < 50
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
