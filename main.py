@@ -24,6 +24,7 @@ in small functions above it. The training state is one pytree: {"params", "opt_s
 "router_bias"}.
 """
 import atexit
+import contextlib
 import dataclasses
 import errno
 import glob
@@ -110,13 +111,20 @@ def _tpu_multihost():
 
 
 def is_url(path):
-    """True for an fsspec URL (gs://bucket/x, memory://x); such a path is never touched with os.*."""
+    """True for an fsspec URL (gs://bucket/x, memory://x); such a path is never touched with os.*. A file://
+    URL is not one: run_dir_of turns it into the local path it names."""
     return "://" in str(path) and not str(path).startswith("file://")
 
 
 def make_run_dir(run_dir):
+    """RunRefused, naming --output_dir, when the run directory cannot be made (a file is in the way, a
+    read-only or unwritable parent)."""
     fs, path = fsspec.core.url_to_fs(run_dir)
-    fs.makedirs(path, exist_ok=True)           # a no-op under a bucket, where directories are prefixes
+    try:
+        fs.makedirs(path, exist_ok=True)       # a no-op under a bucket, where directories are prefixes
+    except OSError as e:
+        raise RunRefused(f"cannot create the run directory {run_dir} ({_os_error(e)}); --output_dir must be a "
+                         f"directory this process can write, or a URL (gs://bucket/runs)") from e
 
 
 # gcsfs logs every request it gives up on with its traceback, then raises the error to its caller, which
@@ -562,37 +570,132 @@ def set_aside_previous_run(run_dir):
 
 
 def lock_run_dir(run_dir):
-    """Take RUN_DIR/lock for this process (host, pid, start time) and release it at exit. RunRefused when
-    a live run holds it; a lock whose process is gone (killed, host rebooted) is taken over with a
-    warning. Local directories only: on an object store the lock is skipped."""
-    if is_url(run_dir):
-        return None
-    path = os.path.join(run_dir, "lock")
+    """Create RUN_DIR and take RUN_DIR/lock for this process (host, pid, start time), released at exit if it is
+    still this process'. RunRefused when a live run holds it, or when the directory cannot be created or
+    written (nothing else is touched); a lock whose process is provably gone (killed, host rebooted) is taken
+    over with a warning. On an object store the lock is an object created only where none exists (GCS: a
+    generation precondition), so two runs cannot both take it there either."""
+    make_run_dir(run_dir)
+    lock = _ObjectLock(run_dir) if is_url(run_dir) else _FileLock(run_dir)
     mine = dict(_process_identity(os.getpid()), host=_hostname(),
                 started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(mine, f)
     try:
         for _ in range(3):
-            try:
-                os.link(tmp, path)      # atomic, and fails when the lock exists: the file appears whole
-                atexit.register(_unlock, path, mine)
-                return path
-            except FileExistsError:
-                holder = _read_lock(path)
-            if holder is None and not os.path.exists(path):
+            if lock.create(mine):
+                atexit.register(lock.release, mine)
+                return lock.path
+            holder, token = lock.read()
+            if token is None:
                 continue                # released meanwhile
             if holder is not None and _alive(holder):
                 raise RunRefused(f"{run_dir} is in use by another run: pid {holder.get('pid')} on "
-                                 f"{holder.get('host')}, started {holder.get('started')} (lock {path}); stop it or "
-                                 f"use another --name; if that run is gone, delete {path}")
-            log(f"WARNING: taking over {path}: pid {holder and holder.get('pid')} on "
+                                 f"{holder.get('host')}, started {holder.get('started')} (lock {lock.path}); stop "
+                                 f"it or use another --name; if that run is gone, delete {lock.path}")
+            log(f"WARNING: taking over {lock.path}: pid {holder and holder.get('pid')} on "
                 f"{holder and holder.get('host')} that held it is gone")
-            _remove(path)               # not atomic with the read: two runs taking over at once can both win
-        raise RunRefused(f"could not take the lock {path}: other runs keep taking it")
-    finally:
-        _remove(tmp)
+            lock.remove(token)
+        raise RunRefused(f"could not take the lock {lock.path}: other runs keep taking it")
+    except OSError as e:
+        raise RunRefused(f"cannot write the run directory {run_dir} ({_os_error(e)}); --output_dir must be a "
+                         f"directory this process can write") from e
+
+
+class _FileLock:
+    """RUN_DIR/lock in a local directory: a hard link of a file written whole, so that it appears atomically
+    and only where none exists. Its token (what read() found) is True."""
+
+    def __init__(self, run_dir):
+        self.path = os.path.join(run_dir, "lock")
+        self._tmp = f"{self.path}.{os.getpid()}.tmp"
+
+    def create(self, mine):
+        try:
+            with open(self._tmp, "w") as f:
+                json.dump(mine, f)
+            os.link(self._tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(self._tmp)
+
+    def read(self):
+        try:
+            with open(self.path) as f:
+                return json.load(f), True
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError):
+            return None, True
+
+    def remove(self, token):
+        try:                            # not atomic with the read: two runs taking over at once can both win
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def release(self, mine):
+        """At exit; never raises (a directory turned read-only keeps the lock: the next run takes it over)."""
+        try:
+            if self.read()[0] == mine:
+                self.remove(True)
+        except OSError:
+            pass
+
+
+class _ObjectLock:
+    """RUN_DIR/lock on an fsspec object store, written with fsspec's create-only mode (GCS and S3: a
+    precondition the store enforces). On GCS read() returns the object's generation as its token and
+    remove() deletes only that generation, so a takeover never deletes the lock a third run just took;
+    elsewhere the token is the bytes read, compared again just before the delete."""
+
+    def __init__(self, run_dir):
+        self.path = f"{run_dir.rstrip('/')}/lock"
+        self.fs, self._key = fsspec.core.url_to_fs(self.path)
+        self._gcs = "gs" in self.fs.protocol           # gcsfs: ("gs", "gcs")
+
+    def create(self, mine):
+        try:
+            self.fs.pipe_file(self._key, json.dumps(mine).encode(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+
+    def read(self, **kwargs):
+        try:
+            if self._gcs:               # the body and its generation from one request
+                headers, body = self.fs.call("GET", "b/{}/o/{}", *self.fs.split_path(self._key)[:2], alt="media",
+                                             **kwargs)
+                token = headers["X-Goog-Generation"]
+            else:
+                body = token = self.fs.cat_file(self._key, **kwargs)
+        except FileNotFoundError:
+            return None, None
+        try:
+            return json.loads(body), token
+        except ValueError:
+            return None, token
+
+    def remove(self, token, **kwargs):
+        try:
+            if self._gcs:
+                self.fs.call("DELETE", "b/{}/o/{}", *self.fs.split_path(self._key)[:2], ifGenerationMatch=token,
+                             **kwargs)
+            elif self.fs.cat_file(self._key, **kwargs) == token:
+                self.fs.rm_file(self._key, **kwargs)
+        except (FileNotFoundError, FileExistsError):   # gone, or replaced (GCS answers 412 as FileExistsError)
+            pass
+
+    def release(self, mine):
+        """At exit, within EXIT_WAIT_S; never raises (a store that is down keeps the lock: the next run on this
+        host takes it over)."""
+        try:
+            holder, token = self.read(**_exit_timeout(self.fs))
+            if holder == mine:
+                self.remove(token, **_exit_timeout(self.fs))
+        except Exception:
+            pass
 
 
 def _process_identity(pid):
@@ -624,26 +727,6 @@ def _alive(holder):
 
 def _hostname():
     return socket.gethostname()
-
-
-def _read_lock(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _remove(path):
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _unlock(path, mine):
-    if _read_lock(path) == mine:
-        _remove(path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -809,8 +892,6 @@ def open_run(cfg, mesh):
     rc, proc0 = cfg.run, jax.process_index() == 0
     run_dir = run_dir_of(rc)
     sample_ids = prompt_ids(cfg.inference, cfg.model.T)  # a prompt that cannot be sampled stops the run here
-    if proc0:
-        make_run_dir(run_dir)
     on_process_0(lambda: lock_run_dir(run_dir))
     if rc.restart:                              # every host opens the checkpoints after they moved
         on_process_0(lambda: set_aside_previous_run(run_dir))
@@ -1171,7 +1252,11 @@ def sample_from_checkpoint(cfg):
 
 
 def run_dir_of(rc):
-    return f"{rc.output_dir.rstrip('/')}/{rc.name}" if is_url(rc.output_dir) else os.path.join(rc.output_dir, rc.name)
+    """OUTPUT_DIR/NAME; a file:// URL is the local path it names (os.* and Orbax are given the path)."""
+    if is_url(rc.output_dir):
+        return f"{rc.output_dir.rstrip('/')}/{rc.name}"
+    local = fsspec.core.url_to_fs(rc.output_dir)[1] if rc.output_dir.startswith("file://") else rc.output_dir
+    return os.path.join(local, rc.name)
 
 
 def prompt_ids(ic, T):
