@@ -127,9 +127,8 @@ def make_run_dir(run_dir):
                          f"directory this process can write, or a URL (gs://bucket/runs)") from e
 
 
-# gcsfs logs every request it gives up on with its traceback, then raises the error to its caller, which
-# reports it in one line (a run file's warning, the lock, SaveFailed): a store outage printed each error twice,
-# the second time as a screenful of aiohttp frames
+# gcsfs logs every request it gives up on, with a screenful of aiohttp frames, and then raises the same error
+# to its caller, which reports it in one line (a run file's warning, the lock's refusal, SaveFailed)
 logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 EXIT_WAIT_S = 5.0           # at exit, how long a store that does not answer may hold the process
