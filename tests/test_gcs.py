@@ -2,10 +2,13 @@
 127.0.0.1 (data/emulator.py says how gcsfs and tensorstore are pointed at it). Tokenize to gs:// with
 kill -9 and --resume (byte-identical to a clean local run), train from gs:// shards with the run
 directory on gs:// (checkpoints through Orbax/tensorstore, metrics as part objects), kill -9 and resume
-exactly, and two processes sharing one gs:// run directory."""
+exactly (the killed run's lock taken over), two processes of one run sharing one gs:// run directory, a second
+run refused there, and the store going down mid-run (one line, the unwritten metrics spilled locally)."""
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,7 +116,10 @@ def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, cpu_env,
     fs = fsspec.filesystem("gs")
     resumed = _main(cpu_env, out, gs_shards, 14)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    # the killed run's lock is left; its process is gone from this host: taken over, released at the end
+    assert f"WARNING: taking over {out}/run/lock: pid " in resumed.stdout
     assert f"resumed from {out}/run/checkpoints/10: step 10," in resumed.stdout
+    assert not fs.exists(f"{BUCKET}/runs/run/lock")
     fs.invalidate_cache()
     got = _losses(jmain.read_run_file(f"{out}/run", "metrics.jsonl"))
     assert sorted(got) == list(range(1, 15)) and got == want
@@ -146,3 +152,69 @@ def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_loss
     np.testing.assert_allclose([got[k] for k in got], [local_losses[k] for k in got], rtol=1e-5, atol=1e-6)
     written = fs.find(f"{BUCKET}/two/run/checkpoints/{steps}")
     assert any("ocdbt.process_0" in w for w in written) and any("ocdbt.process_1" in w for w in written)
+
+
+def test_second_run_is_refused_then_a_store_outage_is_one_line_and_loses_no_record(cpu_env, reference_run, tmp_path):
+    """A run on gs:// holds its directory: a second one (even with --restart) exits 2 naming the holder and
+    touches nothing. Then the store goes down (the emulator killed from outside): the first exits 1 with one
+    error line naming the URL, no traceback, and the metrics it could not write spilled to a local file that
+    one line names; uploaded as that line says once the store is back, the run's metrics miss no step."""
+    import gcsfs.core
+    store = tmp_path / "store"
+    store.mkdir()
+    proc, url = emulator.start(bucket=BUCKET, data_dir=str(store))      # objects survive a restart on its port
+    restore = emulator.point_this_process_at(url)
+    e = dict(cpu_env, **emulator.emulator_env(url))
+    out, log = f"gs://{BUCKET}/outage", tmp_path / "first.log"
+    fs = gcsfs.core.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
+    with open(log, "w") as f:          # saves every 50 steps: the store goes down long before the first
+        first = subprocess.Popen(_cmd(out, reference_run, 100_000, ["--checkpoint_steps", "5"]), cwd=REPO, env=e,
+                                 stdout=f, stderr=f)
+    try:
+        deadline = time.time() + 600
+        # the lock is taken before the compile that precedes the first step's line
+        while not fs.exists(f"{BUCKET}/outage/run/lock") and "jaxformer started" not in log.read_text():
+            assert first.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        lock = fs.info(f"{BUCKET}/outage/run/lock")
+        second = subprocess.run(_cmd(out, reference_run, 3, ["--restart"]), cwd=REPO, env=e, capture_output=True,
+                                text=True, timeout=600)
+        assert second.returncode == 2, second.stderr[-4000:]
+        assert f"{out}/run is in use by another run: pid {first.pid} on {socket.gethostname()}" in second.stderr
+        fs.invalidate_cache()
+        assert fs.info(f"{BUCKET}/outage/run/lock")["generation"] == lock["generation"]
+        assert not fs.exists(f"{BUCKET}/outage/run/replaced")
+
+        while "step     10 |" not in log.read_text():
+            assert first.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait()
+        assert first.wait(timeout=600) == 1, log.read_text()[-4000:]
+        text = log.read_text()
+        assert "Traceback" not in text and "ERROR:" not in text, text[-4000:]
+        errors = re.findall(r"error: .*", text)          # after the progress bar's last refresh, on its line
+        assert len(errors) == 1 and f"in {out}/run/checkpoints: Cannot connect to host" in errors[0], text[-4000:]
+        spill = re.search(r"WARNING: (\d+) record\(s\) could not be written to (\S+) \(.*\); they are in (\S+): "
+                          r"upload it as (\S+) when the store is back", text)
+        assert spill and spill[2] == spill[4] and spill[2].startswith(f"{out}/run/metrics.jsonl.parts/"), text[-4000:]
+    finally:
+        proc.kill()
+        proc.wait()
+        first.kill()
+        first.wait()
+    proc, url = emulator.start(port=int(url.rsplit(":", 1)[1]), bucket=BUCKET, data_dir=str(store))
+    try:
+        fs = gcsfs.core.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
+        fs.put_file(spill[3], spill[4])
+        got = [json.loads(line) for line in fs.cat_file(f"{BUCKET}/outage/run/metrics.jsonl.parts/{spill[4][-6:]}")
+               .decode().splitlines()]
+        assert len(got) == int(spill[1])
+        parts = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/outage/run/metrics.jsonl.parts", detail=False))
+        text = "".join(fs.cat_file(f"{BUCKET}/outage/run/metrics.jsonl.parts/{p}").decode() for p in parts)
+        steps = [r["step"] for r in map(json.loads, text.splitlines()) if "loss" in r]
+        assert steps == list(range(1, 51)), steps
+    finally:
+        proc.kill()
+        proc.wait()
+        restore()

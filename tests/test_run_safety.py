@@ -9,7 +9,11 @@ outside it (signals, a read-only mount, a full tmpfs, a second run in the same d
 - a checkpoint directory that is read-only or full: one line, non-zero exit, within 30 s
 - the data position is in sequences: a new batch layout resumes right after the last sequence
 - --sample on (1,1,1) from a run trained on (2,2,2), writing nothing
+- the run directory read-only or full mid-run: one warning, no record lost; unusable at start (read-only, a
+  file): exit 2 in one line; --output_dir file:///path is that path
 """
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -195,7 +199,9 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
     proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
                "--micro_batch_size", "1", steps=2, timeout=300)
     assert "sample @ 2:\n" in proc.stdout                    # sampled from <|endoftext|>, printed as text
-    assert "WARNING: sampling at step 2 failed (IsADirectoryError" in proc.stdout
+    # samples.txt cannot be written: a warning, and the sample spilled to a file named at exit
+    assert f"WARNING: could not write {tmp_path}/run/samples.txt ([Errno 21] Is a directory" in proc.stderr
+    assert f"2 record(s) could not be written to {tmp_path}/run/samples.txt ([Errno 21]" in proc.stderr
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
     assert "load max/min inf (no tokens: expert 0." in proc.stdout
     assert all(r["expert_load_spread"] is None and min(r["idle_expert_fraction"]) >= 0.5
@@ -347,3 +353,86 @@ def test_sample_from_a_run_trained_on_222_on_111_writes_nothing(cpu_env, tmp_pat
                           timeout=300)
     assert proc.returncode == 2 and "--sample: no readable checkpoint in" in proc.stderr
     assert not os.path.exists(tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. the run directory itself: read-only or full mid-run, unusable at start, a file:// URL
+
+
+def _lines(text, prefix):
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_run_dir_turned_read_only_mid_run_fails_in_one_line_losing_no_record(cpu_env, tmp_path):
+    """--output_dir as a file:// URL is the local path it names. The run directory turns read-only mid-run:
+    one warning, the records wait in memory; the next save fails in one line (exit 1) and at exit the records
+    that could not be written are spilled to $JAXFORMER_CACHE/unwritten, named in one line; no traceback.
+    Started again there, or with --output_dir read-only or a file, the run is refused (exit 2) in one line."""
+    out, run_dir, log = tmp_path / "out", tmp_path / "out" / "run", tmp_path / "first"
+    first = start(cpu_env, f"file://{out}", log, *MESH1)
+    wait_for_step(first, out, log, 2)
+    _mount("--bind", "-o", "ro", str(run_dir), str(run_dir))
+    try:
+        assert first.wait(timeout=300) == 1, open(f"{log}.err").read()[-3000:]
+        err = open(f"{log}.err").read()
+        assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+        errors, warnings = _lines(err, "error:"), _lines(err, "WARNING:")
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: could not save the checkpoint of step 10 in {run_dir}/checkpoints: [Errno 30] Read-only file "
+            f"system"), err[-3000:]
+        spills = glob.glob(os.path.join(cpu_env["JAXFORMER_CACHE"], "unwritten", f"*-{first.pid}-metrics.jsonl"))
+        assert len(spills) == 1 and len(warnings) == 2, err[-3000:]
+        assert warnings[0].startswith(f"WARNING: could not write {run_dir}/metrics.jsonl ([Errno 30] Read-only")
+        assert f"could not be written to {run_dir}/metrics.jsonl ([Errno 30] Read-only file system" in warnings[1]
+        assert f"they are in {spills[0]}: append it to {run_dir}/metrics.jsonl" in warnings[1]
+        with open(spills[0]) as f:
+            spilled = [json.loads(line) for line in f]
+        steps = [r["step"] for r in records(out) + spilled if "loss" in r]
+        assert steps == list(range(1, 11)) and records(out), steps
+
+        proc = run(cpu_env, out, *MESH1, expect=2, timeout=300)            # resumed on the read-only directory
+        errors = _lines(proc.stderr, "error:")
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: cannot write the run directory {run_dir} ([Errno 30] Read-only file system: '{run_dir}/lock.")
+        assert errors[0].endswith("); --output_dir must be a directory this process can write"), errors
+        proc = run(cpu_env, run_dir, *MESH1, expect=2, timeout=300)        # --output_dir read-only
+        assert _lines(proc.stderr, "error:")[0].startswith(
+            f"error: cannot create the run directory {run_dir}/run ([Errno 30] Read-only file system")
+    finally:
+        subprocess.run(["umount", str(run_dir)], check=True)
+    (tmp_path / "afile").write_text("")
+    proc = run(cpu_env, tmp_path / "afile", *MESH1, expect=2, timeout=300)  # --output_dir a file
+    assert _lines(proc.stderr, "error:") == [
+        f"error: cannot create the run directory {tmp_path}/afile/run ([Errno 20] Not a directory: "
+        f"'{tmp_path}/afile/run'); --output_dir must be a directory this process can write, or a URL (gs://bucket/runs)"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_full_disk_mid_run_keeps_the_records_until_there_is_room(cpu_env, tmp_path):
+    """The run directory's disk fills up mid-run: one warning, no half-written record; the records wait in
+    memory and are written once there is room again; SIGTERM then saves and exits 0."""
+    out, log = tmp_path / "out", tmp_path / "log"
+    os.makedirs(out)
+    _mount("-t", "tmpfs", "-o", "size=256m", "tmpfs", str(out))
+    try:
+        proc = start(cpu_env, out, log, *MESH1, "--checkpoint_steps", "5")     # no save before step 50
+        wait_for_step(proc, out, log, 2)
+        with open(out / "filler", "wb", buffering=0) as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * (1 << 20))
+        wait_for(proc, log, lambda: "No space left on device" in open(f"{log}.err").read(), "the full-disk warning")
+        os.remove(out / "filler")
+        wait_for_step(proc, out, log, last_step(out) + 3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0, open(f"{log}.err").read()[-3000:]
+        err = open(f"{log}.err").read()
+        assert "Traceback" not in err and _lines(err, "WARNING:") == [
+            f"WARNING: could not write {out}/run/metrics.jsonl ([Errno 28] No space left on device); keeping its "
+            f"records in memory and trying again with the next record"], err[-3000:]
+        with open(out / "run" / "metrics.jsonl") as f:
+            lines = [json.loads(line) for line in f]                           # every line whole
+        steps = [r["step"] for r in lines if "loss" in r]
+        assert steps == list(range(1, max(steps) + 1)) and max(steps) < 50
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
