@@ -52,11 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import hlo
-import main as driver
 import model
+import multihost
 import pipeline
 import sharding
 import utils
+from trainer import abstract_step_args, build_trainer
 
 
 def parse_args(argv=None):
@@ -95,9 +96,9 @@ def parse_args(argv=None):
 
 
 def build_step(cfg, mesh):
-    """main.py's jitted training step (main.build_trainer) with a fresh state, random batches and
+    """main.py's jitted training step (trainer.build_trainer) with a fresh state, random batches and
     abstract arguments for compiling without data. Returns (step, make_state, make_batch, abstract_args)."""
-    trainer = driver.build_trainer(cfg, mesh)
+    trainer = build_trainer(cfg, mesh)
     data_shard = trainer.data_sharding
     G, rows, T = cfg.optim.grad_step, utils.global_batch(cfg), cfg.model.T
 
@@ -106,7 +107,7 @@ def build_step(cfg, mesh):
         return tuple(tuple(jax.device_put(tokens[i, :, part], data_shard) for i in range(G))
                      for part in (slice(None, -1), slice(1, None)))
 
-    return trainer.step, trainer.fresh_state, make_batch, lambda: driver.abstract_step_args(cfg, trainer)[0]
+    return trainer.step, trainer.fresh_state, make_batch, lambda: abstract_step_args(cfg, trainer)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +404,7 @@ def print_op_times(profile, out):
 
 def main(argv=None):
     args, cfg = parse_args(argv)
-    driver.set_up_devices(cfg)
+    multihost.set_up_devices(cfg)
     utils.validate(cfg, jax.device_count())
     if args.grad_error:
         result = {"preset": args.preset, **grad_error(cfg, args.tokens)}

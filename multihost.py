@@ -1,5 +1,6 @@
-"""What main.py needs to run as one of several processes (one per host): joining jax.distributed
-within a time limit, saying it has started, and agreeing on a stop without a per-step host sync.
+"""What main.py needs to run as one of several processes (one per host): setting up the devices and
+joining jax.distributed within a time limit, printing on process 0, saying it has started, the stop
+signals, and agreeing on a stop without a per-step host sync.
 
 Environment:
   JAXFORMER_INIT_TIMEOUT=S   seconds to wait for every process to join jax.distributed (default 300);
@@ -8,10 +9,14 @@ Environment:
                              a stop (SIGTERM) is honoured within about this plus a step; each check
                              costs one host-device sync.
 """
+import glob
 import os
+import signal
+import stat
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -127,3 +132,83 @@ class StopAgreement:
         self.next_check = step + (max(1, int(self.check_s / per_step)) if per_step > 0 else self.PROBE_STEPS)
         self.last_step, self.last_t = step, now
         return bool(every[:, 0].max() > 0)
+
+
+def log(*args, **kwargs):
+    """Print on process 0 only (every host runs this same script)."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def set_up_devices(cfg):
+    """Before any JAX computation: the simulated CPU devices (--cpu_devices), then the multi-host join,
+    which exits with one line when not every process joins within $JAXFORMER_INIT_TIMEOUT s."""
+    if cfg.run.cpu_devices > 0:
+        jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
+        if not os.environ.get("JAX_PLATFORMS"):
+            jax.config.update("jax_platforms", "cpu")
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        # GPU/CPU clusters (and launcher.sh): the coordinator and this host's rank come from the environment.
+        if (jax.config.jax_platforms or "").startswith("cpu"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                             process_id=int(os.environ["JAX_PROCESS_ID"]))
+    elif os.environ.get("SLURM_NTASKS", "1") != "1":
+        initialize()            # SLURM: everything is auto-detected
+    elif _on_tpu_vm():
+        try:                              # TPU pod slices: auto-detected from the TPU metadata
+            initialize()
+        except Exception as e:            # a single-host TPU VM needs no coordination
+            if _tpu_multihost():
+                raise
+            warnings.warn(f"jax.distributed.initialize() skipped on a single TPU host: {e}")
+
+
+def _on_tpu_vm():
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+                or os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("TPU_WORKER_HOSTNAMES"))
+
+
+def _tpu_multihost():
+    """True on a TPU VM that is one host of several (TPU_WORKER_HOSTNAMES lists them all)."""
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return len([h for h in hosts.split(",") if h]) > 1
+
+
+class StopSignals:
+    """SIGTERM, SIGHUP (a closed terminal or tmux pane) and a first Ctrl-C set .requested (and .signal,
+    its name): the loop finishes its step, saves, says where, exits 0. A second Ctrl-C gets the default
+    action, which ends the process at once, even inside a long XLA call (a Python handler would wait
+    for it to return)."""
+
+    def __init__(self):
+        self.requested, self.signal = False, None
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # os.write, not print: the handler may interrupt a print, and print is not reentrant
+            os.write(2, b"\nCtrl-C: finishing this step, then saving and exiting; Ctrl-C again to exit now "
+                        b"without saving\n")
+        self.requested = True
+        self.signal = self.signal or signal.Signals(signum).name
+
+
+def _detach_from_terminal():
+    """After SIGHUP the terminal, or the tmux pane and the tee that logged it (run.sh), is gone, and
+    writing there fails (EIO, EPIPE): stdout and stderr that were a terminal or a pipe now go to
+    /dev/null, so that the run still saves and exits 0. Output redirected to a file is left as it is."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+            os.dup2(null, fd)
+    os.close(null)

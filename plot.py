@@ -2,8 +2,10 @@
 
     python plot.py [RUN_DIR] [--out DIR]
 
-RUN_DIR defaults to runs/tiny (the embedded default's run); the PNGs go next to its metrics.jsonl
-unless --out names another directory (the README's figures: `--out public`, on purpose). Three PNGs:
+RUN_DIR defaults to runs/tiny (the embedded default's run) and may be any run directory main.py writes,
+an object store's too (gs://bucket/runs/NAME, whose metrics.jsonl is a set of part objects). The PNGs go
+next to its metrics.jsonl (for a URL: into NAME/ here) unless --out names another directory (the
+README's figures: `--out public`, on purpose). Three PNGs:
   loss.png         training loss per step and validation cross-entropy per evaluation
   balance.png      the sequence-wise balance loss (training, per step, and validation)
   expert_load.png  per MoE layer, the fraction of routed token-slots each expert received over steps
@@ -19,34 +21,37 @@ import matplotlib
 matplotlib.use("Agg")                    # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+import rundir  # noqa: E402
 
-def read_metrics(path):
-    """(per-step training records, per-evaluation records), each sorted by step, last record wins."""
+
+def read_metrics(run_dir):
+    """(per-step training records, per-evaluation records) of run_dir's metrics.jsonl, each sorted by
+    step, the last record of a step winning."""
     train, evals = {}, {}
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:                 # a line cut short by a kill
-                continue
-            if "loss" in rec:
-                train[rec["step"]] = rec
-            elif "val_loss" in rec:
-                evals[rec["step"]] = rec
+    for line in rundir.read_run_file(str(run_dir), "metrics.jsonl").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:                 # a line cut short by a kill
+            continue
+        if "loss" in rec:
+            train[rec["step"]] = rec
+        elif "val_loss" in rec:
+            evals[rec["step"]] = rec
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
 def plot(run_dir, out_dir=None):
-    """The figures of run_dir's metrics.jsonl, written to out_dir (default: run_dir); their paths."""
-    out_dir = run_dir if out_dir is None else out_dir
-    train, evals = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    """The figures of run_dir's metrics.jsonl, written to out_dir (default: run_dir, or for a URL NAME/ in
+    the current directory); their paths."""
+    name = os.path.basename(os.path.normpath(str(run_dir).rstrip("/")))
+    out_dir = out_dir or (name if rundir.is_url(run_dir) else run_dir)
+    train, evals = read_metrics(run_dir)
     if not train:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no training records")
     os.makedirs(out_dir, exist_ok=True)
-    name = os.path.basename(os.path.normpath(run_dir))
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -5,7 +5,7 @@
 train_compile does), so a config's per-chip memory plan, FLOPs and compile time are known before a
 pod is rented, with the bytes each chip moves in collectives per step (`collective_bytes`, counted
 from the compiled HLO). The mesh comes from `sharding.make_mesh` over the topology's devices, the same function
-and device order a real run on that slice uses; the steps are `main.build_trainer`'s, the ones
+and device order a real run on that slice uses; the steps are `trainer.build_trainer`'s, the ones
 main.py runs. Nothing is trained and nothing is written.
 
 Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by how much),
@@ -22,10 +22,10 @@ import jax
 from jax.experimental import topologies
 
 import hlo
-import main as driver
 import model
 import sharding
 import utils
+from trainer import abstract_step_args, build_trainer
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
 GiB = 2**30
@@ -79,10 +79,10 @@ def topology_devices(tpu):
 
 def rehearse(cfg, tpu):
     mesh = sharding.make_mesh(cfg.run.n_device_axis, topology_devices(tpu))
-    trainer = driver.build_trainer(cfg, mesh)
+    trainer = build_trainer(cfg, mesh)
     report = Report(cfg, tpu, mesh)
     report.header()
-    train_args, eval_args = driver.abstract_step_args(cfg, trainer)
+    train_args, eval_args = abstract_step_args(cfg, trainer)
     steps = (("train step", trainer.step, train_args, trainer.abstract_state),
              ("eval step", trainer.eval_step, eval_args,
               {k: trainer.abstract_state[k] for k in ("params", "router_bias")}))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax.extend import core as jax_core
 
-import main
+from trainer import build_trainer
 import model
 import pipeline
 import sharding
@@ -32,7 +32,7 @@ def train_step_jaxpr(cfg, mesh):
     cache) on abstract arguments."""
     config = utils.override(utils.Config(model=cfg), n_device_axis=mesh.devices.shape, train_batch_size=8,
                             micro_batch_size=2)
-    trainer = main.build_trainer(config, mesh)
+    trainer = build_trainer(config, mesh)
     x = jax.ShapeDtypeStruct((mesh.shape["dp"] * 8, cfg.T), jnp.int32, sharding=trainer.data_sharding)
     return jax.make_jaxpr(trainer.step)(trainer.abstract_state, ((x,), (x,)))
 

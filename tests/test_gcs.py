@@ -20,7 +20,8 @@ import pytest
 from data import emulator
 from data import tokenizer as tok
 import dataset
-import main as jmain
+import checkpoints
+import rundir
 from data_util import REPO, SHARD, kill_chain, output_files
 from test_main import MESH1, TINY
 
@@ -90,7 +91,7 @@ def _kill_after_checkpoint(cpu_env, out, data_dir, step, log):
 
 def _newest_checkpoint(out):
     fsspec.filesystem("gs").invalidate_cache()
-    with jmain.checkpoint_manager(f"{out}/run", read_only=True) as mngr:
+    with checkpoints.checkpoint_manager(f"{out}/run", read_only=True) as mngr:
         return mngr.latest_step()
 
 
@@ -121,7 +122,7 @@ def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, cpu_env,
     assert f"resumed from {out}/run/checkpoints/10: step 10," in resumed.stdout
     assert not fs.exists(f"{BUCKET}/runs/run/lock")
     fs.invalidate_cache()
-    got = _losses(jmain.read_run_file(f"{out}/run", "metrics.jsonl"))
+    got = _losses(rundir.read_run_file(f"{out}/run", "metrics.jsonl"))
     assert sorted(got) == list(range(1, 15)) and got == want
     parts = fs.ls(f"{BUCKET}/runs/run/metrics.jsonl.parts", detail=False)
     assert len(parts) >= 2 and not fs.exists(f"{BUCKET}/runs/run/metrics.jsonl")   # whole objects, no appends
@@ -147,7 +148,7 @@ def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_loss
         assert p.wait(timeout=900) == 0, log.read_text()[-4000:]
     fs = fsspec.filesystem("gs")
     fs.invalidate_cache()
-    got = _losses(jmain.read_run_file(f"{out}/run", "metrics.jsonl"))
+    got = _losses(rundir.read_run_file(f"{out}/run", "metrics.jsonl"))
     assert sorted(got) == list(range(1, steps + 1))
     np.testing.assert_allclose([got[k] for k in got], [local_losses[k] for k in got], rtol=1e-5, atol=1e-6)
     written = fs.find(f"{BUCKET}/two/run/checkpoints/{steps}")

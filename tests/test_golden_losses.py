@@ -29,10 +29,11 @@ def first_losses(steps=STEPS):
     """The training losses of the tiny preset's first `steps` steps in fp32, as main.py trains them."""
     import dataset
     import main
+    from trainer import build_trainer
     import sharding
     import utils
     cfg = utils.config_from_args(["--model_dtype", "float32"])
-    trainer = main.build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis))
+    trainer = build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis))
     train_ds, _ = main.load_data(cfg, trainer.data_sharding)
     loader = dataset.BatchLoader(train_ds, cfg.model.T, utils.global_batch(cfg), trainer.data_sharding, cfg.run.seed)
     state, losses = trainer.fresh_state(cfg.run.seed), []

@@ -22,7 +22,7 @@ if __name__ == "__main__":          # run as a script: the environment conftest.
 
 import jax
 
-import main
+from trainer import abstract_step_args, build_trainer
 import sharding
 import utils
 
@@ -45,8 +45,8 @@ def programs(case):
     cfg = utils.config_from_args(BASE + CASES[case])
     utils.validate(cfg, jax.device_count())
     mesh = sharding.make_mesh(cfg.run.n_device_axis)
-    trainer = main.build_trainer(cfg, mesh)
-    train_args, eval_args = main.abstract_step_args(cfg, trainer)
+    trainer = build_trainer(cfg, mesh)
+    train_args, eval_args = abstract_step_args(cfg, trainer)
     return {"train": trainer.step.lower(*train_args).as_text(), "eval": trainer.eval_step.lower(*eval_args).as_text()}
 
 

@@ -267,16 +267,16 @@ def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_pa
     import jax
     import jax.numpy as jnp
 
-    import main
+    import checkpoints
     import utils
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = {"params": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=sharding),
                 "router_bias": jax.ShapeDtypeStruct((2, 4), jnp.float32, sharding=sharding)}
     mc = utils.ModelConfig()
-    mngr = main.checkpoint_manager(str(tmp_path))
-    main.save(mngr, 7, {"params": jnp.arange(3.0)}, {"step": 7, "model": dataclasses.asdict(mc)})
-    main.wait_for_save(mngr)
-    state, meta = main.restore_latest(mngr, abstract, str(tmp_path), mc)
+    mngr = checkpoints.checkpoint_manager(str(tmp_path))
+    checkpoints.save(mngr, 7, {"params": jnp.arange(3.0)}, {"step": 7, "model": dataclasses.asdict(mc)})
+    checkpoints.wait_for_save(mngr)
+    state, meta = checkpoints.restore_latest(mngr, abstract, str(tmp_path), mc)
     assert meta["step"] == 7
     np.testing.assert_array_equal(state["params"], [0, 1, 2])
     np.testing.assert_array_equal(state["router_bias"], np.zeros((2, 4)))

@@ -1,5 +1,5 @@
 """plot.py turns a run's metrics.jsonl (with a resume and a line cut short by a kill) into the PNGs, next to
-the run unless told where."""
+the run unless told where; also a run on an object store, whose metrics.jsonl is a set of part objects."""
 import json
 import os
 import sys
@@ -20,7 +20,7 @@ def test_plot_writes_the_three_figures(tmp_path):
                           "expert_load": [[0.1, 0.2, 0.3, 0.4], [0.25] * 4, [0.4, 0.3, 0.2, 0.1]]})
     text = "\n".join(json.dumps(l) for l in lines) + '\n{"step": 9, "lo'
     (run / "metrics.jsonl").write_text(text)
-    train, evals = plot.read_metrics(run / "metrics.jsonl")
+    train, evals = plot.read_metrics(run)
     assert [r["step"] for r in train] == list(range(1, 9)) and [r["step"] for r in evals] == [2, 4, 6, 8]
     # By default next to the run (never over the README's figures in public/); elsewhere with --out.
     plot.main([str(run)])
@@ -29,3 +29,18 @@ def test_plot_writes_the_three_figures(tmp_path):
     for p in written + [str(run / os.path.basename(p)) for p in written]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_reads_a_run_on_an_object_store(tmp_path, monkeypatch):
+    """memory:// stands for gs:// here (the same fsspec code path; tests/test_gcs.py runs main.py on gs://)."""
+    import fsspec
+    fs = fsspec.filesystem("memory")
+    parts = [[{"step": 1, "loss": 3.0, "ce": 3.0, "balance": 0.0}], [{"step": 2, "loss": 2.0, "ce": 2.0, "balance": 0.0},
+                                                                      {"step": 2, "val_loss": 2.5, "val_balance": 0.0}]]
+    for i, records in enumerate(parts, 1):
+        fs.pipe_file(f"/plotted/run/metrics.jsonl.parts/{i:06d}", "".join(json.dumps(r) + "\n" for r in records).encode())
+    train, evals = plot.read_metrics("memory://plotted/run")
+    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [2]
+    monkeypatch.chdir(tmp_path)
+    written = plot.plot("memory://plotted/run")
+    assert sorted(written) == [os.path.join("run", n) for n in ("balance.png", "loss.png")]

@@ -133,17 +133,18 @@ def test_circular_layout_puts_groups_r_pp_plus_s_on_stage_s():
 def test_checkpoint_restores_across_pipeline_repeats(tmp_path):
     """A training state saved with --pipeline_repeats 1 restores with 2: the same numbers in model
     order (params and Adam moments), on the restoring run's layout [R, blocks/R, ...] and shardings."""
-    import main
+    import checkpoints
+    from trainer import build_trainer
     mesh = sharding.make_mesh((1, 2, 1))
     cfgs = {R: utils.override(utils.Config(model=CFG), n_device_axis=(1, 2, 1), pipeline_repeats=R) for R in (1, 2)}
     # every leaf of the state (params, Adam moments, ...) numbered 0, 1, 2, ... in its own order
     saved = jax.tree.map(lambda t: jax.device_put(np.arange(math.prod(t.shape)).reshape(t.shape).astype(t.dtype),
-                                                  t.sharding), main.build_trainer(cfgs[1], mesh).abstract_state)
-    mngr = main.checkpoint_manager(str(tmp_path))
-    main.save(mngr, 1, saved, {"step": 1, "model": dataclasses.asdict(cfgs[1].model)})
-    main.wait_for_save(mngr)
-    abstract = main.build_trainer(cfgs[2], mesh).abstract_state
-    restored, _ = main.restore_latest(mngr, abstract, None, cfgs[2].model)
+                                                  t.sharding), build_trainer(cfgs[1], mesh).abstract_state)
+    mngr = checkpoints.checkpoint_manager(str(tmp_path))
+    checkpoints.save(mngr, 1, saved, {"step": 1, "model": dataclasses.asdict(cfgs[1].model)})
+    checkpoints.wait_for_save(mngr)
+    abstract = build_trainer(cfgs[2], mesh).abstract_state
+    restored, _ = checkpoints.restore_latest(mngr, abstract, None, cfgs[2].model)
     mngr.close()
     for a, b, t in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), jax.tree.leaves(abstract)):
         assert b.shape == t.shape and b.sharding == t.sharding

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import main as jmain
+import rundir
 import plot
 import utils
 
@@ -18,7 +18,7 @@ def _strict(line):
 
 
 def test_non_finite_metrics_are_null_and_plot_draws_them(tmp_path):
-    logger = jmain.Logger(utils.Config(), str(tmp_path), "id", True)
+    logger = rundir.Logger(utils.Config(), str(tmp_path), "id", True)
     nan, inf = float("nan"), float("inf")
     for step in (1, 2):
         logger.metrics({"step": step, "loss": nan if step == 1 else 2.0, "balance": 1e-4, "grad_norm": inf})
@@ -34,13 +34,13 @@ def test_non_finite_metrics_are_null_and_plot_draws_them(tmp_path):
 def test_lock_on_an_object_store_refuses_a_live_holder_and_takes_over_a_dead_one(capsys):
     import fsspec
     run_dir = "memory://jaxformer-lock-test/run"
-    assert jmain.lock_run_dir(run_dir) == f"{run_dir}/lock"
+    assert rundir.lock_run_dir(run_dir) == f"{run_dir}/lock"
     mine = json.loads(fsspec.filesystem("memory").cat_file("/jaxformer-lock-test/run/lock"))
-    with pytest.raises(jmain.RunRefused, match=f"in use by another run: pid {os.getpid()} on {jmain._hostname()}"):
-        jmain.lock_run_dir(run_dir)
+    with pytest.raises(rundir.RunRefused, match=f"in use by another run: pid {os.getpid()} on {rundir._hostname()}"):
+        rundir.lock_run_dir(run_dir)
     # a process of this host that is gone (no process has that identity)
     fsspec.filesystem("memory").pipe_file("/jaxformer-lock-test/run/lock", json.dumps(
         dict(mine, proc_start="1", pid=os.getpid())).encode())
-    assert jmain.lock_run_dir(run_dir) == f"{run_dir}/lock"
+    assert rundir.lock_run_dir(run_dir) == f"{run_dir}/lock"
     assert f"taking over {run_dir}/lock: pid {os.getpid()}" in capsys.readouterr().out
     assert json.loads(fsspec.filesystem("memory").cat_file("/jaxformer-lock-test/run/lock"))["pid"] == os.getpid()

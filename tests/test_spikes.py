@@ -8,6 +8,7 @@ import pytest
 
 import dataset
 import main
+from trainer import build_trainer
 import model
 import sharding
 import spikes
@@ -80,7 +81,7 @@ def _run(shape, factor):
                                                              training_steps=STEPS, skip_spikes=factor,
                                                              bias_update_rate=1e-3),
                        run=utils.RunConfig(train_batch_size=8 // dp, micro_batch_size=2, n_device_axis=shape))
-    trainer = main.build_trainer(cfg, sharding.make_mesh(shape))
+    trainer = build_trainer(cfg, sharding.make_mesh(shape))
     state = trainer.fresh_state(0)
     tokens = jax.random.randint(jax.random.key(7), (STEPS, 8, TINY.T + 1), 0, TINY.vocab_size)
     out = []
@@ -153,7 +154,7 @@ def first_steps(shape, dtype, steps):
     dp = shape[0]
     cfg = utils.config_from_args(["--n_device_axis", *map(str, shape), "--model_dtype", dtype,
                                   "--train_batch_size", str(16 // dp)])
-    trainer = main.build_trainer(cfg, sharding.make_mesh(shape))
+    trainer = build_trainer(cfg, sharding.make_mesh(shape))
     data = dataset.TokenDataset(main.data_dir_for(cfg), "train", cfg.model.vocab_size)
     loader = dataset.BatchLoader(data, cfg.model.T, 16, trainer.data_sharding, cfg.run.seed)
     state, watch, warnings = trainer.fresh_state(cfg.run.seed), spikes.SpikeWatch(), []

@@ -1,0 +1,472 @@
+"""The run directory, OUTPUT_DIR/NAME, local or on any fsspec store (gs://): its growing files
+(metrics.jsonl, samples.txt; on an object store, whole numbered parts), the logger and wandb, the lock
+that keeps one run per directory (on object stores too), and --restart, which moves a run aside.
+"""
+import atexit
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import socket
+import sys
+import time
+import warnings
+
+import fsspec
+
+import dataset
+from multihost import log
+
+
+class RunRefused(Exception):
+    """Starting would lose or mix work (a changed model, another run live in the directory, no readable
+    checkpoint, a prompt that does not fit): main() prints the message and exits 2, nothing touched."""
+
+
+def os_error(e):
+    """The OS-level cause of a failed save, in one line (Orbax wraps it several layers deep)."""
+    cause = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code:
+        return f"[Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+def is_url(path):
+    """True for an fsspec URL (gs://bucket/x, memory://x); such a path is never touched with os.*. A file://
+    URL is not one: run_dir_of turns it into the local path it names."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def make_run_dir(run_dir):
+    """RunRefused, naming --output_dir, when the run directory cannot be made (a file is in the way, a
+    read-only or unwritable parent)."""
+    fs, path = fsspec.core.url_to_fs(run_dir)
+    try:
+        fs.makedirs(path, exist_ok=True)       # a no-op under a bucket, where directories are prefixes
+    except OSError as e:
+        raise RunRefused(f"cannot create the run directory {run_dir} ({os_error(e)}); --output_dir must be a "
+                         f"directory this process can write, or a URL (gs://bucket/runs)") from e
+
+
+# gcsfs logs every request it gives up on, with a screenful of aiohttp frames, and then raises the same error
+# to its caller, which reports it in one line (a run file's warning, the lock's refusal, SaveFailed)
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+
+EXIT_WAIT_S = 5.0           # at exit, how long a store that does not answer may hold the process
+
+
+def _exit_timeout(fs):
+    """fsspec's per-call time limit, for the writes at exit (an async filesystem such as gcsfs takes one; gcsfs
+    alone retries a refused connection for about 30 s)."""
+    return {"timeout": EXIT_WAIT_S} if isinstance(fs, fsspec.asyn.AsyncFileSystem) else {}
+
+
+def _warn(text):
+    print(f"WARNING: {text}", file=sys.stderr, flush=True)
+
+
+def _append(path, data):
+    """Append `data` whole or not at all: a disk that fills up mid-write is truncated back, so that no half
+    record is left to be glued to the next one."""
+    with open(path, "ab", buffering=0) as f:
+        start = f.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view):]
+        except OSError:
+            f.truncate(start)
+            raise
+
+
+class RunFile:
+    """One growing text file of the run directory (metrics.jsonl, samples.txt), written by process 0.
+
+    A local directory gets every record appended at once. An object store cannot append, and rewriting a
+    growing object on every line would cost O(lines^2): records wait in memory and go out as whole
+    numbered objects, NAME.parts/000001, 000002, ... at flush() (each checkpoint, at most every FLUSH_S
+    seconds otherwise, and at close). `read_run_file` puts either layout back together.
+
+    A write that fails (a read-only or full disk, a store that is down) never stops training: one warning,
+    and the records wait in memory for the next write that succeeds. At close (also at exit, however the
+    process ends) what is still waiting is tried once more, then spilled to a local file that one line names."""
+    FLUSH_S = 60.0
+
+    def __init__(self, run_dir, name):
+        self.run_dir, self.name = run_dir, name
+        self.remote = is_url(run_dir)
+        self.path = f"{run_dir.rstrip('/')}/{name}" if self.remote else os.path.join(run_dir, name)
+        self._buf, self._last, self._failing = [], time.monotonic(), False
+        if self.remote:
+            self.fs, parts = fsspec.core.url_to_fs(f"{self.path}.parts")
+            self.parts = parts.rstrip("/")
+            self._next = 1 + max([int(p) for p in _part_names(self.fs, self.parts)] or [0])
+        atexit.register(self.close)
+
+    def write(self, text):
+        self._buf.append(text)
+        if not self.remote or time.monotonic() - self._last >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self):
+        """Write what is waiting (never fatal): appended to the local file, or as the next part object."""
+        if not self._buf:
+            return
+        try:
+            self._put("".join(self._buf))
+        except Exception as e:                 # metrics never stop training; kept for the next try
+            self._last = time.monotonic()      # a store that is down is tried again in FLUSH_S, not every record
+            if not self._failing:
+                _warn(f"could not write {self._target()} ({os_error(e)}); keeping its records in memory and "
+                      f"trying again {'at the next checkpoint' if self.remote else 'with the next record'}")
+            self._failing = True
+            return
+        self._buf, self._last, self._failing = [], time.monotonic(), False
+
+    def close(self):
+        """The last try at what is waiting (at most EXIT_WAIT_S on a store); what it cannot write goes to a
+        local file in $JAXFORMER_CACHE/unwritten, named in one line with how to put it back."""
+        if not self._buf:
+            return
+        text, n, target = "".join(self._buf), len(self._buf), self._target()
+        self._buf = []
+        try:
+            self._put(text, **(_exit_timeout(self.fs) if self.remote else {}))
+            return
+        except Exception as e:
+            error = f"no answer in {EXIT_WAIT_S:.0f} s" if isinstance(e, TimeoutError) else os_error(e)
+        spill = os.path.join(dataset.default_cache_dir(), "unwritten",
+                             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self.name}")
+        try:
+            os.makedirs(os.path.dirname(spill), exist_ok=True)
+            _append(spill, text.encode("utf-8"))
+        except OSError as e:
+            _warn(f"{n} record(s) could not be written to {target} ({error}) nor to {spill} ({e}): they are lost")
+            return
+        _warn(f"{n} record(s) could not be written to {target} ({error}); they are in {spill}: "
+              + (f"upload it as {target} when the store is back" if self.remote else
+                 f"append it to {target} (cat {spill} >> {target}) once that can be written"))
+
+    def _target(self):
+        return f"{self.path}.parts/{self._next:06d}" if self.remote else self.path
+
+    def _put(self, text, **kwargs):
+        if not self.remote:
+            _append(self.path, text.encode("utf-8"))
+            return
+        self.fs.pipe_file(f"{self.parts}/{self._next:06d}", text.encode("utf-8"), **kwargs)
+        self._next += 1
+
+
+def _part_names(fs, parts):
+    try:
+        names = [posixpath.basename(str(p).rstrip("/")) for p in fs.ls(parts, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.isdigit())
+
+
+def read_run_file(run_dir, name):
+    """The whole text of a run file: the local file, or its part objects in order on an object store."""
+    fs, path = fsspec.core.url_to_fs(f"{run_dir.rstrip('/')}/{name}")
+    text = fs.cat_file(path).decode("utf-8") if fs.exists(path) else ""
+    return text + "".join(fs.cat_file(f"{path}.parts/{p}").decode("utf-8") for p in _part_names(fs, f"{path}.parts"))
+
+
+class Logger:
+    """metrics.jsonl and samples.txt in the run directory (local or any fsspec URL), and wandb."""
+
+    def __init__(self, cfg, run_dir, run_id, enabled):
+        self.enabled = enabled
+        self.metrics_file = RunFile(run_dir, "metrics.jsonl")
+        self.samples_file = RunFile(run_dir, "samples.txt")
+        self.wandb = self.wandb_html = None
+        if enabled and cfg.run.wandb:
+            self.wandb, self.wandb_html = _init_wandb(cfg, run_dir, run_id)
+
+    def flush(self):
+        if self.enabled:
+            self.metrics_file.flush()
+            self.samples_file.flush()
+
+    def metrics(self, record):
+        if not self.enabled:
+            return
+        self.metrics_file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+        if self.wandb is not None:
+            try:
+                self.wandb.log(wandb_scalars(record), step=record["step"])
+            except Exception as e:                  # a tracker failure never stops training
+                warnings.warn(f"wandb.log failed ({e}); continuing with metrics.jsonl only")
+                self.wandb = None
+
+    def sample(self, step, prompt, text):
+        if not self.enabled:
+            return
+        self.samples_file.write(f"=== step {step}\n{prompt}{text}\n\n")
+        if self.wandb is not None:
+            try:
+                self.wandb.log({"sample": self.wandb_html(f"<pre>{prompt}{text}</pre>")}, step=step)
+            except Exception as e:
+                warnings.warn(f"wandb sample logging failed ({e})")
+
+    def close(self):
+        if self.enabled:
+            self.metrics_file.close()
+            self.samples_file.close()
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception as e:
+                warnings.warn(f"wandb.finish failed ({e})")
+
+
+def _finite(value):
+    """`value` with every non-finite float as None: json.dumps writes NaN and Infinity, which strict JSON
+    readers (jq, JavaScript, pandas' default engine) reject, so metrics.jsonl holds null there."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def wandb_scalars(record):
+    """A record's numbers under wandb keys: a per-MoE-layer list NAME becomes NAME/layer0, ..., and
+    expert_load's per-expert lists expert_load/layer0/expert0, ..."""
+    flat = {}
+    for name, value in record.items():
+        if isinstance(value, list):
+            for layer, v in enumerate(value):
+                if isinstance(v, list):
+                    flat.update({f"{name}/layer{layer}/expert{e}": x for e, x in enumerate(v)})
+                else:
+                    flat[f"{name}/layer{layer}"] = v
+        elif isinstance(value, (int, float)) and name != "step":
+            flat[name] = value
+    return flat
+
+
+def _init_wandb(cfg, run_dir, run_id):
+    """(wandb run, wandb.Html): online when WANDB_API_KEY is set, otherwise offline files under the run dir;
+    (None, None) when it cannot start, which is never fatal."""
+    try:
+        import wandb      # here, not at the top: only --wandb runs pay its import (about 2 s)
+        if is_url(run_dir):                   # wandb writes a local directory: keep it in the cache
+            run_dir = os.path.join(dataset.default_cache_dir(), "wandb", run_id)
+            os.makedirs(run_dir, exist_ok=True)
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "jaxformer"), name=cfg.run.name, id=run_id,
+                         resume="allow", dir=run_dir, mode=mode, config=dataclasses.asdict(cfg),
+                         settings=wandb.Settings(init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 30)),
+                                                 silent=True))
+        log(f"wandb: {mode} run {run_id}" + (f" in {run_dir}/wandb" if mode == "offline" else ""))
+        return run, wandb.Html
+    except Exception as e:
+        warnings.warn(f"wandb could not start ({type(e).__name__}: {e}); continuing with metrics.jsonl only")
+        return None, None
+
+
+
+def move_aside(src, dst):
+    """Rename a checkpoint directory, locally or on any fsspec store (there: copy + delete)."""
+    fs, src_path = fsspec.core.url_to_fs(src)
+    if fs.exists(src_path):
+        dst_path = fsspec.core.url_to_fs(dst)[1]
+        fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
+        fs.mv(src_path, dst_path, recursive=True)
+
+
+RUN_FILES = ("checkpoints", "unreadable_checkpoints", "metrics.jsonl", "metrics.jsonl.parts", "samples.txt",
+             "samples.txt.parts", "wandb")
+
+
+def set_aside_previous_run(run_dir):
+    """--restart: move the run's checkpoints and logs to RUN_DIR/replaced/TIME (kept, never deleted)."""
+    fs, path = fsspec.core.url_to_fs(run_dir)
+    names = [n for n in RUN_FILES if fs.exists(f"{path.rstrip('/')}/{n}")]
+    if names:
+        dst = f"{run_dir.rstrip('/')}/replaced/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        for name in names:
+            move_aside(f"{run_dir.rstrip('/')}/{name}", f"{dst}/{name}")
+        log(f"--restart: moved {', '.join(names)} to {dst}")
+
+
+def lock_run_dir(run_dir):
+    """Create RUN_DIR and take RUN_DIR/lock for this process (host, pid, start time), released at exit if it is
+    still this process'. RunRefused when a live run holds it, or when the directory cannot be created or
+    written (nothing else is touched); a lock whose process is provably gone (killed, host rebooted) is taken
+    over with a warning. On an object store the lock is an object created only where none exists (GCS: a
+    generation precondition), so two runs cannot both take it there either."""
+    make_run_dir(run_dir)
+    lock = _ObjectLock(run_dir) if is_url(run_dir) else _FileLock(run_dir)
+    mine = dict(_process_identity(os.getpid()), host=_hostname(),
+                started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    try:
+        for _ in range(3):
+            if lock.create(mine):
+                atexit.register(lock.release, mine)
+                return lock.path
+            holder, token = lock.read()
+            if token is None:
+                continue                # released meanwhile
+            if holder is not None and _alive(holder):
+                raise RunRefused(f"{run_dir} is in use by another run: pid {holder.get('pid')} on "
+                                 f"{holder.get('host')}, started {holder.get('started')} (lock {lock.path}); stop "
+                                 f"it or use another --name; if that run is gone, delete {lock.path}")
+            log(f"WARNING: taking over {lock.path}: pid {holder and holder.get('pid')} on "
+                f"{holder and holder.get('host')} that held it is gone")
+            lock.remove(token)
+        raise RunRefused(f"could not take the lock {lock.path}: other runs keep taking it")
+    except OSError as e:
+        raise RunRefused(f"cannot write the run directory {run_dir} ({os_error(e)}); --output_dir must be a "
+                         f"directory this process can write") from e
+
+
+class _FileLock:
+    """RUN_DIR/lock in a local directory: a hard link of a file written whole, so that it appears atomically
+    and only where none exists. Its token (what read() found) is True."""
+
+    def __init__(self, run_dir):
+        self.path = os.path.join(run_dir, "lock")
+        self._tmp = f"{self.path}.{os.getpid()}.tmp"
+
+    def create(self, mine):
+        try:
+            with open(self._tmp, "w") as f:
+                json.dump(mine, f)
+            os.link(self._tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(self._tmp)
+
+    def read(self):
+        try:
+            with open(self.path) as f:
+                return json.load(f), True
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError):
+            return None, True
+
+    def remove(self, token):
+        try:                            # not atomic with the read: two runs taking over at once can both win
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def release(self, mine):
+        """At exit; never raises (a directory turned read-only keeps the lock: the next run takes it over)."""
+        try:
+            if self.read()[0] == mine:
+                self.remove(True)
+        except OSError:
+            pass
+
+
+class _ObjectLock:
+    """RUN_DIR/lock on an fsspec object store, written with fsspec's create-only mode (GCS and S3: a
+    precondition the store enforces). On GCS read() returns the object's generation as its token and
+    remove() deletes only that generation, so a takeover never deletes the lock a third run just took;
+    elsewhere the token is the bytes read, compared again just before the delete."""
+
+    def __init__(self, run_dir):
+        self.path = f"{run_dir.rstrip('/')}/lock"
+        self.fs, self._key = fsspec.core.url_to_fs(self.path)
+        self._gcs = "gs" in self.fs.protocol           # gcsfs: ("gs", "gcs")
+
+    def create(self, mine):
+        try:
+            self.fs.pipe_file(self._key, json.dumps(mine).encode(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+
+    def read(self, **kwargs):
+        try:
+            if self._gcs:               # the body and its generation from one request
+                headers, body = self.fs.call("GET", "b/{}/o/{}", *self.fs.split_path(self._key)[:2], alt="media",
+                                             **kwargs)
+                token = headers["X-Goog-Generation"]
+            else:
+                body = token = self.fs.cat_file(self._key, **kwargs)
+        except FileNotFoundError:
+            return None, None
+        try:
+            return json.loads(body), token
+        except ValueError:
+            return None, token
+
+    def remove(self, token, **kwargs):
+        try:
+            if self._gcs:
+                self.fs.call("DELETE", "b/{}/o/{}", *self.fs.split_path(self._key)[:2], ifGenerationMatch=token,
+                             **kwargs)
+            elif self.fs.cat_file(self._key, **kwargs) == token:
+                self.fs.rm_file(self._key, **kwargs)
+        except (FileNotFoundError, FileExistsError):   # gone, or replaced (GCS answers 412 as FileExistsError)
+            pass
+
+    def release(self, mine):
+        """At exit, within EXIT_WAIT_S; never raises (a store that is down keeps the lock: the next run on this
+        host takes it over)."""
+        try:
+            holder, token = self.read(**_exit_timeout(self.fs))
+            if holder == mine:
+                self.remove(token, **_exit_timeout(self.fs))
+        except Exception:
+            pass
+
+
+def _process_identity(pid):
+    """pid plus what tells it from a later process with the same pid: boot id and start time (Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]      # field 22, starttime in clock ticks
+        return {"pid": pid, "boot_id": boot, "proc_start": started}
+    except (OSError, IndexError):
+        return {"pid": pid}
+
+
+def _alive(holder):
+    """False only when the lock's process is provably gone: same host, and no process with its identity."""
+    if holder.get("host") != _hostname():
+        return True
+    if "proc_start" not in holder:  # no /proc: whether any process has that pid
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (OSError, KeyError, ValueError):
+            pass
+        return True
+    return _process_identity(holder["pid"]) == {k: holder.get(k) for k in ("pid", "boot_id", "proc_start")}
+
+
+def _hostname():
+    return socket.gethostname()
+
+
+def run_dir_of(rc):
+    """OUTPUT_DIR/NAME; a file:// URL is the local path it names (os.* and Orbax are given the path)."""
+    if is_url(rc.output_dir):
+        return f"{rc.output_dir.rstrip('/')}/{rc.name}"
+    local = fsspec.core.url_to_fs(rc.output_dir)[1] if rc.output_dir.startswith("file://") else rc.output_dir
+    return os.path.join(local, rc.name)

@@ -1,0 +1,160 @@
+"""The training step as main.py runs it, bench.py times it and pod.py compiles it: the optimizer
+(global-norm clipping, AdamW, the spike watch), gradient accumulation over --grad_step micro-steps,
+the guard that keeps a non-finite step out of the state, the eval step, and the training state's
+layout on the mesh. The state is one pytree: {"params", "opt_state", "key", "router_bias"}.
+"""
+from functools import partial
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import model
+import pipeline
+import spikes
+import utils
+
+
+class Trainer(NamedTuple):
+    step: Callable              # step(state, (xs, ys)) -> (state, metrics), jitted, donates the state
+    eval_step: Callable         # eval_step(params, router_bias, x, y) -> (val CE, balance term), jitted
+    fresh_state: Callable       # fresh_state(seed) -> a new training state on the mesh
+    abstract_state: dict        # the state's shapes, dtypes and shardings (restore targets, compiling)
+    schedule: Callable          # the learning rate of an update, by step index
+    data_sharding: NamedSharding  # a global batch [sequences, T]: sequences over dp, whole rows
+
+
+def build_trainer(cfg, mesh):
+    """The jitted training and eval steps for cfg on mesh, and the training state's layout."""
+    abstract_params = jax.eval_shape(partial(pipeline.init_pipeline_params, cfg.model), jax.random.key(0))
+    optimizer = make_optimizer(cfg.optim, abstract_params)
+    shardings, abstract_state = state_layout(cfg, optimizer, abstract_params, mesh)
+    replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp", None))
+    micro_steps = (data,) * cfg.optim.grad_step
+    step = jax.jit(partial(train_step, cfg=cfg, mesh=mesh, optimizer=optimizer),
+                   in_shardings=(shardings, (micro_steps, micro_steps)), out_shardings=(shardings, replicated),
+                   donate_argnums=(0,))
+    evaluate = jax.jit(partial(eval_step, cfg=cfg, mesh=mesh),
+                       in_shardings=(shardings["params"], replicated, data, data))
+    return Trainer(step, evaluate, partial(init_state, cfg, optimizer, shardings, mesh), abstract_state,
+                   utils.lr_schedule(cfg.optim), data)
+
+
+def abstract_step_args(cfg, trainer):
+    """The arguments of the train and eval steps as shapes, dtypes and shardings, for compiling without
+    data: ((state, (xs, ys)), (params, router_bias, x, y)). A global batch of token ids [sequences, T]
+    laid out over dp: utils.global_batch per micro-step, --val_batch_size to evaluate."""
+    batch = lambda rows: jax.ShapeDtypeStruct((rows, cfg.model.T), jnp.int32, sharding=trainer.data_sharding)
+    state, micro_steps, val = trainer.abstract_state, (batch(utils.global_batch(cfg)),) * cfg.optim.grad_step, \
+        batch(cfg.run.val_batch_size)
+    return (state, (micro_steps, micro_steps)), (state["params"], state["router_bias"], val, val)
+
+
+def make_optimizer(oc, abstract_params):
+    """Global-norm clipping, then AdamW, inside spikes.skip_spikes: it keeps the running grad-norm median
+    in the optimizer state (checkpointed with it) and, with --skip_spikes F > 0, leaves params and
+    moments untouched on a step whose norm is > F x it."""
+    # Guide: optax.adamw; here the tied embedding table has its own Adam epsilon (spikes.adamw).
+    adamw = spikes.adamw(utils.lr_schedule(oc), oc, model.decay_mask(abstract_params),
+                         model.table_mask(abstract_params))
+    return spikes.skip_spikes(optax.chain(optax.clip_by_global_norm(oc.grad_clip_norm), adamw), oc.skip_spikes)
+
+
+def state_layout(cfg, optimizer, abstract_params, mesh):
+    """(shardings, abstract state) of the training state: params and their optimizer moments sharded
+    as model.param_shardings says, everything else replicated. The aux-loss-free routing bias [blocks,
+    E] (model.update_router_bias) is tiny, and equal on every device because every device computes its
+    update from the same global counts."""
+    replicated = NamedSharding(mesh, P())
+    param_shardings = model.param_shardings(abstract_params, mesh, cfg.model.expert_parallel)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    shardings = {"params": param_shardings, "key": replicated, "router_bias": replicated,
+                 "opt_state": optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_shardings,
+                                                    transform_non_params=lambda _: replicated)}
+    shapes = {"params": abstract_params, "opt_state": abstract_opt,
+              "key": jax.ShapeDtypeStruct(jax.random.key_data(jax.random.key(0)).shape, jnp.uint32),
+              "router_bias": jax.ShapeDtypeStruct((cfg.model.blocks, cfg.model.n_experts), jnp.float32)}
+    return shardings, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                                   shardings)
+
+
+def init_state(cfg, optimizer, shardings, mesh, seed):
+    """A fresh training state, computed straight into its shardings (no host holds the whole model)."""
+    init_key, train_key = jax.random.split(jax.random.key(seed))
+    params = pipeline.init_sharded_params(cfg.model, init_key, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+    # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
+    return {"params": params, "opt_state": opt_state,
+            "key": jax.device_put(jax.random.key_data(train_key), shardings["key"]),
+            "router_bias": jax.device_put(jnp.zeros((cfg.model.blocks, cfg.model.n_experts), jnp.float32),
+                                          shardings["router_bias"])}
+
+
+def train_step(state, batch, *, cfg, mesh, optimizer):
+    """One optimizer update from --grad_step micro-steps: (state, (xs, ys)) -> (state, metrics)."""
+    key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
+    grads, metrics = accumulate_gradients(state["params"], state["router_bias"], batch, step_key, cfg, mesh)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    # Guide: the update runs inside shard_map; here outside it, on global arrays that jit partitions.
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    metrics["grad_norm_ratio"], metrics["skipped"] = opt_state.ratio, opt_state.skipped
+    # A step skipped as a spike leaves the routing bias as it was, like the parameters.
+    router_bias = jnp.where(opt_state.skipped > state["opt_state"].skipped, state["router_bias"],
+                            model.update_router_bias(state["router_bias"], metrics["tokens_per_expert"],
+                                                     cfg.optim.bias_update_rate))
+    updated = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+               "router_bias": router_bias}
+    # A non-finite loss, gradient or updated state (an Adam moment can overflow under a finite gradient)
+    # leaves params, moments and routing bias as they were, so no checkpoint ever holds a NaN. The test
+    # reads replicated scalars: every device takes the same decision.
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & all_finite(trained(updated))
+    metrics["nonfinite"] = ~finite
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
+                        {name: state[name] for name in updated})
+    return kept | {"key": jax.random.key_data(key)}, metrics
+
+
+def trained(state):
+    """The parts of the state a NaN must never reach: params, routing bias and the optimizer's moments
+    (not the spike watch's window of grad norms, where NaN means "not seen yet")."""
+    return state["params"], state["router_bias"], state["opt_state"].inner
+
+
+def all_finite(tree):
+    """Whether every float in the tree is finite (one reduction per leaf)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                              if jnp.issubdtype(leaf.dtype, jnp.floating)]))
+
+
+def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
+    """(gradient, metrics) averaged over the micro-steps of batch = (xs, ys), except the routed-choice
+    counts, which stay sums: the bias update and the log interval's loads count the whole global batch.
+    Gradients of the params only: the routing bias is state the loss reads, not a parameter."""
+    xs, ys = batch
+    G = len(xs)
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: pipeline.loss_and_metrics(
+        model.with_router_bias(p, router_bias), x, y, k, cfg.model, mesh, cfg.run.micro_batch_size, True),
+        has_aux=True)
+
+    def micro(sums, inputs):
+        x, y, i = inputs
+        (loss, metrics), g = grad_fn(params, x, y, jax.random.fold_in(key, i))
+        return jax.tree.map(jnp.add, sums, (g, {"loss": loss, **metrics})), None
+
+    loss, metrics = jax.eval_shape(grad_fn, params, xs[0], ys[0], key)[0]
+    zeros = (jax.tree.map(jnp.zeros_like, params),
+             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {"loss": loss, **metrics}))
+    if G == 1:
+        (grads, sums), _ = micro(zeros, (xs[0], ys[0], 0))
+    else:
+        (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
+        grads = jax.tree.map(lambda g: g / G, grads)
+    return grads, {name: s if name == "tokens_per_expert" else s / G for name, s in sums.items()}
+
+
+def eval_step(params, router_bias, x, y, *, cfg, mesh):
+    _, metrics = pipeline.loss_and_metrics(model.with_router_bias(params, router_bias), x, y, jax.random.key(0),
+                                        cfg.model, mesh, cfg.run.micro_batch_size, False)
+    return metrics["ce"], jnp.sum(metrics["balance"])
