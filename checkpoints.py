@@ -110,9 +110,14 @@ def discard_failed_saves(mngr):
 
 
 def _remove_partial_checkpoints(directory):
+    """Best effort: a store that fails the save may fail this too (down, read-only); Orbax's next start
+    ignores what is left, and the failure was reported already."""
     fs, path = fsspec.core.url_to_fs(directory)
-    for leftover in fs.glob(f"{path.rstrip('/')}/*.orbax-checkpoint-tmp*"):
-        fs.rm(leftover, recursive=True)
+    try:
+        for leftover in fs.glob(f"{path.rstrip('/')}/*.orbax-checkpoint-tmp*"):
+            fs.rm(leftover, recursive=True)
+    except Exception:
+        pass
 
 
 def _check_writable(directory, state):

@@ -139,8 +139,8 @@ def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_loss
     e = dict(cpu_env, **gcs, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
              XLA_FLAGS="--xla_force_host_platform_device_count=1")
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--n_device_axis", "2", "1", "1",
-           "--train_batch_size", "4", "--output_dir", out, "--name", "run", "--training_steps", str(steps),
-           "--data_dir", gs_shards]
+           "--train_batch_size", "4", "--val_batch_size", "4", "--output_dir", out, "--name", "run",
+           "--training_steps", str(steps), "--data_dir", gs_shards]
     logs = [tmp_path / f"process{i}.log" for i in (0, 1)]      # files, not pipes: neither can block on output
     procs = [subprocess.Popen(cmd, cwd=REPO, env=dict(e, JAX_PROCESS_ID=str(i)), stdout=open(logs[i], "w"),
                               stderr=subprocess.STDOUT) for i in (0, 1)]
