@@ -4,7 +4,7 @@ Builds the config exactly as main.py does (preset, then every guide flag on top)
 compiles the training step main.py runs (value_and_grad of pipeline.loss_and_metrics, global-norm
 clipping, AdamW with weight decay on matrices only, params and optimizer state sharded over the mesh
 and donated), feeds it random tokens, runs W warm-up steps and N timed steps, and prints ONE JSON
-line (the fields are described in BENCHMARKS.md). In the same run it times a large matmul (bf16
+line (the fields are described in docs/performance.md). In the same run it times a large matmul (bf16
 8192^3 on an accelerator, fp32 1024^3 on a CPU) so MFU is reported against the spec-sheet peak and
 against what this device actually sustains.
 
@@ -210,7 +210,7 @@ def print_pipeline_table(result, out):
 
 # bf16 rounding noise moves with the batch shapes XLA blocks the matmuls by, which differ between
 # the mesh and one device: per leaf the two errors differ by up to ~30%, their maxima by a few
-# percent (BENCHMARKS.md).
+# percent (docs/performance.md).
 GRAD_ERROR_SLACK = 1.1
 
 

@@ -108,7 +108,7 @@ def _vocab_softmax_stats(dtype, table_VD, h_TD, local_targets_T, n_real):
 def _exp_logits_VT(table_VD, h_TD, n_real, max_T=None):
     """exp(logits - max) [V, T] from operands in the matmul dtype, 0 on padding rows, and the max.
     Vocab-major: XLA:CPU runs the backward's products with it up to 2x faster than with token-major
-    [T, V] (BENCHMARKS.md)."""
+    [T, V] (docs/performance.md)."""
     logits_VT = dot32("vd,td->vt", table_VD, h_TD)
     real_V1 = (jnp.arange(table_VD.shape[0]) < n_real)[:, None]
     if max_T is None:

@@ -96,7 +96,7 @@ def rehearse(cfg, tpu):
         if needed > tpu.hbm_bytes / GiB:
             print(f"does not fit: {name} needs {needed:.2f} GiB per chip, {tpu.name}'s chips have "
                   f"{tpu.hbm_bytes / GiB:.2f} GiB usable ({needed - tpu.hbm_bytes / GiB:.2f} GiB short); "
-                  f"see README 'Before you rent a pod'")
+                  f"see docs/launch.md 'Before you rent a pod'")
             return 1
     print(f"fits on {tpu.name}")
     return 0
@@ -166,7 +166,7 @@ class Report:
     def _collectives(self, hlo_text):
         counted = hlo.collective_bytes(hlo_text)
         print("  collectives per chip per step (compiled HLO, loops x trip counts; bytes: each op's full-size "
-              "buffer on the chip, sent: a ring's share of it, BENCHMARKS.md 'Collective bytes'):")
+              "buffer on the chip, sent: a ring's share of it, docs/performance.md 'Collective bytes'):")
         for kind, c in counted.items():
             print(f"    {kind:<19} {c['count']:>7,} ops {_gib(c['bytes'])} {_gib(c['link_bytes'])} sent")
         print(f"    {'total':<19} {sum(c['count'] for c in counted.values()):>7,} ops "

@@ -182,7 +182,7 @@ def _einsum_rounded(spec, dtype, operand_dtypes, a, b):
     own dtype (operand_dtypes), so an fp32 activation's gradient is psummed over tp and added up in
     fp32. JAX's own transpose would multiply the fp32 cotangent by the rounded operand in fp32: on GPU
     the backward's GEMMs, two thirds of the step's, ran on fp32 operands as TF32 (H200 profile,
-    BENCHMARKS.md). Rounding the cotangent first keeps them bf16 x bf16 -> fp32 like the forward."""
+    docs/performance.md). Rounding the cotangent first keeps them bf16 x bf16 -> fp32 like the forward."""
     return dot32(spec, a.astype(dtype), b.astype(dtype))
 
 

@@ -158,7 +158,7 @@ PRESETS = {
     # of the work, so the body stays small and its activations are kept (--remat none); the step count
     # fills the time budget. With the spike fix in (spikes.py), one run each at 360 steps, val CE:
     # lr 5e-3 5.134, 7e-3 5.070, 1e-2 5.013 (before it, 7e-3 stuck on the unigram plateau).
-    # Single runs differ by up to ~0.2 nat (README), so these rank the settings only loosely.
+    # One run each, so these rank the settings only loosely (other seeds of the preset: val within 0.004).
     "tiny": Config(
         model=ModelConfig(model_dimension=64, n_head=4, blocks=2, layers_per_block=2, T=64, latent_dim=32,
                           q_latent_dim=32, dhR=16, n_experts=4, k=2, n_shared=1, remat="none"),
@@ -418,8 +418,8 @@ def lr_schedule(o):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Metrics: every field main.py writes to RUN_DIR/metrics.jsonl, and what it means (plot.py and the
-# README read them from here). Each record has "step"; its other fields are those of one kind. A
+# Metrics: every field main.py writes to RUN_DIR/metrics.jsonl, and what it means (plot.py and
+# docs/training.md read them from here). Each record has "step"; its other fields are those of one kind. A
 # per-MoE-layer value is a list indexed by layer (expert_load: per layer, per expert); wandb gets
 # NAME/layerI (and NAME/layerI/expertJ).
 

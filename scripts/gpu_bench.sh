@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU measurement for BENCHMARKS.md (written for one H200; any single NVIDIA GPU works).
+# One-shot GPU measurement for docs/performance.md (written for one H200; any single NVIDIA GPU works).
 #
 #   bash scripts/gpu_bench.sh [RESULT_DIR]        (default: $OUT if set, else ./bench_results)
 #
