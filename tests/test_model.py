@@ -2,7 +2,6 @@
 import dataclasses
 import math
 import re
-import time
 
 import jax
 import jax.numpy as jnp
@@ -522,14 +521,16 @@ def test_param_counts_and_flops():
     assert model.flops_per_token(CFG) > 6 * counts["active"]
 
 
-def test_compile_time_does_not_grow_with_depth():
+def test_the_compiled_program_does_not_grow_with_depth():
+    # Layers are scanned, not unrolled: the optimized program for 16 blocks has the instructions of the
+    # one for 4 (compile time follows; a timed test was flaky on two busy cores). 2 blocks on 2 stages
+    # is smaller: XLA drops a loop of one trip.
     mesh = sharding.make_mesh((1, 2, 1))
-    times = {}
-    for blocks in (2, 8):
+    instructions = {}
+    for blocks in (4, 16):
         cfg = with_model(CFG, blocks=blocks, remat="full")
         x, y = batch(cfg=cfg)
-        start = time.perf_counter()
-        sharded_value_and_grad(cfg, mesh, 2).lower(abstract_params(cfg, mesh), x, y).compile()
-        times[blocks] = time.perf_counter() - start
-    print(f"\ncompile time of the training step on (1,2,1): 2 blocks {times[2]:.1f}s, 8 blocks {times[8]:.1f}s")
-    assert times[8] < 1.5 * times[2]
+        text = sharded_value_and_grad(cfg, mesh, 2).lower(abstract_params(cfg, mesh), x, y).compile().as_text()
+        instructions[blocks] = sum(len(body) for body in hlo.parse(text)[0].values())
+    print(f"\noptimized instructions of the training step on (1,2,1): {instructions}")
+    assert instructions[16] <= 1.02 * instructions[4]
