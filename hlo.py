@@ -292,3 +292,177 @@ def _short_scope(op_name):
     """A readable place for an op_name: the forward/backward pass and the named scope, if any."""
     scope = "output layer" if "output_layer" in op_name else "blocks" if "while" in op_name else "step"
     return ("backward, " if "transpose(" in op_name else "") + scope
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernel census: what each kernel of a GPU program reads and writes, for a roofline estimate of its step
+
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+_NOT_A_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+                 "call", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
+                 "async-start"}
+_FUSION_KINDS = (("scatter",), ("gather",), ("dynamic-update-slice",), ("reduce", "reduce-window"))
+
+
+def _nbytes(shape_text):
+    """Bytes of an HLO array type or tuple of them: "(f32[4,8]{1,0}, bf16[2])" -> 136."""
+    return sum(DTYPE_BYTES[t] * math.prod(_dims(d)) for t, d in _ARRAY.findall(shape_text))
+
+
+def _instructions(comps):
+    """{computation: [{name, shape, op, operands, rhs, root}]} from `parse`'s instruction lines."""
+    out = {}
+    for comp, lines in comps.items():
+        out[comp] = []
+        for line in lines:
+            lhs, _, rhs = line.partition(" = ")
+            m = re.match(r"\s*(\(.*?\)|\S+)\s+([\w\-]+)\((.*)$", rhs)
+            if not m:
+                continue
+            depth, i, args = 1, 0, m.group(3)
+            while i < len(args) and depth:          # the operand list ends at its matching parenthesis
+                depth += {"(": 1, ")": -1}.get(args[i], 0)
+                i += 1
+            out[comp].append({"name": lhs.replace("ROOT", "").strip().lstrip("%"), "shape": m.group(1),
+                              "op": m.group(2), "operands": re.findall(r"%([\w.\-]+)", args[:i - 1]),
+                              "rhs": rhs, "root": lhs.startswith("ROOT")})
+    return out
+
+
+def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
+    """The kernels one run of an optimized GPU HLO module launches: every instruction outside a fusion
+    (a fusion is one kernel) that is not a parameter, constant, tuple, bitcast or control flow, every
+    while body times its trip count, a conditional's costliest branch. A kernel's HBM bytes are its
+    operands plus its result, except: a dynamic-(update-)slice moves its slice, in place; a fusion
+    reads only the slice of an operand it reads only through (dynamic-)slices or gathers, does not
+    read an operand it only updates in place, and writes only the update when its root is a
+    dynamic-update-slice. Σ = Σ over kernels of max(FLOPs / peak_flops, bytes / hbm_bandwidth): the
+    time at the roofline with every kernel alone. FLOPs are dots' and convolutions' (cuDNN and other
+    custom calls count bytes only).
+
+    Returns {"kinds": {kind: {"count", "bytes", "flops"}}, "by_dtype": {"bf16 x bf16": FLOPs, ...},
+    "kernels": N, "bytes": B, "flops": F, "roofline_s": Σ}; kind is the opcode, "matmul", a fusion's
+    "fusion:<what it does>", "custom-call:<target>" or "collective:<op>"."""
+    comps, entry = parse(hlo_text)
+    by_comp = _instructions(comps)
+    shape_of = {(c, d["name"]): d["shape"] for c, ds in by_comp.items() for d in ds}
+    callees = lambda d: re.findall(r"calls=%?([\w.\-]+)", d["rhs"])
+
+    def fused(comp):
+        """Every instruction inside a fused computation, nested fusions included."""
+        for d in by_comp.get(comp, []):
+            yield comp, d
+            for callee in callees(d):
+                yield from fused(callee)
+
+    def matmul(comp, d):
+        """(FLOPs, "lhs x rhs" dtypes) of a dot or convolution."""
+        a, b = (shape_of.get((comp, o), "") for o in (d["operands"] + ["", ""])[:2])
+        dtypes = " x ".join((_ARRAY.search(s) or [None, "?"])[1] for s in (a, b))
+        if d["op"] == "convolution":
+            shapes = {n: _dims((_ARRAY.search(s) or [None, None, ""])[2])
+                      for (c, n), s in shape_of.items() if c == comp}
+            return _conv_flops(d["rhs"], shapes), dtypes
+        out, lhs = _ARRAY.search(d["shape"]), _ARRAY.search(a)
+        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", d["rhs"])
+        if not (out and lhs and contract):
+            return 0.0, dtypes
+        lhs_dims = _dims(lhs.group(2))
+        return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_dims[c] for c in _dims(contract.group(1))), dtypes
+
+    def fusion_operand_bytes(body, index, full):
+        param = next((d["name"] for d in by_comp.get(body, []) if d["op"] == "parameter"
+                      and re.search(rf"parameter\({index}\)", d["rhs"])), None)
+        users = [d for d in by_comp.get(body, []) if param in d["operands"]]
+        if users and all(u["op"] in ("dynamic-slice", "slice", "gather") and u["operands"][0] == param for u in users):
+            return sum(_nbytes(u["shape"]) for u in users)
+        if users and all(u["op"] == "dynamic-update-slice" and u["operands"][0] == param for u in users):
+            return 0
+        return full
+
+    def kernel(comp, d):
+        """(kind, bytes, FLOPs, dtypes) of one kernel."""
+        op, result = d["op"], _nbytes(d["shape"])
+        operands = [_nbytes(shape_of.get((comp, o), "")) for o in d["operands"]]
+        flops, dtypes, kind = 0.0, None, op
+        if op == "fusion":
+            body = callees(d)[0]
+            inner = list(fused(body))
+            ops = {x["op"] for _, x in inner}
+            dots = [matmul(c, x) for c, x in inner if x["op"] in ("dot", "convolution")]
+            if dots:
+                kind, flops, dtypes = "fusion:matmul", sum(f for f, _ in dots), dots[0][1]
+            else:
+                kind = next((f"fusion:{names[0]}" for names in _FUSION_KINDS if ops & set(names)), None) or (
+                    "fusion:transpose/copy" if "transpose" in ops or ops <= {"parameter", "copy", "bitcast"} else
+                    "fusion:concat/pad" if ops & {"concatenate", "pad"} else "fusion:elementwise")
+            operands = [fusion_operand_bytes(body, i, b) for i, b in enumerate(operands)]
+            root = next((x for x in by_comp.get(body, []) if x["root"]), None)
+            if root and root["op"] == "dynamic-update-slice":
+                result = _nbytes(shape_of.get((body, root["operands"][1]), ""))
+        elif op in ("dot", "convolution"):
+            (flops, dtypes), kind = matmul(comp, d), "matmul"
+        elif op == "dynamic-update-slice":
+            result = operands[1]
+            operands = [0] + operands[1:]
+        elif op in ("dynamic-slice", "slice"):
+            operands = [result] + operands[1:]
+        elif op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', d["rhs"])
+            kind = "custom-call:" + (target.group(1) if target else "?")
+        elif op.removesuffix("-start") in COLLECTIVES:
+            kind = "collective:" + op.removesuffix("-start")
+        return kind, result + sum(operands), flops, dtypes
+
+    def count(comp):
+        """{key: amount} over the kernels `comp` runs once, as loop_sum adds them up."""
+        totals = {}
+        add = lambda key, v: totals.__setitem__(key, totals.get(key, 0.0) + v)
+        for d in by_comp.get(comp, []):
+            if d["op"] in _NOT_A_KERNEL or d["op"].endswith(("-done", "-update")):
+                continue
+            kind, nbytes, flops, dtypes = kernel(comp, d)
+            for what, v in (("count", 1), ("bytes", nbytes), ("flops", flops)):
+                add((kind, what), v)
+            add("roofline_s", max(flops / peak_flops, nbytes / hbm_bandwidth))
+            if flops:
+                add(("dtype", dtypes), flops)
+        return totals
+
+    totals = _walk_kernels(comps, by_comp, entry, count)
+    kinds = {}
+    for key, v in totals.items():
+        if isinstance(key, tuple) and key[0] != "dtype":
+            kinds.setdefault(key[0], {"count": 0, "bytes": 0.0, "flops": 0.0})[key[1]] += v
+    return {"kinds": kinds, "by_dtype": {k[1]: v for k, v in totals.items() if isinstance(k, tuple) and k[0] == "dtype"},
+            "kernels": int(sum(k["count"] for k in kinds.values())), "bytes": sum(k["bytes"] for k in kinds.values()),
+            "flops": sum(k["flops"] for k in kinds.values()), "roofline_s": totals.get("roofline_s", 0.0)}
+
+
+def _walk_kernels(comps, by_comp, entry, count):
+    """Sum count(computation) over the computations that launch kernels: the entry, while bodies times
+    their trip counts, calls and async computations where they start, a conditional's branch with the
+    largest roofline time. Fusions and reducers are inside kernels and are not entered."""
+    memo = {}
+
+    def total(comp):
+        if comp not in memo:
+            memo[comp] = {}                              # recursion guard
+            acc = dict(count(comp))
+            add = lambda other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
+            for d in by_comp.get(comp, []):
+                if d["op"] == "while":
+                    add(total(re.search(r"body=%?([\w.\-]+)", d["rhs"]).group(1)), trip_count(d["rhs"], comps))
+                elif d["op"] == "conditional":
+                    names = re.search(r"branch_computations=\{([^}]*)\}", d["rhs"])
+                    names = ([b.strip().lstrip("%") for b in names.group(1).split(",")] if names else
+                             re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", d["rhs"]))
+                    if names:
+                        add(max((total(b) for b in names), key=lambda c: c.get("roofline_s", 0.0)))
+                elif d["op"] == "call" or d["op"].endswith("-start") and "calls=" in d["rhs"]:
+                    for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", d["rhs"]):
+                        add(total(callee))
+            memo[comp] = acc
+        return memo[comp]
+
+    return total(entry)

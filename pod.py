@@ -12,6 +12,7 @@ Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by 
 2 the request is unusable (unknown slice, invalid config, libtpu missing).
 """
 import importlib
+import importlib.util
 import math
 import os
 import re
@@ -28,31 +29,51 @@ import utils
 from trainer import abstract_step_args, build_trainer
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
+PIP_COMMAND_GPU = "python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-gpu-aot.txt"
 GiB = 2**30
-MFU_ASSUMED = 0.4                   # a good MoE run's MFU, for the second step-time estimate
+HFU_ASSUMED = 0.4                   # a good MoE run's share of the peak, for the second TPU step-time estimate
+# The H200 estimate: the roofline's rates and the fit of measured steps to it (docs/performance.md
+# 'The H200 estimate': five measured moe1B runs, within 2.3%).
+GPU_GEMM_FLOPS = 779e12             # bf16 GEMM FLOP/s measured on an H200 (8192^3; its datasheet says 989)
+STEP_PER_ROOFLINE = 1.695
+LAUNCH_SECONDS = 1.6e-6             # per kernel
+H200_COMPUTE_CAPABILITY = (9, 0)
+# XLA's H200 target description (the fields jaxlib 0.10.2 reads), so XLA:GPU compiles with no GPU present.
+H200_DESCRIPTION = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 151397597184 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 patch: 0 }
+device_description_str: "NVIDIA H200"
+"""
 
 
 def main(cfg):
-    tpu = utils.tpu_slice(cfg.run.compile_for)
-    if tpu is None:
-        return _usage(f"--compile_for {cfg.run.compile_for!r} is not a TPU slice this knows. Known slices: "
-                      + ", ".join(t.name for t in utils.tpu_slices()))
-    if not _has_libtpu():
-        return _usage(f"--compile_for needs libtpu's ahead-of-time compiler, which is not installed; run: "
-                      f"{PIP_COMMAND}")
+    target = utils.compile_target(cfg.run.compile_for)
+    if target is None:
+        return _usage(f"--compile_for {cfg.run.compile_for!r} is not a target this knows. TPU slices: "
+                      + ", ".join(t.name for t in utils.tpu_slices()) + "; GPUs: "
+                      + ", ".join(g.name for g in utils.gpu_targets()))
+    gpu = isinstance(target, utils.GpuTarget)
+    compiler, install = ("jax_plugins.xla_cuda12", PIP_COMMAND_GPU) if gpu else ("libtpu", PIP_COMMAND)
+    if importlib.util.find_spec(compiler.split(".")[0]) is None or importlib.util.find_spec(compiler) is None:
+        return _usage(f"--compile_for {target.name} needs {'XLA:GPU (jax-cuda12-plugin)' if gpu else 'libtpu'}'s "
+                      f"ahead-of-time compiler, which is not installed; run: {install}")
     try:
-        utils.validate(cfg, tpu.chips)
+        utils.validate(cfg, target.chips)
     except utils.ConfigError as e:
-        return _usage(f"{e}\n(compiling for {tpu.name}: {tpu.chips} chips on {tpu.hosts} host(s))")
-    _compile_only_libtpu(tpu)
-    return rehearse(cfg, tpu)
-
-
-def _has_libtpu():
-    try:
-        return importlib.import_module("libtpu") is not None
-    except ImportError:
-        return False
+        return _usage(f"{e}\n(compiling for {target.name}: {target.chips} chips on {target.hosts} host(s))")
+    if gpu:
+        _compile_only_cuda()
+    else:
+        _compile_only_libtpu(target)
+    return rehearse(cfg, target)
 
 
 def _usage(message):
@@ -70,6 +91,25 @@ def _compile_only_libtpu(tpu):
         os.environ.setdefault(name, value)
 
 
+def _compile_only_cuda():
+    """jax on the CPU backend with XLA:GPU as a compiler only. JAX's cuDNN attention asks the local GPU
+    whether it is a Hopper before it emits the fused kernel; there is none here, so the answer comes
+    from the target (compute capability 9.0)."""
+    jax.config.update("jax_platforms", "cpu")
+    from jax._src.cudnn import fused_attention_stablehlo
+    fused_attention_stablehlo.check_compute_capability = lambda capability: (
+        tuple(map(int, capability.split("."))) <= H200_COMPUTE_CAPABILITY)
+
+
+def target_devices(target):
+    """The target's devices: a TPU slice's as libtpu describes them (ids, host, chip coords), or N
+    H200s on one host as XLA:GPU's target description gives them."""
+    if isinstance(target, utils.GpuTarget):
+        return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{target.chips}",
+                                            target_config=H200_DESCRIPTION).devices
+    return topology_devices(target)
+
+
 def topology_devices(tpu):
     """The slice's devices as libtpu describes them: ids, host (process_index), chip coords."""
     return topologies.get_topology_desc(
@@ -77,10 +117,10 @@ def topology_devices(tpu):
         chips_per_host_bounds=tpu.host_grid, num_slices=1, wrap=(False,) * 3).devices
 
 
-def rehearse(cfg, tpu):
-    mesh = sharding.make_mesh(cfg.run.n_device_axis, topology_devices(tpu))
+def rehearse(cfg, target):
+    mesh = sharding.make_mesh(cfg.run.n_device_axis, target_devices(target))
     trainer = build_trainer(cfg, mesh)
-    report = Report(cfg, tpu, mesh)
+    report = Report(cfg, target, mesh)
     report.header()
     train_args, eval_args = abstract_step_args(cfg, trainer)
     steps = (("train step", trainer.step, train_args, trainer.abstract_state),
@@ -93,12 +133,12 @@ def rehearse(cfg, tpu):
             needed = _hbm_shortfall(str(e))
             if needed is None:
                 raise
-        if needed > tpu.hbm_bytes / GiB:
-            print(f"does not fit: {name} needs {needed:.2f} GiB per chip, {tpu.name}'s chips have "
-                  f"{tpu.hbm_bytes / GiB:.2f} GiB usable ({needed - tpu.hbm_bytes / GiB:.2f} GiB short); "
+        if needed > target.hbm_bytes / GiB:
+            print(f"does not fit: {name} needs {needed:.2f} GiB per chip, {target.name}'s chips have "
+                  f"{target.hbm_bytes / GiB:.2f} GiB usable ({needed - target.hbm_bytes / GiB:.2f} GiB short); "
                   f"see docs/launch.md 'Before you rent a pod'")
             return 1
-    print(f"fits on {tpu.name}")
+    print(f"fits on {target.name}")
     return 0
 
 
@@ -124,18 +164,27 @@ def _gib(n):
 
 
 class Report:
-    """The printed report: the slice and mesh, then each compiled step."""
+    """The printed report: the target and mesh, then each compiled step."""
 
-    def __init__(self, cfg, tpu, mesh):
-        self.cfg, self.tpu, self.mesh = cfg, tpu, mesh
+    def __init__(self, cfg, target, mesh):
+        self.cfg, self.target, self.mesh = cfg, target, mesh
+        self.gpu = isinstance(target, utils.GpuTarget)
+        self.peak = utils.peak_flops(mesh.devices.flat[0].device_kind)
+        self.tokens = utils.sequences_per_step(cfg) * cfg.model.T
+        self.model_flops = model.flops_per_token(cfg.model) * self.tokens / target.chips    # per chip
 
     def header(self):
-        tpu, mesh = self.tpu, self.mesh
+        target, mesh = self.target, self.mesh
         dp, pp, tp = self.cfg.run.n_device_axis
         kind = mesh.devices.flat[0].device_kind
+        if self.gpu:
+            print(f"target: {target.name} = {target.chips} {kind} GPU(s) on one host (XLA:GPU with XLA's H200 "
+                  f"description; no GPU here); memory {target.hbm_bytes / GiB:.2f} GiB per GPU")
+            print(f"mesh: dp={dp} pp={pp} tp={tp}")
+            return
         crossing = sharding.axes_across_hosts(mesh)
-        print(f"slice: {tpu.name} = {tpu.chips} {kind} chips ({tpu.topology_name}) on {tpu.hosts} host(s) of "
-              f"{math.prod(tpu.host_grid)} chips; usable HBM {tpu.hbm_bytes / GiB:.2f} GiB per chip")
+        print(f"slice: {target.name} = {target.chips} {kind} chips ({target.topology_name}) on {target.hosts} "
+              f"host(s) of {math.prod(target.host_grid)} chips; usable HBM {target.hbm_bytes / GiB:.2f} GiB per chip")
         print(f"mesh: dp={dp} pp={pp} tp={tp}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
         for i, plane in enumerate(mesh.devices[:min(dp, 4)]):
             hosts = sorted({d.process_index for d in plane.flat})
@@ -152,15 +201,22 @@ class Report:
         total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                  + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
         print(f"{name}: compiled in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU)")
-        print(f"  HBM per chip: state {_gib(state_bytes)} | batch {_gib(inputs)} | temporaries "
+        print(f"  {'memory per GPU' if self.gpu else 'HBM per chip'}: state {_gib(state_bytes)} | batch {_gib(inputs)} | temporaries "
               f"{_gib(mem.temp_size_in_bytes)} | outputs not aliased {_gib(mem.output_size_in_bytes - mem.alias_size_in_bytes)}"
               f" | code {_gib(mem.generated_code_size_in_bytes)} | total {_gib(total)} of "
-              f"{self.tpu.hbm_bytes / GiB:.2f} GiB ({100 * total / self.tpu.hbm_bytes:.0f}%)")
+              f"{self.target.hbm_bytes / GiB:.2f} GiB ({100 * total / self.target.hbm_bytes:.0f}%)")
         print("  largest buffers: " + "; ".join(f"{what} {_gib(size).strip()}"
                                                 for what, size in hlo.largest_buffers(hlo_text, 4)))
-        self._collectives(hlo_text)
+        if not self.gpu or self.target.chips > 1:
+            self._collectives(hlo_text)
         if name == "train step":
-            self._flops(hlo_text)
+            flops = self._flops(hlo_text)
+            if self.gpu:
+                self._gpu_step_time(hlo_text, flops)
+            else:
+                for hfu in (1.0, HFU_ASSUMED):
+                    self._speed(f"at HFU {100 * hfu:.0f}%",
+                                flops / (hfu * self.peak), flops)
         return total / GiB
 
     def _collectives(self, hlo_text):
@@ -174,22 +230,42 @@ class Report:
               f"{_gib(sum(c['link_bytes'] for c in counted.values()))} sent")
 
     def _flops(self, hlo_text):
-        cfg, tpu = self.cfg, self.tpu
+        """Print the compiled matmul FLOPs per chip against the model's; return them."""
         counted = hlo.matmul_flops(hlo_text)
-        peak = utils.peak_flops(self.mesh.devices.flat[0].device_kind)
-        tokens = utils.sequences_per_step(cfg) * cfg.model.T
-        useful = model.flops_per_token(cfg.model) * tokens / tpu.chips
         flops = counted["total"]
         print(f"  FLOPs per chip per step (compiled HLO, loops x trip counts): {flops:.3e} (output layer "
               f"{counted['output_layer']:.2e}, blocks {counted['blocks'] + counted['unattributed']:.2e}); "
-              f"model FLOPs {useful:.3e} ({100 * useful / flops:.0f}% of the compiled work)")
+              f"model FLOPs {self.model_flops:.3e} ({100 * self.model_flops / flops:.0f}% of the compiled work)"
+              + ("; FLOPs inside cuDNN attention are not counted" if self.gpu else ""))
         print("  matmul FLOPs by operand dtype: " + ", ".join(
             f"{kind} {100 * f / flops:.2f}% ({f:.2e})" for kind, f in sorted(counted["by_dtype"].items(),
                                                                            key=lambda kv: -kv[1])))
-        for util in (1.0, MFU_ASSUMED):
-            seconds = flops / (util * peak)
-            print(f"  at {100 * util:.0f}% of the {peak / 1e12:.0f} TFLOP/s bf16 peak: step {seconds * 1e3:.3g} ms, "
-                  f"{tokens / seconds:,.0f} tokens/s ({tokens:,} tokens a step)")
+        return flops
+
+    def _speed(self, label, seconds, flops):
+        """One step-time line with tokens/s, MFU (model FLOPs) and HFU (compiled FLOPs) over the bf16 peak;
+        on a GPU over the GEMM rate measured on an H200 too, as docs/performance.md's H200 MFU is."""
+        ratio = lambda f, peak: f"{100 * f / (seconds * peak):.1f}%"
+        measured = (f" (of the measured {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s GEMM rate: MFU "
+                    f"{ratio(self.model_flops, GPU_GEMM_FLOPS)}, HFU {ratio(flops, GPU_GEMM_FLOPS)})" if self.gpu else "")
+        print(f"  {label}: step {seconds * 1e3:.4g} ms, {self.tokens / seconds:,.0f} tokens/s "
+              f"({self.tokens:,} tokens a step), MFU {ratio(self.model_flops, self.peak)}, HFU {ratio(flops, self.peak)} "
+              f"of the {self.peak / 1e12:.0f} TFLOP/s bf16 peak" + measured)
+
+    def _gpu_step_time(self, hlo_text, flops):
+        census = hlo.kernel_census(hlo_text, GPU_GEMM_FLOPS, self.target.hbm_bandwidth)
+        print(f"  kernels per step {census['kernels']:,}; HBM traffic {census['bytes'] / GiB:,.1f} GiB "
+              f"(operands + results of each kernel); by kernel kind:")
+        for kind, k in sorted(census["kinds"].items(), key=lambda kv: -kv[1]["bytes"])[:12]:
+            print(f"    {kind:<34} {k['count']:>8,.0f} kernels {k['bytes'] / GiB:9.1f} GiB "
+                  f"{100 * k['bytes'] / census['bytes']:5.1f}%" + (f" {k['flops']:.2e} FLOPs" if k["flops"] else ""))
+        sigma = census["roofline_s"]
+        seconds = STEP_PER_ROOFLINE * sigma + LAUNCH_SECONDS * census["kernels"]
+        print(f"  roofline Σ = Σ per kernel max(FLOPs / {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s, bytes / "
+              f"{self.target.hbm_bandwidth / 1e12:.1f} TB/s) = {sigma * 1e3:.4g} ms (matmuls at that rate alone: "
+              f"{census['flops'] / GPU_GEMM_FLOPS * 1e3:.4g} ms)")
+        self._speed(f"estimated on an H200 ({STEP_PER_ROOFLINE} Σ + {LAUNCH_SECONDS * 1e6:.1f} ms per 1,000 kernels, "
+                    "docs/performance.md 'The H200 estimate')", seconds, flops)
 
 
 def _shard_bytes(abstract):

@@ -126,9 +126,10 @@ class RunConfig:
     n_device_axis: tuple = flag((1, 1, 1), "mesh sizes DP PP TP")
     cpu_devices: int = flag(0, "simulate N CPU devices (try a 3-D mesh on one machine); 0 = the real devices")
     compile_for: str = flag("", "do not train: compile this run's training and eval steps for a TPU slice (v4-64, "
-                                "v5p-8, v5litepod-16, v6e-8, ...) on this machine with libtpu's ahead-of-time "
-                                "compiler and print the per-chip memory plan, FLOPs and compile time (pip install "
-                                "-r requirements-tpu.txt)")
+                                "v5p-8, v5litepod-16, v6e-8, ...; pip install -r requirements-tpu.txt) or for "
+                                "H200s (h200, h200-8; pip install -r requirements-gpu-aot.txt) on this machine, "
+                                "and print the per-chip memory plan, FLOPs, compile time and, for h200, the "
+                                "estimated step time and MFU")
     restart: bool = flag(False, "start the run over: its checkpoints and logs are moved to NAME/replaced/TIME first, "
                                 "never deleted (without it, a changed model flag is an error and nothing is touched)")
     sample: bool = flag(False, "do not train: load the newest checkpoint of --name (saved on any mesh), print a "
@@ -527,6 +528,25 @@ def tpu_slice(name):
     """The TpuSlice called `name` (v5e-N is accepted for v5litepod-N), or None."""
     name = name.strip().lower().replace("v5e-", "v5litepod-")
     return next((t for t in tpu_slices() if t.name == name), None)
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """N H200s on one host, for `--compile_for h200` / `h200-N`: compiled by XLA:GPU on this machine."""
+    name: str
+    chips: int                               # GPUs
+    hbm_bytes: float = 151397597184          # device_memory_size in XLA's H200 description (141 GiB)
+    hbm_bandwidth: float = 4.8e12            # B/s
+    hosts: int = 1
+
+
+def gpu_targets():
+    return [GpuTarget("h200" if n == 1 else f"h200-{n}", n) for n in (1, 2, 4, 8)]
+
+
+def compile_target(name):
+    """The TpuSlice or GpuTarget `--compile_for NAME` compiles for, or None."""
+    return tpu_slice(name) or next((g for g in gpu_targets() if g.name == name.strip().lower()), None)
 
 
 # Dense bf16 peaks per chip, for MFU when the device kind is known (bench.py also measures one).

@@ -88,7 +88,10 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
     expected = 4 * 2 * tokens * cfg.model.padded_vocab * cfg.model.model_dimension
     counted = float(re.search(r"\(output layer ([\d.e+]+),", out).group(1))
     assert counted == pytest.approx(expected, rel=1e-2)
-    assert re.search(r"at 40% of the 275 TFLOP/s bf16 peak: step [\d.]+ ms", out)
+    # MFU (model FLOPs) beside HFU (compiled FLOPs): at a given HFU, MFU is the model's share of the work
+    speed = re.search(r"at HFU 40%: step [\d.]+ ms, [\d,]+ tokens/s .*, MFU ([\d.]+)%, HFU 40.0% of the 275 TFLOP/s", out)
+    useful = re.search(r"model FLOPs [\d.e+]+ \((\d+)% of the compiled work\)", out)
+    assert speed and useful and float(speed.group(1)) == pytest.approx(0.4 * float(useful.group(1)), abs=0.3)
     # The program a TPU runs: bf16 x bf16 matmuls but the router's logits and the gate sum (fp32), and
     # nothing that multiplies an fp32 operand by a bf16 one.
     shares = dict(re.findall(r"(\w+ x \w+) ([\d.]+)%", re.search(r"matmul FLOPs by operand dtype: (.*)", out).group(1)))
@@ -113,8 +116,8 @@ def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall(tmp_pat
 def test_compile_for_an_unknown_slice_exits_2_listing_the_known_ones(tmp_path):
     p = compile_for("--compile_for", "v9-1", cwd=tmp_path)
     assert p.returncode == 2
-    assert "'v9-1' is not a TPU slice" in p.stderr
-    for name in ("v4-8", "v4-64", "v4-512", "v5p-8", "v5litepod-16", "v6e-8"):
+    assert "'v9-1' is not a target this knows" in p.stderr
+    for name in ("v4-8", "v4-64", "v4-512", "v5p-8", "v5litepod-16", "v6e-8", "h200", "h200-8"):
         assert name in p.stderr
 
 
