@@ -37,6 +37,7 @@ CASES = {
     "bf16-222": ["--n_device_axis", "2", "2", "2"],
     "bf16-412-ep": ["--n_device_axis", "4", "1", "2", "--expert_parallel", "true"],
     "bf16-121-r2": ["--n_device_axis", "1", "2", "1", "--blocks", "4", "--pipeline_repeats", "2"],
+    "bf16-111-remat": ["--n_device_axis", "1", "1", "1", "--remat", "full"],      # moe1B's per-layer remat
 }
 
 
