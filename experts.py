@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sharding import fp32_product, matmul, sum_like, vary_like
+from sharding import fp32_product, gelu, matmul, sum_like, vary_like
 
 
 def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
@@ -23,7 +23,7 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, x_BTD.shape[-1]))
     buffer_BECD = jnp.zeros((B, w["expert_up"].shape[0], C, x_BTD.shape[-1]), x_BTD.dtype)
     buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, slot_BTk].set(x_BTkD, mode="drop")
-    h_BECF = jax.nn.gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf"))
+    h_BECF = gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf", w["expert_up"].dtype))
     y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd")
     return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
 
@@ -101,7 +101,7 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     # all-to-all over dp: block j of the experts goes to shard j, which stacks what it receives by
     # source shard: [E, B C, D] -> [E/dp, dp B C, D] (U = dp B C slots per expert)
     recv_eUD = lax.all_to_all(send_EUD, dp, split_axis=0, concat_axis=1, tiled=True)
-    h_eUF = jax.nn.gelu(matmul(recv_eUD, w["expert_up"], "eud,edf->euf"))
+    h_eUF = gelu(matmul(recv_eUD, w["expert_up"], "eud,edf->euf", w["expert_up"].dtype))
     y_eUD = matmul(h_eUF, w["expert_down"], "euf,efd->eud").astype(dtype)
     # all-to-all back over dp: slot block i returns to shard i, stacked by expert block:
     # [E/dp, dp B C, D] -> [E, B C, D]

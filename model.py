@@ -34,8 +34,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from experts import EXPERT_PARALLEL_IMPLS, MOE_IMPLS
-from sharding import (DENSE_LAYERS, LAYERS, REPEATS, UNBATCHED_DOT, Axes, axis_index, einsum_fp32, fetch, matmul,
-                      mesh_spec, psum)
+from sharding import (DENSE_LAYERS, LAYERS, REPEATS, UNBATCHED_DOT, Axes, axis_index, einsum_fp32, fetch, gelu, matmul,
+                      mesh_spec, psum, vary_like)
 
 NORM_EPS = 1e-6
 
@@ -119,7 +119,8 @@ CUDNN_MAX_HEAD_DIM = 256
 
 
 def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
-    """softmax(q.k / sqrt(Q)) v with an fp32 softmax; causal (mask_TS=None: query t sees keys <= t) or
+    """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype (the output projection's
+    operand dtype); causal (mask_TS=None: query t sees keys <= t) or
     under mask_TS. For a GPU in bf16 with a head width cuDNN accepts, its fused kernel through
     jax.nn.dot_product_attention; it needs one width for q, k and v, so v is zero-padded from K to
     Q = K + R and the padding sliced off. Elsewhere the plain einsums, which XLA fuses well enough."""
@@ -129,17 +130,17 @@ def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
         out_BTHQ = jax.nn.dot_product_attention(
             *(a.astype(dtype) for a in (q_BTHQ, k_BSHQ, v_BSHQ)), is_causal=mask_TS is None,
             mask=None if mask_TS is None else mask_TS[None, None], implementation="cudnn")
-        return out_BTHQ[..., :K].astype(jnp.float32)
+        return out_BTHQ[..., :K]
     scores_BHTS = einsum_fp32("bthq,bshq->bhts", dtype, q_BTHQ, k_BSHQ) / math.sqrt(Q)
     if mask_TS is None:
         mask_TS = jnp.tril(jnp.ones((q_BTHQ.shape[1], k_BSHQ.shape[1]), bool))
     probs_BHTS = jax.nn.softmax(jnp.where(mask_TS, scores_BHTS, -jnp.inf), axis=-1)
-    return einsum_fp32("bhts,bshk->bthk", dtype, probs_BHTS, v_BSHK)
+    return einsum_fp32("bhts,bshk->bthk", dtype, probs_BHTS, v_BSHK, dtype)
 
 
 def ffn(w_up, w_down, x_BTD):
     """d -> 4d -> d with GELU; under tp each rank holds F/tp hidden units and returns a partial sum."""
-    return matmul(jax.nn.gelu(matmul(x_BTD, w_up, "btd,df->btf")), w_down, "btf,fd->btd")
+    return matmul(gelu(matmul(x_BTD, w_up, "btd,df->btf", w_up.dtype)), w_down, "btf,fd->btd")
 
 
 def expert_capacity(cfg):
@@ -278,7 +279,7 @@ class MLA(nnx.Module):
         w_uk, w_uv = fetch(self.w_uk, axes, dtype), fetch(self.w_uv, axes, dtype)      # [Lkv, H*K] each
         c_q_BTL = matmul(x_BTD, fetch(self.w_dq, axes, dtype), "btd,dl->btl")
         c_kv_BTL = matmul(x_BTD, fetch(self.w_dkv, axes, dtype), "btd,dl->btl")
-        q_BTHK = matmul(c_q_BTL, fetch(self.w_uq, axes, dtype), "btl,lf->btf").reshape(B, T, -1, K)
+        q_BTHK = matmul(c_q_BTL, fetch(self.w_uq, axes, dtype), "btl,lf->btf", dtype).reshape(B, T, -1, K)
         new_cache = {"c_kv": c_kv_BTL}
         if self.use_rope:
             q_rope_BTHR = rope(matmul(c_q_BTL, fetch(self.w_qr, axes, dtype), "btl,lf->btf").reshape(B, T, -1, R),
@@ -292,13 +293,17 @@ class MLA(nnx.Module):
                                                         positions_T[0], axis=1) for name in cache}
             new_cache, key_positions_S = kv, jnp.arange(kv["c_kv"].shape[1])
         H = q_BTHK.shape[2]
-        k_BSHK = matmul(kv["c_kv"], w_uk, "bsl,lf->bsf").reshape(B, -1, H, K)
-        v_BSHK = matmul(kv["c_kv"], w_uv, "bsl,lf->bsf").reshape(B, -1, H, K)
+        # q, k and v come out of their matmuls in the matmul dtype, which attention rounds them to.
+        k_BSHK = matmul(kv["c_kv"], w_uk, "bsl,lf->bsf", dtype).reshape(B, -1, H, K)
+        v_BSHK = matmul(kv["c_kv"], w_uv, "bsl,lf->bsf", dtype).reshape(B, -1, H, K)
         if self.use_rope:
             # Decoupled RoPE: append the rotary parts to the content parts so that one dot product
             # gives q_C.k_C + q_R.k_R, the shared rotary key repeated for every head.
-            k_rope_BSHR = jnp.broadcast_to(kv["k_rope"][:, :, None, :], (*k_BSHK.shape[:3], R))
-            q_BTHK = jnp.concatenate([q_BTHK, q_rope_BTHR], axis=-1)
+            # Rounded after the broadcast and the cast to varying over tp (which concatenate would
+            # insert), so that the cotangent's psum over tp and sum over heads stay fp32.
+            k_rope_BSHR, = vary_like((jnp.broadcast_to(kv["k_rope"][:, :, None, :], (*k_BSHK.shape[:3], R)),), (k_BSHK,))
+            k_rope_BSHR = k_rope_BSHR.astype(dtype)
+            q_BTHK = jnp.concatenate([q_BTHK, q_rope_BTHR.astype(dtype)], axis=-1)
             k_BSHK = jnp.concatenate([k_BSHK, k_rope_BSHR], axis=-1)
         mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
         out_BTHK = attend(q_BTHK, k_BSHK, v_BSHK, mask_TS, dtype, axes.platform)

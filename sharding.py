@@ -155,15 +155,24 @@ def dot32(spec, a, b):
 UNBATCHED_DOT = "unbatched_dot"     # the checkpoint name of einsum_fp32's products without batch dims
 
 
-def matmul(x, w, spec):
-    """einsum of operands rounded to the weights' dtype, accumulated and returned in fp32."""
-    return einsum_fp32(spec, w.dtype, x, w)
+def matmul(x, w, spec, out_dtype=jnp.float32):
+    """einsum of operands rounded to the weights' dtype, accumulated in fp32 and returned in out_dtype:
+    fp32 for a partial sum (psummed over tp) or a branch of the fp32 residual stream; the weights'
+    dtype for a product whose one use rounds it to that dtype anyway (attention's q, k, v): the same
+    numbers in half the bytes, and no separate cast kernel on a GPU."""
+    return einsum_fp32(spec, w.dtype, x, w, out_dtype)
 
 
-def einsum_fp32(spec, dtype, a, b):
-    """einsum(spec, a, b) of the operands rounded to `dtype`, accumulated and returned in fp32; in
-    the backward the fp32 cotangent is rounded to `dtype` too (`_einsum_rounded`)."""
-    out = _einsum_rounded(spec, jnp.dtype(dtype), (a.dtype, b.dtype), a, b)
+def gelu(h):
+    """GELU, computed in fp32, of an up-projection that `matmul` returned in the matmul dtype (as
+    Megatron keeps it): the widest activation, [B, T, 4D], is written and read in half the bytes."""
+    return jax.nn.gelu(h.astype(jnp.float32))
+
+
+def einsum_fp32(spec, dtype, a, b, out_dtype=jnp.float32):
+    """einsum(spec, a, b) of the operands rounded to `dtype`, accumulated in fp32 and returned in
+    out_dtype; in the backward the cotangent is rounded to `dtype` too (`_einsum_rounded`)."""
+    out = _einsum_rounded(spec, jnp.dtype(dtype), (a.dtype, b.dtype), jnp.dtype(out_dtype), a, b)
     a_spec, b_spec, out_spec = _einsum_specs(spec)
     # jax.checkpoint's policies do not see the dot inside a custom_vjp: the name lets --remat dots
     # keep saving the products without batch dims (`REMAT_POLICIES`).
@@ -176,22 +185,22 @@ def _einsum_specs(spec):
     return (*inputs.split(","), out_spec)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _einsum_rounded(spec, dtype, operand_dtypes, a, b):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _einsum_rounded(spec, dtype, operand_dtypes, out_dtype, a, b):
     """The operands are rounded to `dtype` here, inside: each cotangent then comes back in its operand's
     own dtype (operand_dtypes), so an fp32 activation's gradient is psummed over tp and added up in
     fp32. JAX's own transpose would multiply the fp32 cotangent by the rounded operand in fp32: on GPU
     the backward's GEMMs, two thirds of the step's, ran on fp32 operands as TF32 (H200 profile,
     docs/performance.md). Rounding the cotangent first keeps them bf16 x bf16 -> fp32 like the forward."""
-    return dot32(spec, a.astype(dtype), b.astype(dtype))
+    return dot32(spec, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
 
 
-def _einsum_rounded_fwd(spec, dtype, operand_dtypes, a, b):
+def _einsum_rounded_fwd(spec, dtype, operand_dtypes, out_dtype, a, b):
     a, b = a.astype(dtype), b.astype(dtype)
-    return dot32(spec, a, b), (a, b)
+    return dot32(spec, a, b).astype(out_dtype), (a, b)
 
 
-def _einsum_rounded_bwd(spec, dtype, operand_dtypes, residuals, g):
+def _einsum_rounded_bwd(spec, dtype, operand_dtypes, out_dtype, residuals, g):
     a, b = residuals
     a_spec, b_spec, out_spec = _einsum_specs(spec)
     g = g.astype(dtype)
