@@ -34,7 +34,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from experts import EXPERT_PARALLEL_IMPLS, MOE_IMPLS
-from sharding import (DENSE_LAYERS, LAYERS, REPEATS, UNBATCHED_DOT, Axes, axis_index, einsum_fp32, fetch, gelu, matmul,
+from sharding import (BRANCH_SUM, DENSE_LAYERS, LAYERS, REPEATS, UNBATCHED_DOT, Axes, axis_index, branch_sum, einsum_fp32,
+                      fetch, gelu, matmul,
                       mesh_spec, psum, vary_like)
 
 NORM_EPS = 1e-6
@@ -310,7 +311,7 @@ class MLA(nnx.Module):
         # Each tp rank holds H/tp heads: its W_o rows give a partial sum of the output.
         out_BTD = matmul(out_BTHK.reshape(B, T, -1), fetch(self.w_o, axes, dtype), "btf,fd->btd")
         # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
-        return psum(out_BTD, axes.tp), (new_cache if cache is not None else None)
+        return branch_sum(out_BTD, axes.tp), (new_cache if cache is not None else None)
 
 
 class FeedForward(nnx.Module):
@@ -325,7 +326,7 @@ class FeedForward(nnx.Module):
     def __call__(self, x_BTD, axes):
         dtype = jnp.dtype(self.cfg.model_dtype)
         # One psum over tp, as in MLA (Megatron).
-        return psum(ffn(fetch(self.w_up, axes, dtype), fetch(self.w_down, axes, dtype), x_BTD), axes.tp)
+        return branch_sum(ffn(fetch(self.w_up, axes, dtype), fetch(self.w_down, axes, dtype), x_BTD), axes.tp)
 
 
 class MoE(nnx.Module):
@@ -371,16 +372,16 @@ class MoE(nnx.Module):
         # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
         shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
         # One psum over tp, as in MLA (Megatron).
-        out_BTD = psum(routed_BTD + shared_BTD, axes.tp)
+        out_BTD = branch_sum(routed_BTD + shared_BTD, axes.tp)
         stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
                  "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
         return out_BTD, stats, fill_BE + tokens_per_expert_BE
 
 
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(BRANCH_SUM),
                   "dots": jax.checkpoint_policies.save_from_both_policies(
                       jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                      jax.checkpoint_policies.save_only_these_names(UNBATCHED_DOT))}
+                      jax.checkpoint_policies.save_only_these_names(UNBATCHED_DOT, BRANCH_SUM))}
 
 
 def remat_policy(cfg):

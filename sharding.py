@@ -80,6 +80,19 @@ def psum(x, axis):
     return x if axis is None else lax.psum(x, axis)
 
 
+BRANCH_SUM = "branch_sum"            # the checkpoint name of a branch's output summed over tp (`branch_sum`)
+
+
+def branch_sum(x, tp):
+    """A residual branch's output: the psum over tp of this rank's partial sum (Megatron's one
+    all-reduce per branch). Under tp it is named so that the remat policies keep it for the backward
+    rather than replay the all-reduce there (moe1B on v4-64: all-reduce bytes 15.90 -> 13.09 GiB per
+    chip for 4.3 GiB of HBM); with no tp to sum over, recomputing it is cheaper than keeping it (one
+    H200: Σ 359 vs 366 ms, 23.5 vs 30.0 GiB)."""
+    out = psum(x, tp)
+    return out if tp is None or lax.axis_size(tp) == 1 else checkpoint_name(out, BRANCH_SUM)
+
+
 def axis_index(axis):
     return 0 if axis is None else lax.axis_index(axis)
 

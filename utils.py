@@ -42,8 +42,9 @@ class ModelConfig:
     alpha: float = flag(1e-4, "sequence-wise balance loss coefficient, applied in every MoE layer (the loss adds "
                               "the layers')")
     rope_base: float = flag(10_000.0, "RoPE frequency base")
-    remat: str = flag("full", "what the backward pass recomputes: full (everything), dots (all but the matmul "
-                              "outputs) or none")
+    remat: str = flag("full", "what the backward pass recomputes, layer by layer: full (everything), dots (all "
+                              "but the matmul outputs) or none; under tp both keep each branch's all-reduced "
+                              "output rather than all-reduce it again")
     moe_impl: str = flag("buffers", "routed-expert compute: buffers (per-expert capacity slots) or ragged "
                                     "(sorted tokens, lax.ragged_dot)")
     expert_parallel: bool = flag(False, "expert parallelism over dp: each dp shard holds E/DP whole routed experts "
