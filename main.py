@@ -7,7 +7,9 @@ flag (`python main.py --help`). A run lives in OUTPUT_DIR/NAME (rundir.py: metri
 its checkpoints in OUTPUT_DIR/NAME/checkpoints (checkpoints.py); starting the same command again
 resumes from the newest readable checkpoint, exactly: the data loader is a pure function of the
 sequences consumed, and they, the RNG key, the optimizer state, the step and the model config are in
-the checkpoint. SIGTERM, SIGHUP or Ctrl-C: finish the step, save, exit 0.
+the checkpoint. SIGTERM, SIGHUP or Ctrl-C: finish the step, save, exit 0. No progress for
+--hang_timeout s (a host stopped or lost mid-collective): every thread's stack to stderr, exit 3;
+SIGUSR1: the stacks now, and go on (multihost.Watchdog).
 
 Steps are counted in optimizer updates; "step k" is the k-th update, and its loss is the loss of the
 batch that update was computed from. Each update averages the gradients of `--grad_step` micro-steps
@@ -18,6 +20,7 @@ Read it from the bottom: `main` sets up the devices and calls `train`, whose loo
 metrics.py, save, sample) in small functions above it.
 """
 import dataclasses
+import json
 import sys
 import time
 import uuid
@@ -25,6 +28,7 @@ import uuid
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import psutil
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
@@ -38,9 +42,9 @@ import utils
 from checkpoints import (SaveFailed, check_saves, checkpoint_manager, checksums_and_finite, discard_failed_saves,
                          newest_meta, quiet_failed_saves, restore_latest, save, wait_for_save)
 from data.tokenizer import get_tokenizer
-from metrics import Diverged, Meter, log_interval, say
+from metrics import Diverged, Goodput, Meter, log_interval, say
 from multihost import StopSignals, log, set_up_devices
-from rundir import Logger, RunRefused, lock_run_dir, run_dir_of, set_aside_previous_run
+from rundir import Logger, RunRefused, lock_run_dir, read_run_file, run_dir_of, set_aside_previous_run
 from trainer import Trainer, build_trainer
 
 
@@ -227,8 +231,9 @@ def close_run(run):
     run.loader.close()
 
 
-def stopped(run, step, signal_name):
+def stopped(run, step, signal_name, goodput):
     """After a stop (SIGTERM, Ctrl-C, or another host's): wait for the step's checkpoint, say where."""
+    end_goodput(run, step, goodput)
     close_run(run)
     log(f"{signal_name or 'stop requested on another host'}: checkpoint of step {step} written to "
         f"{run.mngr.directory}/{step}; exiting (the same command resumes it)")
@@ -251,12 +256,31 @@ def nothing_to_do(run):
     return 0
 
 
-def finish(run, state, step, val_ce, saved, t0):
+def end_goodput(run, step, goodput):
+    """Once the last checkpoint is written: where this process's time went, in the log and metrics.jsonl."""
+    wait_for_save(run.mngr)
+    goodput.mark("checkpoint")
+    record, line = goodput.record(step)
+    log(line)
+    run.logger.metrics(record)
+
+
+def redone_steps(run):
+    """Steps a previous session of this run logged past the checkpoint it resumes from (process 0 reads
+    metrics.jsonl; the others write no metrics)."""
+    if run.meta is None or jax.process_index() != 0:
+        return 0
+    steps = [r["step"] for r in map(json.loads, read_run_file(run_dir_of(run.cfg.run), "metrics.jsonl").splitlines())
+             if "loss" in r]
+    return max(0, max(steps, default=0) - run.start_step)
+
+
+def finish(run, state, step, val_ce, saved, t0, goodput):
     """The end of the run (the last step or --stop_at_val_loss): its checkpoint, and the final val
     cross-entropy against the unigram entropy of the training tokens."""
     if not saved:
         save_checkpoint(run, step, state, val_ce)
-    wait_for_save(run.mngr)                     # the final line only once its checkpoint is written
+    end_goodput(run, step, goodput)             # the final lines only once its checkpoint is written
     entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
     log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
         f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
@@ -278,6 +302,8 @@ def train(cfg, mesh):
     run = open_run(cfg, mesh)
     if finished(run):
         return nothing_to_do(run)
+    goodput = Goodput(psutil.Process().create_time(), run.start_step, redone_steps(run))
+    goodput.mark("startup")
     if run.meta is not None:
         run.logger.metrics(utils.metrics_record("event", run.start_step, event="resume"))
     state, step = run.state, run.start_step
@@ -287,6 +313,7 @@ def train(cfg, mesh):
     meter, stop = Meter(run, bar), StopSignals()
     # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
     stop_agreed = multihost.StopAgreement(lambda: stop.requested)
+    watchdog = multihost.Watchdog(rc.hang_timeout)
     batches = run.loader.iterate(0)
     say(bar, "compiling the training step (the first step waits for it)")
     val_ce, stopping, reached, last_saved = None, False, False, None
@@ -298,11 +325,17 @@ def train(cfg, mesh):
             if step == run.start_step + 1:        # every process; launcher.sh waits for this line
                 print(multihost.started_line(jax.process_index(), jax.process_count()), flush=True)
             meter.fetch(everything=False)
+            goodput.mark("compile" if step == run.start_step + 1 else "train")
+            watchdog.progress(f"training step {step} (dispatched; the steps before it done)")
             check_saves(run.mngr)
             interval_ends = step % rc.checkpoint_steps == 0 or step == oc.training_steps
             stopping = stop_agreed(step, synced=interval_ends)
             if interval_ends or stopping:
+                watchdog.progress(f"the evaluation, checkpoint and sample after step {step}")
+                meter.fetch()
+                goodput.mark("train")
                 val_ce = log_interval(run, meter, state, step)
+                goodput.mark("eval")
                 reached = val_target_reached(val_ce, rc)
                 if reached:
                     log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
@@ -310,11 +343,16 @@ def train(cfg, mesh):
                 if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
                     save_checkpoint(run, step, state, val_ce, force=stopping)
                     last_saved = step
+                    goodput.mark("checkpoint")
                 sample(run, state, step)
+                goodput.mark("sample")
+                watchdog.progress(f"the interval after step {step}")
                 meter.restart_timer()
             if stopping:
                 break
         meter.fetch()
+        goodput.mark("train")
+        watchdog.progress(f"the last step ({step}); then its checkpoint")
     except (Diverged, dataset.DataError):       # the state is sound: the checkpoint in flight completes
         bar.close()
         close_run(run)
@@ -327,8 +365,8 @@ def train(cfg, mesh):
         raise
     bar.close()
     if stopping and step < oc.training_steps:
-        return stopped(run, step, stop.signal)
-    return finish(run, state, step, val_ce, last_saved == step, meter.t0)
+        return stopped(run, step, stop.signal, goodput)
+    return finish(run, state, step, val_ce, last_saved == step, meter.t0, goodput)
 
 
 def sample_from_checkpoint(cfg):

@@ -95,6 +95,41 @@ class Meter:
         self.t, self.steps = time.perf_counter(), 0
 
 
+class Goodput:
+    """Where this process's wall time went, from its start: each `mark(phase)` books the time since the
+    previous mark to that phase, so the phases add up to the wall time. "train" is the steps after the
+    first (whose dispatch compiles: "compile"), "startup" the imports, devices, data and restore; the
+    steps of a previous session past the checkpoint this one resumed from are done again, and are
+    counted as lost ("redone")."""
+
+    PHASES = ("startup", "compile", "train", "eval", "checkpoint", "sample")
+
+    def __init__(self, started, start_step, redone_steps):
+        self.started, self.last = started, started
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.start_step, self.redone_steps = start_step, redone_steps
+
+    def mark(self, phase):
+        now = time.time()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+    def record(self, step):
+        """The metrics.jsonl record (utils.METRICS["goodput"]) and its one log line."""
+        wall = self.last - self.started
+        per_step = self.seconds["train"] / max(step - self.start_step - 1, 1)      # the first one compiled
+        redone = min(self.redone_steps * per_step, self.seconds["train"])
+        useful = self.seconds["train"] - redone
+        rec = utils.metrics_record("goodput", step, wall_s=wall, **{f"{p}_s": v for p, v in self.seconds.items()},
+                                   redone_steps=self.redone_steps, redone_s=redone,
+                                   goodput=useful / wall if wall > 0 else None)
+        shares = " | ".join(f"{p} {v:.0f} s ({100 * v / wall:.0f}%)" for p, v in self.seconds.items() if wall > 0)
+        line = (f"goodput {100 * rec['goodput']:.0f}% of {wall:.0f} s: {shares}" if wall > 0 else "goodput n/a")
+        if self.redone_steps:
+            line += f" | redone after the restart: {self.redone_steps} steps, {redone:.0f} s"
+        return rec, line
+
+
 def say(bar, text):
     """A line above the progress bar, on process 0."""
     if jax.process_index() == 0:

@@ -1,6 +1,6 @@
 """What main.py needs to run as one of several processes (one per host): setting up the devices and
 joining jax.distributed within a time limit, printing on process 0, saying it has started, the stop
-signals, and agreeing on a stop without a per-step host sync.
+signals, agreeing on a stop without a per-step host sync, and the hang watchdog.
 
 Environment:
   JAXFORMER_INIT_TIMEOUT=S   seconds to wait for every process to join jax.distributed (default 300);
@@ -9,6 +9,7 @@ Environment:
                              a stop (SIGTERM) is honoured within about this plus a step; each check
                              costs one host-device sync.
 """
+import faulthandler
 import glob
 import os
 import signal
@@ -212,3 +213,37 @@ def _detach_from_terminal():
         if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
             os.dup2(null, fd)
     os.close(null)
+
+
+HUNG_EXIT = 3
+
+
+class Watchdog:
+    """--hang_timeout: a collective that waits on a stopped, hung or lost host never returns, and the
+    run would wait forever. Once the first step has run (its compile is over), every sign of progress
+    (`progress`: a step's results fetched, an evaluation, a save) restarts the clock; with none for
+    `timeout` seconds this process writes what it was doing and every thread's stack to stderr (the
+    host's log) and exits HUNG_EXIT, so that a supervisor can restart the run from its last checkpoint.
+    SIGUSR1 writes the same stacks at any time and the run goes on."""
+
+    def __init__(self, timeout):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        self.timeout, self.last, self.doing = timeout, None, "starting"
+        if timeout:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def progress(self, doing):
+        self.last, self.doing = time.monotonic(), doing
+
+    def _watch(self):
+        while True:
+            time.sleep(min(5.0, self.timeout / 4))
+            last = self.last
+            if last is not None and time.monotonic() - last > self.timeout:
+                # os.write and faulthandler: the main thread may hold locks print would need
+                os.write(2, (f"\nerror: process {jax.process_index()} of {jax.process_count()} made no progress for "
+                             f"{self.timeout} s (--hang_timeout) after: {self.doing}; a host is stopped, hung or "
+                             f"gone if this waits in a collective. Every thread's stack follows; exiting "
+                             f"{HUNG_EXIT} (the same command resumes from the last checkpoint)\n").encode())
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(HUNG_EXIT)

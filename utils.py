@@ -123,6 +123,10 @@ class RunConfig:
     max_bad_steps: int = flag(3, "a step whose loss, gradient or updated state is not finite leaves the state as "
                                  "it was; this many such steps in a row end the run with exit 1 (its newest "
                                  "checkpoint, from before them, is the one to resume from)")
+    hang_timeout: int = flag(1800, "seconds without progress (a step, an evaluation, a save) after the first step "
+                                   "before this process writes every thread's stack to its log and exits 3: a "
+                                   "collective waiting on a stopped or lost host never returns (0 = never; "
+                                   "SIGUSR1 writes the stacks at any time and the run goes on)")
     wandb: bool = flag(False, "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)")
     n_device_axis: tuple = flag((1, 1, 1), "mesh sizes DP PP TP")
     cpu_devices: int = flag(0, "simulate N CPU devices (try a 3-D mesh on one machine); 0 = the real devices")
@@ -308,7 +312,7 @@ def validate(cfg, n_devices=None):
                              ("--stop_at_val_loss", r.stop_at_val_loss, 0),
                              ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 0),
                              ("--cpu_devices", r.cpu_devices, 0), ("--pipeline_repeats", m.pipeline_repeats, 1),
-                             ("--max_bad_steps", r.max_bad_steps, 1)]:
+                             ("--max_bad_steps", r.max_bad_steps, 1), ("--hang_timeout", r.hang_timeout, 0)]:
         _at_least(errors, value, flag, low)
     if not 0 <= r.seed < SEED_LIMIT:
         errors.append(f"--seed must be in [0, {SEED_LIMIT - 1}], got {r.seed}")
@@ -464,6 +468,18 @@ METRICS = {
     "final": {      # once, when the run ends
         "final_val_loss": "validation cross-entropy at the end",
         "unigram_entropy": "entropy of the training tokens' unigram distribution (the no-context baseline)",
+    },
+    "goodput": {    # once per process run (session), when it ends: where its wall time went
+        "wall_s": "seconds from the process's start to the end of its last checkpoint",
+        "startup_s": "imports, devices, the data and the restore",
+        "compile_s": "the first training step (its compile)",
+        "train_s": "the other training steps",
+        "eval_s": "validation",
+        "checkpoint_s": "saving (the final save's wait included)",
+        "sample_s": "text samples",
+        "redone_steps": "steps a previous session trained past the checkpoint this one resumed from",
+        "redone_s": "their share of train_s (time lost to the restart)",
+        "goodput": "(train_s - redone_s) / wall_s",
     },
     "event": {"event": "resume: the run restarted from the checkpoint of this step"},
 }

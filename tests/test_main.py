@@ -152,14 +152,31 @@ def test_resume_after_sigkill_is_exact(cpu_env, baseline, tmp_path):
              f"the checkpoint of step {N // 2} and step {N // 2 + 2}")
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
-    newest = max(checkpoints(tmp_path))
+    newest, logged = max(checkpoints(tmp_path)), last_step(tmp_path)
     assert newest < N, "killed too late to test a resume"
     proc = run(cpu_env, tmp_path, *MESH1)
     assert f"resumed from {tmp_path}/run/checkpoints/{newest}: step {newest}," in proc.stdout
+    goodput = [r for r in records(tmp_path) if "goodput" in r][-1]        # the resumed session's
+    assert goodput["redone_steps"] == logged - newest > 0 and 0 < goodput["redone_s"] < goodput["train_s"]
+    assert f"redone after the restart: {logged - newest} steps" in proc.stdout
     resumed = losses(tmp_path)
     for s in range(newest + 1, N + 1):
         assert resumed[s] == curve[s], (s, resumed[s], curve[s])
     assert_same_params(params(tmp_path, N), params(out, N))
+
+
+def test_the_goodput_record_adds_up_to_the_runs_wall_time(cpu_env, tmp_path):
+    started = time.time()
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", steps=12)
+    wall = time.time() - started
+    [goodput] = [r for r in records(tmp_path) if "goodput" in r]
+    phases = {p: goodput[f"{p}_s"] for p in ("startup", "compile", "train", "eval", "checkpoint", "sample")}
+    assert sum(phases.values()) == pytest.approx(goodput["wall_s"], rel=1e-9) and min(phases.values()) > 0, phases
+    # from the process's start to its last checkpoint, against the whole process timed from outside
+    # (which also holds the interpreter's start and exit)
+    assert wall - 5 <= goodput["wall_s"] <= wall and goodput["wall_s"] >= 0.9 * wall, (goodput, wall)
+    assert goodput["redone_steps"] == 0 and goodput["goodput"] == pytest.approx(phases["train"] / goodput["wall_s"])
+    assert re.search(r"goodput \d+% of \d+ s: startup \d+ s \(\d+%\) \| compile", proc.stdout)
 
 
 def test_resume_after_sigterm_is_exact(cpu_env, baseline, tmp_path):
