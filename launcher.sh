@@ -33,6 +33,11 @@ options:
   --timeout S            seconds to wait for every host to pass start-up, or with --stop for
                          every run to end (default 900)
   --wait                 wait for the program on every host to finish; exit status says which failed
+  --retries N            supervise: --wait, and when the run ends abnormally (a host FAILED, the TPU
+                         preempted), wait for --tpu to be READY again and relaunch the same command
+                         (main.py resumes from its newest checkpoint), up to N times; a run that fails
+                         the same way at the same step twice, or with a usage error (2), is not
+                         retried. Each retry is logged with its cause.
   --keep-going           on a failure, leave the run going on the other hosts
   --local-logs DIR       per-host logs here (default: ./logs/launch/RUN)
   --status RUN           per host: tmux session running or not, last step and loss in its log,
@@ -53,7 +58,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$here/launch_lib.sh"   # value, resolve_hosts, run_name_from_args
 
 hosts_file="" tpu="" zone="" project="" name="" local_logs="" coordinator="" timeout=900
-mode=start dry_run=0 wait=0 keep_going=0
+mode=start dry_run=0 wait=0 keep_going=0 retries=0
+args=("$@") supervised=()   # the command line; supervised: it without --retries, for each attempt
 where=() pass=() main_args=()   # run.sh options: where the run lives (every mode); how to start it
 while (($#)); do
   case $1 in
@@ -70,6 +76,7 @@ while (($#)); do
     --dry-run) dry_run=1; shift ;;
     --wait) wait=1; shift ;;
     --keep-going) keep_going=1; shift ;;
+    --retries) retries=$(value "$@"); shift 2 ;;
     --dir|--log-dir) where+=("$1" "$(value "$@")"); shift 2 ;;
     --commit|--python|--main|--env) pass+=("$1" "$(value "$@")"); shift 2 ;;
     --force) pass+=("$1"); shift ;;
@@ -78,6 +85,8 @@ while (($#)); do
   esac
 done
 [[ $timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds, got '$timeout'"
+[[ $retries =~ ^[0-9]+$ ]] || die "--retries must be a whole number, got '$retries'"
+[[ $mode == start || $retries -eq 0 ]] || die "--retries supervises a launch; not with --$mode"
 [[ $mode == start || ${#main_args[@]} -eq 0 ]] || die "--$mode takes no arguments for main.py"
 
 resolve_hosts "$hosts_file" "$tpu" "$zone" "$project"
@@ -118,6 +127,63 @@ on_hosts() {
   rm -f "$tmp"/*; rmdir "$tmp"
   return "$rc"
 }
+
+# last_step: the last "step N |" line main.py printed in any host's log of the last attempt
+last_step() {
+  cat "$local_logs"/*.log 2>/dev/null | sed -n 's/^step  *\([0-9][0-9]*\) |.*/\1/p' | tail -n 1
+}
+
+# wait_for_tpu: with --tpu, poll its state until READY (a preempted TPU comes back, or is recreated)
+wait_for_tpu() {
+  local state seen=""
+  [[ -n $tpu ]] || return 0
+  while :; do
+    state=$(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone" ${project:+--project "$project"} \
+            --format='value(state)' 2>/dev/null) || state="UNKNOWN (gcloud failed)"
+    [[ $state == READY ]] && { echo "launcher.sh: TPU '$tpu' is READY"; return 0; }
+    [[ $state == "$seen" ]] || echo "launcher.sh: TPU '$tpu' is $state; waiting for READY" \
+                                    "(every ${LAUNCHER_POLL_S:-30} s)"
+    seen=$state
+    sleep "${LAUNCHER_POLL_S:-30}"
+  done
+}
+
+# supervise: launch with --wait until the run finishes; relaunch after an abnormal end (see --help)
+supervise() {
+  local attempt=0 rc out cause step previous=""
+  out=$(mktemp)
+  while :; do
+    rc=0
+    "$here/launcher.sh" "${supervised[@]}" 2>&1 | tee "$out" || rc=${PIPESTATUS[0]}
+    if ((rc == 0)); then rm -f "$out"; echo "launcher.sh: run '$name' finished (attempts: $((attempt + 1)))"; return 0; fi
+    cause=$(grep -o 'host [0-9]* [^ ]*: FAILED, [^;]*' "$out" | head -n 1 || true)
+    cause=${cause:-launcher exit status $rc} step=$(last_step)
+    if ((rc == 2)); then
+      echo "launcher.sh: error: usage error (exit 2): not retried" >&2; rm -f "$out"; return 2
+    elif [[ "$cause at step ${step:-none}" == "$previous" ]]; then
+      echo "launcher.sh: error: the run failed the same way twice ($cause at step ${step:-none}): a bug," \
+           "not a preemption; not retried" >&2; rm -f "$out"; return 1
+    elif ((attempt >= retries)); then
+      echo "launcher.sh: error: $cause at step ${step:-none}; no retries left (--retries $retries)" >&2
+      rm -f "$out"; return 1
+    fi
+    previous="$cause at step ${step:-none}" attempt=$((attempt + 1))
+    echo "launcher.sh: retry $attempt of $retries after: $previous"
+    wait_for_tpu
+  done
+}
+
+if ((retries)); then
+  skip_next=0
+  for a in "${args[@]}"; do      # the same command line without --retries N, waiting, replacing sessions
+    if ((skip_next)); then skip_next=0; continue; fi
+    if [[ $a == --retries ]]; then skip_next=1; continue; fi
+    if [[ $a == -- ]]; then break; fi
+    supervised+=("$a")
+  done
+  supervised+=(--wait --force -- ${main_args[@]+"${main_args[@]}"})
+  supervise; exit
+fi
 
 if ((dry_run)); then
   echo "# launcher.sh --dry-run: run '$name' on $n host(s): ${hosts[*]}"

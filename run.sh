@@ -28,7 +28,7 @@ options:
                          WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY are forwarded when set locally
   --tpu NAME --zone Z    reach the host with `gcloud compute tpus tpu-vm ssh NAME --worker I`
   --project P            gcloud project for --tpu
-  --force                kill an existing tmux session of the same name first
+  --force                kill an existing tmux session of the same name, and its program, first
   --wait                 stay connected until the program ends; stream its log; exit with its status
   --ready                wait until main.py has passed start-up (its line "jaxformer started:
                          process I of N, ..."; up to --timeout), or exit with the status of a
@@ -36,7 +36,8 @@ options:
   --status               print one line: session running or not, last step and loss in the log,
                          how long ago the log last changed
   --stop                 send SIGTERM to the program (main.py checkpoints and exits) and wait up to
-                         --timeout for its session to end; with --force, then kill the session
+                         --timeout for its session to end; with --force, then kill the program
+                         and the session
   --timeout S            seconds for --ready and --stop (default 900)
   --dry-run              print what would run, run nothing
   -h, --help             this help
@@ -146,6 +147,16 @@ preamble=$(cat <<EOF
 set -euo pipefail
 secrets=""
 fail() { rm -f "\$secrets"; echo "run.sh: error on $H: \$2" >&2; exit "\$1"; }
+# kill_program: SIGKILL the program of the pid file, if alive, and wait for it to go. Killing the tmux
+# session alone is not enough: main.py takes SIGHUP as a stop, and one stuck in a collective stays.
+kill_program() {
+  local p; p=\$(cat $(q "$pid_file") 2>/dev/null || true)
+  if [ -n "\$p" ] && kill -KILL "\$p" 2>/dev/null; then
+    for _ in \$(seq 50); do kill -0 "\$p" 2>/dev/null || break; sleep 0.2; done
+    echo "SIGKILL to pid \$p; "
+  fi
+  rm -f $(q "$pid_file")
+}
 cd $(q "$dir") 2>/dev/null || fail 3 $(q "no checkout at $dir (clone the repo there or pass --dir)")
 command -v tmux >/dev/null || fail 4 "tmux is not installed (sudo apt-get install -y tmux)"
 EOF
@@ -159,7 +170,9 @@ if [ $(q "$commit") != asis ]; then
 fi
 if tmux has-session -t $S 2>/dev/null; then
   [ $force = 1 ] || fail 7 $(q "tmux session '$session' is already running (attach: tmux attach -t $session; replace: --force)")
-  tmux kill-session -t $S
+  kill_program >/dev/null; tmux kill-session -t $S 2>/dev/null || true     # gone with its program, maybe
+elif [ $force = 1 ]; then
+  kill_program >/dev/null      # a program that outlived its session (a killed pane or tmux server)
 fi
 mkdir -p $(q "$log_dir"); rm -f $STATUS
 offset=0; [ -f $LOG ] && offset=\$(wc -c < $LOG)   # the log is appended to: --ready reads past this
@@ -213,7 +226,7 @@ end=\$((SECONDS + $timeout))
 while tmux has-session -t $S 2>/dev/null; do
   if [ \$SECONDS -ge \$end ]; then
     [ $force = 1 ] || fail 9 $(q "tmux session '$session' still running $timeout s after SIGTERM (tmux attach -t $session)")
-    tmux kill-session -t $S; echo "\$how; killed tmux session '$session' after $timeout s"; exit 0
+    killed=\$(kill_program); tmux kill-session -t $S 2>/dev/null || true; echo "\$how; \${killed}killed tmux session '$session' after $timeout s"; exit 0
   fi
   sleep 1
 done

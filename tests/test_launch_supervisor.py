@@ -1,0 +1,103 @@
+"""launcher.sh --retries: the supervisor that relaunches a run after a preemption and leaves a bug alone.
+Hosts are 127.0.0.1 through the SSH stand-in (tests/launch_local_ssh.sh); the TPU's state comes from a
+fake `gcloud` on PATH."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+
+from launch_util import all_text, free_port, needs_tmux, sh
+
+pytestmark = needs_tmux
+
+
+def test_a_run_that_fails_the_same_way_twice_is_not_retried_again(tmux_env, tmp_path):
+    runs = tmp_path / "runs.txt"
+    bad = tmp_path / "bad.py"
+    bad.write_text(f"open({str(runs)!r}, 'a').write('run\\n')\n"
+                   "print('step      3 | loss 7.0000 | val 7.1000', flush=True)\nraise SystemExit(1)\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("hostE\n")
+    p = sh("launcher.sh", "--hosts", hosts, "--name", "bug", "--retries", "3", "--python", sys.executable,
+           "--main", bad, "--log-dir", tmp_path / "logs", "--local-logs", tmp_path / "ll", env=tmux_env,
+           timeout=120, check=1)
+    assert "launcher.sh: retry 1 of 3 after: host 0 hostE: FAILED, exit status 1 at step 3" in p.out, p.out
+    assert "the run failed the same way twice (host 0 hostE: FAILED, exit status 1 at step 3)" in p.out
+    assert runs.read_text().count("run") == 2 and "retry 2 of" not in p.out
+
+
+FAKE_GCLOUD = """#!/bin/sh
+# gcloud compute tpus tpu-vm describe NAME --zone Z --format=...: two workers on 127.0.0.1; the state
+# is PREEMPTED for the first $PREEMPTED_POLLS polls, then READY
+echo "$*" >> "$GCLOUD_LOG"
+case "$*" in
+  *"value(state)"*) n=$(grep -c "value(state)" "$GCLOUD_LOG")
+                    if [ "$n" -le "$PREEMPTED_POLLS" ]; then echo PREEMPTED; else echo READY; fi ;;
+  *) echo "127.0.0.1;127.0.0.1" ;;
+esac
+"""
+SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32", "--train_batch_size", "2",
+         "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--checkpoint_steps", "1"]
+STEPS = 24                  # checkpoints every 10 x --checkpoint_steps: at 10, 20 and the last step
+
+
+def losses(path):
+    """Per step, the last loss metrics.jsonl recorded (after a restart the resumed run's)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def main_process(name, process_id):
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
+        if any(c.endswith("main.py") for c in cmd) and name in cmd and env.get("JAX_PROCESS_ID") == str(process_id):
+            return proc
+    return None
+
+
+def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
+    (bin_dir / "gcloud").chmod(0o755)
+    env = dict(tmux_env, PATH=f"{bin_dir}:{tmux_env['PATH']}", GCLOUD_LOG=str(tmp_path / "gcloud.log"),
+               PREEMPTED_POLLS="2", LAUNCHER_POLL_S="1")
+
+    def launch(name, *extra):
+        return ["launcher.sh", "--tpu", "fake", "--zone", "us-z1", "--name", name, "--coordinator",
+                f"127.0.0.1:{free_port()}", "--python", sys.executable, "--log-dir", tmp_path / f"{name}-host-logs",
+                "--local-logs", tmp_path / f"{name}-logs", *extra, "--", *SMALL, "--training_steps", str(STEPS),
+                "--output_dir", tmp_path / "runs"]
+
+    p = sh(*launch("straight", "--wait"), env=env, timeout=900)
+    assert p.returncode == 0, p.out
+    straight = losses(tmp_path / "runs" / "straight" / "metrics.jsonl")
+    assert sorted(straight) == list(range(1, STEPS + 1))
+
+    cmd = launch("preempted", "--retries", "2")
+    supervisor = subprocess.Popen([os.path.join(os.path.dirname(os.path.dirname(__file__)), cmd[0]), *map(str, cmd[1:])],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, ckpt = tmp_path / "runs" / "preempted" / "metrics.jsonl", tmp_path / "runs" / "preempted" / "checkpoints"
+    deadline = time.time() + 600
+    while not (ckpt.is_dir() and "10" in os.listdir(ckpt) and metrics.exists() and max(losses(metrics), default=0) >= 12):
+        assert supervisor.poll() is None and time.time() < deadline, supervisor.stdout.read()
+        time.sleep(0.5)
+    host1 = main_process("preempted", 1)
+    assert host1 is not None
+    host1.kill()                                           # the TPU's worker 1 goes away
+    out, _ = supervisor.communicate(timeout=900)
+    assert supervisor.returncode == 0, out
+    assert re.search(r"launcher.sh: retry 1 of 2 after: host 1 127\.0\.0\.1: FAILED, exit status \d+ at step \d+", out), out
+    assert "launcher.sh: TPU 'fake' is PREEMPTED; waiting for READY" in out and "launcher.sh: TPU 'fake' is READY" in out
+    assert "launcher.sh: run 'preempted' finished (attempts: 2)" in out, out
+    resumed = losses(metrics)
+    assert sorted(resumed) == sorted(straight)
+    np.testing.assert_array_equal([resumed[s] for s in sorted(straight)], [straight[s] for s in sorted(straight)])
+    logs = all_text(tmp_path / "preempted-logs")
+    assert "resumed from" in logs and "redone after the restart" in logs
+    print(out)
