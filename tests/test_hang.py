@@ -54,7 +54,8 @@ def test_a_stopped_host_ends_the_other_with_its_stacks_and_sigusr1_dumps_them_on
         waited = time.time() - stopped_at
         text = logs[0].read_text(errors="replace")
         assert returncode == 3, text[-3000:]
-        assert TIMEOUT_S <= waited <= TIMEOUT_S + 60, waited
+        # the clock runs from the last progress, at most a step before the stop
+        assert TIMEOUT_S - 5 <= waited <= TIMEOUT_S + 60, waited
         assert re.search(rf"error: process 0 of 2 made no progress for {TIMEOUT_S} s \(--hang_timeout\) after: "
                          r"training step \d+", text), text[-3000:]
         dump = text[text.index("made no progress"):]
