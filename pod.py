@@ -1,4 +1,4 @@
-"""Pod rehearsal: compile main.py's training and eval steps for a TPU slice on this machine.
+"""Pod rehearsal: compile main.py's training and eval steps for a TPU slice, or for H200s, on this machine.
 
 `python main.py --preset moe1B --compile_for v4-64` needs no TPU: libtpu's ahead-of-time compiler
 (`pip install -r requirements-tpu.txt`) compiles for a TPU topology on a CPU (as MaxText's
@@ -8,8 +8,12 @@ from the compiled HLO). The mesh comes from `sharding.make_mesh` over the topolo
 and device order a real run on that slice uses; the steps are `trainer.build_trainer`'s, the ones
 main.py runs. Nothing is trained and nothing is written.
 
+`--compile_for h200` (h200-N: N on one host) does the same with XLA:GPU (jax-cuda12-plugin,
+requirements-gpu-aot.txt) given XLA's H200 description, and estimates the step time from the
+compiled kernels (`hlo.kernel_census`, calibrated on measured H200 steps: docs/performance.md).
+
 Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by how much),
-2 the request is unusable (unknown slice, invalid config, libtpu missing).
+2 the request is unusable (unknown target, invalid config, the compiler missing).
 """
 import importlib
 import importlib.util
