@@ -97,12 +97,13 @@ def trip_count(rhs, comps):
     return bound[0] if bound else 1
 
 
-def loop_sum(comps, entry, count, key):
+def loop_sum(comps, entry, count, key, enters=lambda rhs: True):
     """Sum of count(instruction right-hand side) -> {name: number} over everything the entry
     computation runs: every while body times its trip count (nested loops multiply), every fusion,
     call or async computation once where it is called (an async-start's, not again at its
-    async-update/-done), and a conditional's costliest branch: the one with the largest value of
-    `key` (a name in count's dicts, or a function of the branch's dict)."""
+    async-update/-done) if enters(its caller's right-hand side), and a conditional's costliest branch:
+    the one with the largest value of `key` (a name in count's dicts, or a function of the branch's
+    dict)."""
     memo = {}
     add = lambda acc, other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
 
@@ -120,11 +121,12 @@ def loop_sum(comps, entry, count, key):
                     add(total, cost(body.group(1)), trip_count(rhs, comps))
             elif re.search(r"\bconditional\(", rhs):
                 branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
-                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+                names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
+                         re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rhs))
                 costs = [cost(b) for b in names]
                 if costs:
                     add(total, max(costs, key=key if callable(key) else lambda c: c.get(key, 0.0)))
-            elif not re.search(r"\basync-(?:update|done)\(", rhs):
+            elif not re.search(r"\basync-(?:update|done)\(", rhs) and enters(rhs):
                 for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rhs):
                     add(total, cost(callee))
         memo[name] = total
@@ -146,45 +148,15 @@ def matmul_flops(hlo_text):
     if parsed is None:
         return None
     comps, entry = parsed
-
-    shapes, dtypes = {}, {}
-    for lines in comps.values():
-        for ins in lines:
-            lhs, _, rhs = ins.partition(" = ")
-            m = _SHAPE.match(rhs.strip())
-            if m:
-                name = lhs.replace("ROOT", "").strip().lstrip("%")
-                dtypes[name], shapes[name] = m.group(1), _dims(m.group(2))
-
-    def operand_dtypes(rhs):
-        """"bf16 x bf16": the dtypes of a dot's or convolution's two operands (named or typed inline)."""
-        operands = re.search(r"\b(?:dot|convolution)\(([^)]*)\)", rhs)
-        names = operands.group(1).split(",")[:2] if operands else []
-        found = [_SHAPE.match(o.strip()) or dtypes.get(o.strip().split(" ")[-1].lstrip("%")) for o in names]
-        return " x ".join(t.group(1) if isinstance(t, re.Match) else t or "?" for t in found)
-
-    def dot_flops(rhs):
-        out = _SHAPE.match(rhs.strip())
-        operands = re.search(r"\bdot\(([^)]*)\)", rhs)
-        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rhs)
-        if not (out and operands and contract):
-            return 0.0
-        first = operands.group(1).split(",")[0].strip()
-        lhs_shape = shapes.get(first.split(" ")[-1].lstrip("%"))
-        if lhs_shape is None:         # operand shapes printed inline: "f32[4,8]{1,0} %x"
-            inline = _SHAPE.match(first)
-            lhs_shape = _dims(inline.group(2)) if inline else None
-        if lhs_shape is None:
-            return 0.0
-        return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_shape[d] for d in _dims(contract.group(1)))
+    defined = _definitions(comps)
 
     def matmuls(rhs):
-        matmul = dot_flops(rhs) if re.search(r"\bdot\(", rhs) else (
-            _conv_flops(rhs, shapes) if re.search(r"\bconvolution\(", rhs) else None)
-        if matmul is None:
+        product = _matmul(rhs, defined)
+        if product is None:
             return {}
+        flops, dtypes = product
         part, phase = _dot_category(rhs)
-        return {"total": matmul, part: matmul, phase: matmul, ("dtype", operand_dtypes(rhs)): matmul}
+        return {"total": flops, part: flops, phase: flops, ("dtype", dtypes): flops}
 
     result = {k: 0.0 for k in ("total", "output_layer", "blocks", "unattributed", "forward", "backward", "remat")}
     result["by_dtype"] = {}
@@ -195,6 +167,33 @@ def matmul_flops(hlo_text):
             result[k] = result.get(k, 0.0) + v
     return result
 
+
+
+def _definitions(comps):
+    """{instruction name: its right-hand side}: instruction names are unique in an HLO module, fused
+    computations' included."""
+    return {ins.partition(" = ")[0].replace("ROOT", "").strip().lstrip("%"): ins.partition(" = ")[2]
+            for lines in comps.values() for ins in lines}
+
+
+def _matmul(rhs, defined):
+    """(FLOPs, "lhs x rhs" operand dtypes) of a dot (2 x output elements x contracted size) or a
+    convolution (`_conv_flops`); None for any other instruction. Operands are named ("%x", defined
+    in `defined`) or typed inline ("f32[4,8]{1,0} %x")."""
+    operation = re.search(r"\b(dot|convolution)\(([^)]*)\)", rhs)
+    if not operation:
+        return None
+    operands = [o.strip() for o in operation.group(2).split(",")][:2]
+    names = [o.split(" ")[-1].lstrip("%") for o in operands]
+    typed = [_SHAPE.match(o) or _SHAPE.match(defined.get(n, "").strip()) for o, n in zip(operands, names)]
+    dtypes = " x ".join(t.group(1) if t else "?" for t in typed)
+    if operation.group(1) == "convolution":
+        return _conv_flops(rhs, {n: _dims(t.group(2)) for n, t in zip(names, typed) if t}), dtypes
+    out, contract = _SHAPE.match(rhs.strip()), re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rhs)
+    if not (out and contract and typed and typed[0]):
+        return 0.0, dtypes
+    lhs = _dims(typed[0].group(2))
+    return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs[d] for d in _dims(contract.group(1))), dtypes
 
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
@@ -221,8 +220,7 @@ def collective_bytes(hlo_text):
     comps, entry = parsed
     partitions = re.search(r"num_partitions=(\d+)", hlo_text)
     partitions = int(partitions.group(1)) if partitions else 1
-    defined = {ins.partition(" = ")[0].replace("ROOT", "").strip().lstrip("%"): ins.partition(" = ")[2]
-               for lines in comps.values() for ins in lines}
+    defined = _definitions(comps)
 
     def result_bytes(rhs):                           # an array or a tuple of arrays
         result_type = re.match(r'^([^="]*?)\s[\w\-]+\(', rhs)
@@ -344,31 +342,17 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
     "kernels": N, "bytes": B, "flops": F, "roofline_s": Σ}; kind is the opcode, "matmul", a fusion's
     "fusion:<what it does>", "custom-call:<target>" or "collective:<op>"."""
     comps, entry = parse(hlo_text)
-    by_comp = _instructions(comps)
-    shape_of = {(c, d["name"]): d["shape"] for c, ds in by_comp.items() for d in ds}
+    by_comp, defined = _instructions(comps), _definitions(comps)
+    shape_of = {d["name"]: d["shape"] for ds in by_comp.values() for d in ds}
+    parsed = {d["rhs"]: d for ds in by_comp.values() for d in ds}
     callees = lambda d: re.findall(r"calls=%?([\w.\-]+)", d["rhs"])
 
     def fused(comp):
         """Every instruction inside a fused computation, nested fusions included."""
         for d in by_comp.get(comp, []):
-            yield comp, d
+            yield d
             for callee in callees(d):
                 yield from fused(callee)
-
-    def matmul(comp, d):
-        """(FLOPs, "lhs x rhs" dtypes) of a dot or convolution."""
-        a, b = (shape_of.get((comp, o), "") for o in (d["operands"] + ["", ""])[:2])
-        dtypes = " x ".join((_ARRAY.search(s) or [None, "?"])[1] for s in (a, b))
-        if d["op"] == "convolution":
-            shapes = {n: _dims((_ARRAY.search(s) or [None, None, ""])[2])
-                      for (c, n), s in shape_of.items() if c == comp}
-            return _conv_flops(d["rhs"], shapes), dtypes
-        out, lhs = _ARRAY.search(d["shape"]), _ARRAY.search(a)
-        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", d["rhs"])
-        if not (out and lhs and contract):
-            return 0.0, dtypes
-        lhs_dims = _dims(lhs.group(2))
-        return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs_dims[c] for c in _dims(contract.group(1))), dtypes
 
     def fusion_operand_bytes(body, index, full):
         param = next((d["name"] for d in by_comp.get(body, []) if d["op"] == "parameter"
@@ -380,16 +364,16 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
             return 0
         return full
 
-    def kernel(comp, d):
+    def kernel(d):
         """(kind, bytes, FLOPs, dtypes) of one kernel."""
         op, result = d["op"], _nbytes(d["shape"])
-        operands = [_nbytes(shape_of.get((comp, o), "")) for o in d["operands"]]
+        operands = [_nbytes(shape_of.get(o, "")) for o in d["operands"]]
         flops, dtypes, kind = 0.0, None, op
         if op == "fusion":
             body = callees(d)[0]
             inner = list(fused(body))
-            ops = {x["op"] for _, x in inner}
-            dots = [matmul(c, x) for c, x in inner if x["op"] in ("dot", "convolution")]
+            ops = {x["op"] for x in inner}
+            dots = [_matmul(x["rhs"], defined) for x in inner if x["op"] in ("dot", "convolution")]
             if dots:
                 kind, flops, dtypes = "fusion:matmul", sum(f for f, _ in dots), dots[0][1]
             else:
@@ -399,9 +383,9 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
             operands = [fusion_operand_bytes(body, i, b) for i, b in enumerate(operands)]
             root = next((x for x in by_comp.get(body, []) if x["root"]), None)
             if root and root["op"] == "dynamic-update-slice":
-                result = _nbytes(shape_of.get((body, root["operands"][1]), ""))
+                result = _nbytes(shape_of.get(root["operands"][1], ""))
         elif op in ("dot", "convolution"):
-            (flops, dtypes), kind = matmul(comp, d), "matmul"
+            (flops, dtypes), kind = _matmul(d["rhs"], defined), "matmul"
         elif op == "dynamic-update-slice":
             result = operands[1]
             operands = [0] + operands[1:]
@@ -414,22 +398,20 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
             kind = "collective:" + op.removesuffix("-start")
         return kind, result + sum(operands), flops, dtypes
 
-    def count(comp):
-        """{key: amount} over the kernels `comp` runs once, as loop_sum adds them up."""
-        totals = {}
-        add = lambda key, v: totals.__setitem__(key, totals.get(key, 0.0) + v)
-        for d in by_comp.get(comp, []):
-            if d["op"] in _NOT_A_KERNEL or d["op"].endswith(("-done", "-update")):
-                continue
-            kind, nbytes, flops, dtypes = kernel(comp, d)
-            for what, v in (("count", 1), ("bytes", nbytes), ("flops", flops)):
-                add((kind, what), v)
-            add("roofline_s", max(flops / peak_flops, nbytes / hbm_bandwidth))
-            if flops:
-                add(("dtype", dtypes), flops)
-        return totals
+    def count(rhs):
+        """{key: amount} of one instruction: nothing unless it is a kernel."""
+        d = parsed.get(rhs)
+        if d is None or d["op"] in _NOT_A_KERNEL or d["op"].endswith(("-done", "-update")):
+            return {}
+        kind, nbytes, flops, dtypes = kernel(d)
+        totals = {(kind, "count"): 1, (kind, "bytes"): nbytes, (kind, "flops"): flops,
+                  "roofline_s": max(flops / peak_flops, nbytes / hbm_bandwidth)}
+        return totals | ({("dtype", dtypes): flops} if flops else {})
 
-    totals = _walk_kernels(comps, by_comp, entry, count)
+    # kernels run where they are launched: calls and async computations are entered, fusions and
+    # reducers (inside a kernel) are not
+    launches = lambda rhs: re.search(r"\bcall\(", rhs) or (re.search(r"-start\(", rhs) and "calls=" in rhs)
+    totals = loop_sum(comps, entry, count, "roofline_s", enters=launches)
     kinds = {}
     for key, v in totals.items():
         if isinstance(key, tuple) and key[0] != "dtype":
@@ -437,32 +419,3 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
     return {"kinds": kinds, "by_dtype": {k[1]: v for k, v in totals.items() if isinstance(k, tuple) and k[0] == "dtype"},
             "kernels": int(sum(k["count"] for k in kinds.values())), "bytes": sum(k["bytes"] for k in kinds.values()),
             "flops": sum(k["flops"] for k in kinds.values()), "roofline_s": totals.get("roofline_s", 0.0)}
-
-
-def _walk_kernels(comps, by_comp, entry, count):
-    """Sum count(computation) over the computations that launch kernels: the entry, while bodies times
-    their trip counts, calls and async computations where they start, a conditional's branch with the
-    largest roofline time. Fusions and reducers are inside kernels and are not entered."""
-    memo = {}
-
-    def total(comp):
-        if comp not in memo:
-            memo[comp] = {}                              # recursion guard
-            acc = dict(count(comp))
-            add = lambda other, n=1: [acc.__setitem__(k, acc.get(k, 0.0) + n * v) for k, v in other.items()]
-            for d in by_comp.get(comp, []):
-                if d["op"] == "while":
-                    add(total(re.search(r"body=%?([\w.\-]+)", d["rhs"]).group(1)), trip_count(d["rhs"], comps))
-                elif d["op"] == "conditional":
-                    names = re.search(r"branch_computations=\{([^}]*)\}", d["rhs"])
-                    names = ([b.strip().lstrip("%") for b in names.group(1).split(",")] if names else
-                             re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", d["rhs"]))
-                    if names:
-                        add(max((total(b) for b in names), key=lambda c: c.get("roofline_s", 0.0)))
-                elif d["op"] == "call" or d["op"].endswith("-start") and "calls=" in d["rhs"]:
-                    for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", d["rhs"]):
-                        add(total(callee))
-            memo[comp] = acc
-        return memo[comp]
-
-    return total(entry)
