@@ -150,22 +150,23 @@ wait_for_tpu() {
 
 # supervise: launch with --wait until the run finishes; relaunch after an abnormal end (see --help)
 supervise() {
-  local attempt=0 rc out cause step previous=""
+  local attempt=0 rc cause step previous=""
   out=$(mktemp)
+  trap 'rm -f "$out"' EXIT     # out is global: the trap runs after this returns, when the launcher exits
   while :; do
     rc=0
     "$here/launcher.sh" "${supervised[@]}" 2>&1 | tee "$out" || rc=${PIPESTATUS[0]}
-    if ((rc == 0)); then rm -f "$out"; echo "launcher.sh: run '$name' finished (attempts: $((attempt + 1)))"; return 0; fi
+    if ((rc == 0)); then echo "launcher.sh: run '$name' finished (attempts: $((attempt + 1)))"; return 0; fi
     cause=$(grep -o 'host [0-9]* [^ ]*: FAILED, [^;]*' "$out" | head -n 1 || true)
     cause=${cause:-launcher exit status $rc} step=$(last_step)
     if ((rc == 2)); then
-      echo "launcher.sh: error: usage error (exit 2): not retried" >&2; rm -f "$out"; return 2
+      echo "launcher.sh: error: usage error (exit 2): not retried" >&2; return 2
     elif [[ "$cause at step ${step:-none}" == "$previous" ]]; then
       echo "launcher.sh: error: the run failed the same way twice ($cause at step ${step:-none}): a bug," \
-           "not a preemption; not retried" >&2; rm -f "$out"; return 1
+           "not a preemption; not retried" >&2; return 1
     elif ((attempt >= retries)); then
       echo "launcher.sh: error: $cause at step ${step:-none}; no retries left (--retries $retries)" >&2
-      rm -f "$out"; return 1
+      return 1
     fi
     previous="$cause at step ${step:-none}" attempt=$((attempt + 1))
     echo "launcher.sh: retry $attempt of $retries after: $previous"

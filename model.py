@@ -34,9 +34,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from experts import EXPERT_PARALLEL_IMPLS, MOE_IMPLS
-from sharding import (BRANCH_SUM, DENSE_LAYERS, LAYERS, REPEATS, UNBATCHED_DOT, Axes, axis_index, branch_sum, einsum_fp32,
-                      fetch, gelu, matmul,
-                      mesh_spec, psum, vary_like)
+from sharding import (BRANCH_SUM, DENSE_LAYERS, LAYERS, REPEATS, UNBATCHED_DOT, Axes, axis_index, branch_sum,
+                      einsum_fp32, fetch, gelu, matmul, mesh_spec, psum, vary_like)
 
 NORM_EPS = 1e-6
 
@@ -452,8 +451,6 @@ class Block(nnx.Module):
                                           (jnp.arange(n_dense), None if cache is None else cache["dense"]), policy)
         x_BTD, stats, moe_cache = call_module(self.moe, moe, x_BTD, None if cache is None else cache["moe"], policy)
         return x_BTD, stats, None if cache is None else {"dense": dense_cache, "moe": moe_cache}
-
-
 
 
 class Transformer(nnx.Module):
