@@ -6,13 +6,16 @@ set -euo pipefail
 usage() {
   cat <<'EOF'
 usage: launcher.sh (--hosts FILE | --tpu NAME --zone ZONE [--project P]) [options] [-- MAIN_ARGS...]
-       launcher.sh (--status RUN | --stop RUN) (--hosts FILE | --tpu ...) [--dir D] [--log-dir D]
+       launcher.sh (--status RUN | --stacks RUN | --stop RUN) (--hosts FILE | --tpu ...) [--dir D] [--log-dir D]
 
 Runs `run.sh HOST --index I --num-processes N ...` for every host at once: host I becomes jax process
 I, in tmux session RUN-I on that host. Each host's output goes to LOCAL_LOGS/I-HOST.log here. A host
 is ok once main.py there has passed start-up (its first training step is dispatched); a host whose
 program ends first, or does not get there within --timeout, FAILED: the launcher shows the last
-lines of its log, stops the run on the other hosts (unless --keep-going) and exits 1.
+lines of its log, stops the run on the other hosts (unless --keep-going) and exits 1. A host whose
+main.py ended by its hang watchdog (exit 3: no progress for --hang_timeout s) points at another that
+stopped: the launcher waits $LAUNCHER_HANG_GRACE_S (default 30) s for the other hosts' watchdogs and
+names each host whose program did not end by its own as HUNG, with why (run.sh --stacks).
 
 hosts:
   --hosts FILE           one [user@]host per line; blank lines, # comments and CRLF line ends are fine
@@ -37,11 +40,22 @@ options:
                          preempted), wait for --tpu to be READY again and relaunch the same command
                          (main.py resumes from its newest checkpoint), up to N times; a run that fails
                          the same way at the same step twice, or with a usage error (2), is not
-                         retried. Each retry is logged with its cause.
+                         retried. Each retry is logged with its cause. A preempted TPU VM stays
+                         PREEMPTED until it is deleted and created again:
+  --recreate CMD         with --retries and --tpu: when the TPU is PREEMPTED, TERMINATED or gone, run
+                         CMD here with bash (it deletes and creates the TPU or its queued resource,
+                         e.g. "gcloud compute tpus tpu-vm delete NAME --zone Z --quiet; gcloud compute
+                         tpus tpu-vm create NAME --zone Z --accelerator-type v4-32 --version
+                         tpu-ubuntu2204-base --spot"), then wait for READY
+  --setup CMD            after --recreate: run CMD on every (new) host before the relaunch (run.sh
+                         --setup), e.g. "git clone URL JAXformer; cd JAXformer && ./setup_tpu.sh"
   --keep-going           on a failure, leave the run going on the other hosts
   --local-logs DIR       per-host logs here (default: ./logs/launch/RUN)
-  --status RUN           per host: tmux session running or not, last step and loss in its log,
-                         how long ago its log changed
+  --status RUN           per host: tmux session running or not, its newest step and "no step for
+                         N min", what it is doing, the last step and loss in its log, how long ago
+                         its log changed; its goodput so far and (host 0) the whole run's
+  --stacks RUN           per host: the program's thread stacks now (SIGUSR1; main.py goes on), or
+                         why it cannot answer (stopped, gone), or the newest dump in its log
   --stop RUN             SIGTERM to main.py on every host (it saves a checkpoint and exits 0), then
                          wait up to --timeout for every session to end
   --dry-run              print what each run.sh would run, run nothing
@@ -58,7 +72,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$here/launch_lib.sh"   # value, resolve_hosts, run_name_from_args
 
 hosts_file="" tpu="" zone="" project="" name="" local_logs="" coordinator="" timeout=900
-mode=start dry_run=0 wait=0 keep_going=0 retries=0
+mode=start dry_run=0 wait=0 keep_going=0 retries=0 recreate="" setup=""
 args=("$@") supervised=()   # the command line; supervised: it without --retries, for each attempt
 where=() pass=() main_args=()   # run.sh options: where the run lives (every mode); how to start it
 while (($#)); do
@@ -69,7 +83,7 @@ while (($#)); do
     --zone) zone=$(value "$@"); shift 2 ;;
     --project) project=$(value "$@"); shift 2 ;;
     --name) name=$(value "$@"); shift 2 ;;
-    --status|--stop) mode=${1#--}; name=$(value "$@"); shift 2 ;;
+    --status|--stop|--stacks) mode=${1#--}; name=$(value "$@"); shift 2 ;;
     --coordinator) coordinator=$(value "$@"); shift 2 ;;
     --timeout) timeout=$(value "$@"); shift 2 ;;
     --local-logs) local_logs=$(value "$@"); shift 2 ;;
@@ -77,6 +91,8 @@ while (($#)); do
     --wait) wait=1; shift ;;
     --keep-going) keep_going=1; shift ;;
     --retries) retries=$(value "$@"); shift 2 ;;
+    --recreate) recreate=$(value "$@"); shift 2 ;;
+    --setup) setup=$(value "$@"); shift 2 ;;
     --dir|--log-dir) where+=("$1" "$(value "$@")"); shift 2 ;;
     --commit|--python|--main|--env) pass+=("$1" "$(value "$@")"); shift 2 ;;
     --force) pass+=("$1"); shift ;;
@@ -87,6 +103,8 @@ done
 [[ $timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds, got '$timeout'"
 [[ $retries =~ ^[0-9]+$ ]] || die "--retries must be a whole number, got '$retries'"
 [[ $mode == start || $retries -eq 0 ]] || die "--retries supervises a launch; not with --$mode"
+[[ -z $recreate$setup || ($retries -gt 0 && -n $tpu) ]] || die "--recreate and --setup go with --retries N and --tpu NAME"
+[[ -z $setup || -n $recreate ]] || die "--setup runs on the hosts of a recreated TPU: give --recreate CMD too"
 [[ $mode == start || ${#main_args[@]} -eq 0 ]] || die "--$mode takes no arguments for main.py"
 
 resolve_hosts "$hosts_file" "$tpu" "$zone" "$project"
@@ -109,20 +127,26 @@ run_args() {  # the run.sh command line for host index $1, then extra run.sh opt
     ${where[@]+"${where[@]}"} "$@"
 }
 
-# on_hosts OPTION...: run.sh --index I OPTION... at once for every host I not in `skip`; print
-# "host I HOST: " and its last output line each; return 1 if any failed
+# on_hosts OPTION...: run.sh --index I OPTION... at once for every host I not in `skip` (or, with
+# `only` set, for the indices in it); print "host I HOST: " and its last output line each (with
+# whole=1, all of it, indented); return 1 if any failed
 declare -A skip=()
+whole=0 only=()
 on_hosts() {
   local i rc=0 tmp pids=()
   tmp=$(mktemp -d)
-  for i in "${!hosts[@]}"; do
+  for i in "${only[@]:-${!hosts[@]}}"; do
     [[ -z ${skip[$i]:-} ]] || continue
     mapfile -d '' cmd < <(run_args "$i" "$@")
     "${cmd[@]}" < /dev/null > "$tmp/$i" 2>&1 & pids[i]=$!
   done
   for i in "${!pids[@]}"; do
     wait "${pids[i]}" || rc=1
-    echo "host $i ${hosts[i]}: $(tail -n 1 "$tmp/$i")"
+    if ((whole)); then
+      echo "host $i ${hosts[i]}: $(sed '2,$s/^/    /' "$tmp/$i")"
+    else
+      echo "host $i ${hosts[i]}: $(tail -n 1 "$tmp/$i")"
+    fi
   done
   rm -f "$tmp"/*; rmdir "$tmp"
   return "$rc"
@@ -133,19 +157,48 @@ last_step() {
   cat "$local_logs"/*.log 2>/dev/null | sed -n 's/^step  *\([0-9][0-9]*\) |.*/\1/p' | tail -n 1
 }
 
-# wait_for_tpu: with --tpu, poll its state until READY (a preempted TPU comes back, or is recreated)
+# wait_for_tpu: with --tpu, poll its state until READY; a TPU preempted, terminated or gone is
+# recreated once (--recreate) and its new hosts set up (--setup)
 wait_for_tpu() {
-  local state seen=""
+  local state seen="" recreated=0 rc output
   [[ -n $tpu ]] || return 0
   while :; do
-    state=$(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone" ${project:+--project "$project"} \
-            --format='value(state)' 2>/dev/null) || state="UNKNOWN (gcloud failed)"
-    [[ $state == READY ]] && { echo "launcher.sh: TPU '$tpu' is READY"; return 0; }
-    [[ $state == "$seen" ]] || echo "launcher.sh: TPU '$tpu' is $state; waiting for READY" \
-                                    "(every ${LAUNCHER_POLL_S:-30} s)"
+    if ! state=$(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone" ${project:+--project "$project"} \
+                 --format='value(state)' 2>&1); then
+      if [[ $state == *NOT_FOUND* ]]; then state=GONE; else state="UNKNOWN (gcloud failed: ${state//$'\n'/ })"; fi
+    fi
+    if [[ $state == READY ]]; then
+      echo "launcher.sh: TPU '$tpu' is READY"
+      ((recreated)) && [[ -n $setup ]] && set_up_hosts
+      return
+    fi
+    if [[ $state =~ ^(PREEMPTED|TERMINATED|GONE)$ && -n $recreate && $recreated -eq 0 ]]; then
+      echo "launcher.sh: TPU '$tpu' is $state; recreating it (--recreate): $recreate"
+      rc=0; output=$(bash -c "$recreate" 2>&1) || rc=$?
+      [[ -z $output ]] || echo "    ${output//$'\n'/$'\n'    }"
+      ((rc == 0)) || { echo "launcher.sh: error: --recreate failed (exit $rc); not retried" >&2; return 1; }
+      recreated=1 seen=""
+      continue
+    fi
+    if [[ $state != "$seen" ]]; then
+      echo "launcher.sh: TPU '$tpu' is $state; waiting for READY (every ${LAUNCHER_POLL_S:-30} s)"
+      [[ ! $state =~ ^(PREEMPTED|TERMINATED|GONE)$ || -n $recreate ]] ||
+        echo "launcher.sh: a $state TPU VM does not come back by itself: delete and create it (or its queued" \
+             "resource) again, by hand or with --recreate CMD"
+    fi
     seen=$state
     sleep "${LAUNCHER_POLL_S:-30}"
   done
+}
+
+# set_up_hosts: --setup on every host of the recreated TPU (its workers may be new machines)
+set_up_hosts() {
+  resolve_hosts "" "$tpu" "$zone" "$project"
+  echo "launcher.sh: setting up the ${#hosts[@]} host(s) of the new TPU (--setup): $setup"
+  whole=1
+  if ! on_hosts --setup "$setup" | sed 's/^/    /'; then
+    echo "launcher.sh: error: --setup failed on a host (above)" >&2; return 1
+  fi
 }
 
 # supervise: launch with --wait until the run finishes; relaunch after an abnormal end (see --help)
@@ -157,7 +210,8 @@ supervise() {
     rc=0
     "$here/launcher.sh" "${supervised[@]}" 2>&1 | tee "$out" || rc=${PIPESTATUS[0]}
     if ((rc == 0)); then echo "launcher.sh: run '$name' finished (attempts: $((attempt + 1)))"; return 0; fi
-    cause=$(grep -o 'host [0-9]* [^ ]*: FAILED, [^;]*' "$out" | head -n 1 || true)
+    cause=$(grep -o 'host [0-9]* [^ ]*: HUNG, [^;]*' "$out" | head -n 1 || true)
+    cause=${cause:-$(grep -o 'host [0-9]* [^ ]*: FAILED, [^;]*' "$out" | head -n 1 || true)}
     cause=${cause:-launcher exit status $rc} step=$(last_step)
     if ((rc == 2)); then
       echo "launcher.sh: error: usage error (exit 2): not retried" >&2; return 2
@@ -170,7 +224,7 @@ supervise() {
     fi
     previous="$cause at step ${step:-none}" attempt=$((attempt + 1))
     echo "launcher.sh: retry $attempt of $retries after: $previous"
-    wait_for_tpu
+    wait_for_tpu || return 1
   done
 }
 
@@ -178,7 +232,7 @@ if ((retries)); then
   skip_next=0
   for a in "${args[@]}"; do      # the same command line without --retries N, waiting, replacing sessions
     if ((skip_next)); then skip_next=0; continue; fi
-    if [[ $a == --retries ]]; then skip_next=1; continue; fi
+    if [[ $a =~ ^--(retries|recreate|setup)$ ]]; then skip_next=1; continue; fi
     if [[ $a == -- ]]; then break; fi
     supervised+=("$a")
   done
@@ -197,7 +251,8 @@ if ((dry_run)); then
 fi
 
 case $mode in
-  status) echo "launcher.sh: run '$name' on $n host(s)"; on_hosts --status; exit ;;
+  status) echo "launcher.sh: run '$name' on $n host(s)"; whole=1; on_hosts --status; exit ;;
+  stacks) echo "launcher.sh: the newest thread stacks of run '$name' on $n host(s)"; whole=1; on_hosts --stacks; exit ;;
   stop) echo "launcher.sh: stopping run '$name' on $n host(s) (SIGTERM: main.py saves a checkpoint and exits)"
         if on_hosts --stop --timeout "$timeout"; then exit 0; fi
         echo "launcher.sh: error: the run did not end on every host within $timeout s (--timeout)" >&2; exit 1 ;;
@@ -228,6 +283,29 @@ stop_all() {
   on_hosts --stop --force --timeout 20 | sed 's/^/    /' >&2 || true
 }
 
+# name_hung: after host $1's watchdog ended it (exit 3), wait for the other hosts' watchdogs; a host
+# whose program is still running after LAUNCHER_HANG_GRACE_S is the one the others waited on: HUNG
+name_hung() {
+  local i end=$((SECONDS + ${LAUNCHER_HANG_GRACE_S:-30})) running=()
+  echo "launcher.sh: host $1 ${hosts[$1]}'s hang watchdog ended it; waiting up to ${LAUNCHER_HANG_GRACE_S:-30} s" \
+       "for the other hosts' watchdogs to find the host that stopped" >&2
+  while :; do
+    running=()
+    for i in "${!hosts[@]}"; do
+      [[ -n ${skip[$i]:-} ]] || ! kill -0 "${pid_of[i]}" 2>/dev/null || running+=("$i")
+    done
+    ((${#running[@]} && SECONDS < end)) || break
+    sleep 1
+  done
+  ((${#running[@]})) || return 0
+  only=("${running[@]}") whole=0
+  on_hosts --stacks | while read -r _ i host why; do
+    echo "launcher.sh: host $i ${host%:}: HUNG, its program did not end by its own watchdog as host $1's did" \
+         "(run.sh --stacks: ${why})" >&2
+  done || true
+  only=()
+}
+
 # report each host as its run.sh ends; on the first failure stop the others, unless --keep-going
 failed=() stopped=0
 for _ in "${!hosts[@]}"; do
@@ -239,15 +317,24 @@ for _ in "${!hosts[@]}"; do
     echo "launcher.sh: host $i ${hosts[i]}: ok$( ((wait)) && echo ", finished" || echo ", main.py passed start-up")"
     continue
   fi
+  hang=""     # main.py's watchdog line (exit 3), which says what the program waited on; its stacks follow it
+  ((rc != 3)) || hang=$(grep -a 'made no progress' "$(host_log "$i")" | tail -n 1 || true)
   case $rc in
     255) why="unreachable over SSH (exit 255)" ;;
     8) why="no start-up within $timeout s (--timeout)" ;;
     *) why="exit status $rc" ;;
   esac
-  echo "launcher.sh: host $i ${hosts[i]}: FAILED, $why; last lines of $(host_log "$i"):" >&2
-  tail -n 12 "$(host_log "$i")" | sed 's/^/    /' >&2
+  if [[ -n $hang ]]; then
+    echo "launcher.sh: host $i ${hosts[i]}: FAILED, $why (its hang watchdog: no progress for --hang_timeout s);" \
+         "its stacks are in $(host_log "$i") after:" >&2
+    echo "    $hang" >&2
+  else                          # the last lines but gloo's start-up chatter (a line per peer, interleaved)
+    echo "launcher.sh: host $i ${hosts[i]}: FAILED, $why; last lines of $(host_log "$i"):" >&2
+    grep -a -v 'peer ranks' "$(host_log "$i")" | tail -n 12 | sed 's/^/    /' >&2
+  fi
   failed[i]=${hosts[i]}          # reported in host order
   ((rc == 8)) || skip[$i]=1     # a host that timed out is still running: stop it too
+  if [[ -n $hang ]] && ((!keep_going && n > ${#skip[@]})); then name_hung "$i"; fi
   if ((!keep_going && n > ${#skip[@]})); then stop_all; stopped=1; fi
 done
 if ((${#failed[@]})); then

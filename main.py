@@ -28,7 +28,6 @@ import uuid
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import psutil
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
@@ -42,7 +41,7 @@ import utils
 from checkpoints import (SaveFailed, check_saves, checkpoint_manager, checksums_and_finite, discard_failed_saves,
                          newest_meta, quiet_failed_saves, restore_latest, save, wait_for_save)
 from data.tokenizer import get_tokenizer
-from metrics import Diverged, Goodput, Meter, log_interval, say
+from metrics import Diverged, Goodput, Meter, earlier_sessions, log_interval, process_start, say
 from multihost import StopSignals, log, set_up_devices
 from rundir import Logger, RunRefused, lock_run_dir, read_run_file, run_dir_of, set_aside_previous_run
 from trainer import Trainer, build_trainer
@@ -231,9 +230,9 @@ def close_run(run):
     run.loader.close()
 
 
-def stopped(run, step, signal_name, goodput):
+def stopped(run, step, signal_name, goodput, watchdog):
     """After a stop (SIGTERM, Ctrl-C, or another host's): wait for the step's checkpoint, say where."""
-    end_goodput(run, step, goodput)
+    report_goodput(run, step, goodput, watchdog, final=True)
     close_run(run)
     log(f"{signal_name or 'stop requested on another host'}: checkpoint of step {step} written to "
         f"{run.mngr.directory}/{step}; exiting (the same command resumes it)")
@@ -256,31 +255,41 @@ def nothing_to_do(run):
     return 0
 
 
-def end_goodput(run, step, goodput):
-    """Once the last checkpoint is written: where this process's time went, in the log and metrics.jsonl."""
-    wait_for_save(run.mngr)
-    goodput.mark("checkpoint")
-    record, line = goodput.record(step)
-    log(line)
-    run.logger.metrics(record)
+def report_goodput(run, step, goodput, watchdog, write=True, final=False):
+    """Where this process's and the run's time went so far: into the heartbeat file, metrics.jsonl (`write`:
+    with each checkpoint, so an interrupted session's time is known to its last one) and, at the end of
+    the process (once its last checkpoint is written), the log."""
+    if final:
+        wait_for_save(run.mngr)
+        goodput.mark("checkpoint")
+    record, run_record, line, run_line = goodput.records(step)
+    for rec in (record, run_record):
+        if rec is not None and write:
+            run.logger.metrics(rec)
+    watchdog.note(goodput=line, run_goodput=run_line or "")
+    if final:
+        log(line + (f"\n{run_line}" if run_line else ""))
 
 
-def redone_steps(run):
-    """Steps a previous session of this run logged past the checkpoint it resumes from (process 0 reads
-    metrics.jsonl; the others write no metrics)."""
-    if run.meta is None or jax.process_index() != 0:
-        return 0
-    steps = [r["step"] for r in map(json.loads, read_run_file(run_dir_of(run.cfg.run), "metrics.jsonl").splitlines())
-             if "loss" in r]
-    return max(0, max(steps, default=0) - run.start_step)
+def earlier(run):
+    """The run's earlier sessions, from metrics.jsonl (process 0; the others write no metrics: None)."""
+    if jax.process_index() != 0:
+        return None
+    records = []
+    for line in read_run_file(run_dir_of(run.cfg.run), "metrics.jsonl").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:                     # a line cut short by a kill
+            pass
+    return earlier_sessions(records, run.start_step)
 
 
-def finish(run, state, step, val_ce, saved, t0, goodput):
+def finish(run, state, step, val_ce, saved, t0, goodput, watchdog):
     """The end of the run (the last step or --stop_at_val_loss): its checkpoint, and the final val
     cross-entropy against the unigram entropy of the training tokens."""
     if not saved:
         save_checkpoint(run, step, state, val_ce)
-    end_goodput(run, step, goodput)             # the final lines only once its checkpoint is written
+    report_goodput(run, step, goodput, watchdog, final=True)   # the final lines once its checkpoint is written
     entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
     log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
         f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
@@ -302,10 +311,10 @@ def train(cfg, mesh):
     run = open_run(cfg, mesh)
     if finished(run):
         return nothing_to_do(run)
-    goodput = Goodput(psutil.Process().create_time(), run.start_step, redone_steps(run))
+    goodput = Goodput(process_start(), run.start_step, earlier(run))
     goodput.mark("startup")
-    if run.meta is not None:
-        run.logger.metrics(utils.metrics_record("event", run.start_step, event="resume"))
+    run.logger.metrics(utils.metrics_record("event", run.start_step, event="start" if run.meta is None else "resume",
+                                            process_start=goodput.started))
     state, step = run.state, run.start_step
     # A progress bar on a terminal; a log file (launcher.sh's) gets the interval lines alone, not redraws.
     bar = tqdm(total=oc.training_steps, initial=step, disable=jax.process_index() != 0 or not sys.stdout.isatty(),
@@ -313,7 +322,7 @@ def train(cfg, mesh):
     meter, stop = Meter(run, bar), StopSignals()
     # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
     stop_agreed = multihost.StopAgreement(lambda: stop.requested)
-    watchdog = multihost.Watchdog(rc.hang_timeout)
+    watchdog = multihost.Watchdog(rc.hang_timeout, rc.heartbeat_file)
     batches = run.loader.iterate(0)
     say(bar, "compiling the training step (the first step waits for it)")
     val_ce, stopping, reached, last_saved = None, False, False, None
@@ -326,13 +335,13 @@ def train(cfg, mesh):
                 print(multihost.started_line(jax.process_index(), jax.process_count()), flush=True)
             meter.fetch(everything=False)
             goodput.mark("compile" if step == run.start_step + 1 else "train")
-            watchdog.progress(f"training step {step} (dispatched; the steps before it done)")
+            watchdog.progress(f"training step {step} (dispatched; the steps before it done)", meter.recorded)
             check_saves(run.mngr)
             interval_ends = step % rc.checkpoint_steps == 0 or step == oc.training_steps
             stopping = stop_agreed(step, synced=interval_ends)
             if interval_ends or stopping:
-                watchdog.progress(f"the evaluation, checkpoint and sample after step {step}")
                 meter.fetch()
+                watchdog.progress(f"the evaluation, checkpoint and sample after step {step}", meter.recorded)
                 goodput.mark("train")
                 val_ce = log_interval(run, meter, state, step)
                 goodput.mark("eval")
@@ -346,13 +355,14 @@ def train(cfg, mesh):
                     goodput.mark("checkpoint")
                 sample(run, state, step)
                 goodput.mark("sample")
+                report_goodput(run, step, goodput, watchdog, write=last_saved == step)
                 watchdog.progress(f"the interval after step {step}")
                 meter.restart_timer()
             if stopping:
                 break
         meter.fetch()
         goodput.mark("train")
-        watchdog.progress(f"the last step ({step}); then its checkpoint")
+        watchdog.progress(f"the last step ({step}); then its checkpoint", meter.recorded)
     except (Diverged, dataset.DataError):       # the state is sound: the checkpoint in flight completes
         bar.close()
         close_run(run)
@@ -365,8 +375,8 @@ def train(cfg, mesh):
         raise
     bar.close()
     if stopping and step < oc.training_steps:
-        return stopped(run, step, stop.signal, goodput)
-    return finish(run, state, step, val_ce, last_saved == step, meter.t0, goodput)
+        return stopped(run, step, stop.signal, goodput, watchdog)
+    return finish(run, state, step, val_ce, last_saved == step, meter.t0, goodput, watchdog)
 
 
 def sample_from_checkpoint(cfg):

@@ -2,10 +2,13 @@
 non-finite values), each interval's record and log line (validation, tokens/s, MFU, the experts'
 loads and drops). Every field and its meaning: utils.METRICS.
 """
+import dataclasses
+import os
 import time
 
 import jax
 import numpy as np
+import psutil
 
 import model
 import spikes
@@ -31,6 +34,7 @@ class Meter:
         self.pending, self.interval = [], []
         self.t0 = time.perf_counter()
         self.t, self.steps, self.first_step_s = None, 0, None
+        self.recorded = run.start_step                   # the newest step whose results were fetched
 
     def dispatched(self, step, metrics):
         self.pending.append((step, metrics))
@@ -66,6 +70,7 @@ class Meter:
                                              f"them: resume from it with a lower --max_lr or other changes"
                                              if newest is not None else "No checkpoint was written yet"))
         self.interval.append((rec, m))
+        self.recorded = step
         now = time.perf_counter()
         if self.t is None:
             self.first_step_s, self.t, self.steps = now - self.t0, now, 0
@@ -95,39 +100,121 @@ class Meter:
         self.t, self.steps = time.perf_counter(), 0
 
 
+def duration(seconds):
+    """A span of time for a log line: 42 s, 12 min, 3.4 h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+@dataclasses.dataclass
+class Earlier:
+    """The run's earlier sessions (process runs), read from its metrics.jsonl by process 0: each starts at
+    its "event" record and its time is known up to its last "goodput" record (written at every
+    checkpoint); after that, up to its last record of any kind, it did work the next session redoes
+    (lost_s); from there to the next session's start the run was down (down_s)."""
+    sessions: int = 0
+    first_start: float = None
+    seconds: dict = dataclasses.field(default_factory=dict)    # phase -> seconds, summed over the sessions
+    lost_s: float = 0.0
+    down_s: float = 0.0                                        # between the earlier sessions
+    last_time: float = None                                    # the newest record's
+    redone_steps: int = 0                                      # logged past the step this session starts from
+
+
+def earlier_sessions(records, start_step):
+    """Earlier from metrics.jsonl's records (records written before sessions were recorded count only for
+    redone_steps and last_time)."""
+    sessions = []                               # [start, last goodput record, last record's time]
+    for r in records:
+        if r.get("event") in ("start", "resume") and "process_start" in r:
+            sessions.append([r["process_start"], None, r["time"]])
+        elif sessions and "redone_steps" in r:
+            sessions[-1][1] = r
+        if sessions and "time" in r:
+            sessions[-1][2] = max(sessions[-1][2], r["time"])
+    earlier = Earlier(sessions=len(sessions), first_start=sessions[0][0] if sessions else None,
+                      seconds=dict.fromkeys(Goodput.PHASES, 0.0),
+                      last_time=max((r["time"] for r in records if "time" in r), default=None),
+                      redone_steps=max(0, max((r["step"] for r in records if "loss" in r), default=0) - start_step))
+    for i, (start, goodput, last) in enumerate(sessions):
+        known = start + goodput["wall_s"] if goodput else start
+        for p in Goodput.PHASES:
+            earlier.seconds[p] += goodput[f"{p}_s"] if goodput else 0.0
+        earlier.lost_s += max(0.0, last - known)
+        if i + 1 < len(sessions):
+            earlier.down_s += max(0.0, sessions[i + 1][0] - last)
+    return earlier
+
+
+def process_start():
+    """Unix seconds when this process started, to the clock tick: from /proc (psutil's create_time is up
+    to a second early on Linux: it adds the boot time, which /proc/stat rounds to a second)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])           # field 22, starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, AttributeError, ValueError):                           # not Linux
+        return psutil.Process().create_time()
+
+
 class Goodput:
     """Where this process's wall time went, from its start: each `mark(phase)` books the time since the
     previous mark to that phase, so the phases add up to the wall time. "train" is the steps after the
     first (whose dispatch compiles: "compile"), "startup" the imports, devices, data and restore; the
     steps of a previous session past the checkpoint this one resumed from are done again, and are
-    counted as lost ("redone")."""
+    counted as lost ("redone"). With the earlier sessions (process 0), the same for the whole run."""
 
     PHASES = ("startup", "compile", "train", "eval", "checkpoint", "sample")
 
-    def __init__(self, started, start_step, redone_steps):
+    def __init__(self, started, start_step, earlier=None):
         self.started, self.last = started, started
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.start_step, self.redone_steps = start_step, redone_steps
+        self.start_step, self.earlier = start_step, earlier
+        self.redone_steps = earlier.redone_steps if earlier else 0
+        self.down_s = started - earlier.last_time if earlier and earlier.last_time is not None else None
 
     def mark(self, phase):
         now = time.time()
         self.seconds[phase] += now - self.last
         self.last = now
 
-    def record(self, step):
-        """The metrics.jsonl record (utils.METRICS["goodput"]) and its one log line."""
+    def records(self, step):
+        """The metrics.jsonl records (utils.METRICS["goodput"], and ["run_goodput"] with the earlier
+        sessions known, else None) and their log lines (the run's None for a first session)."""
         wall = self.last - self.started
         per_step = self.seconds["train"] / max(step - self.start_step - 1, 1)      # the first one compiled
         redone = min(self.redone_steps * per_step, self.seconds["train"])
-        useful = self.seconds["train"] - redone
         rec = utils.metrics_record("goodput", step, wall_s=wall, **{f"{p}_s": v for p, v in self.seconds.items()},
-                                   redone_steps=self.redone_steps, redone_s=redone,
-                                   goodput=useful / wall if wall > 0 else None)
-        shares = " | ".join(f"{p} {v:.0f} s ({100 * v / wall:.0f}%)" for p, v in self.seconds.items() if wall > 0)
-        line = (f"goodput {100 * rec['goodput']:.0f}% of {wall:.0f} s: {shares}" if wall > 0 else "goodput n/a")
+                                   redone_steps=self.redone_steps, redone_s=redone, down_s=self.down_s,
+                                   goodput=(self.seconds["train"] - redone) / wall if wall > 0 else None)
+        line = f"goodput {_shares(rec['goodput'], wall, self.seconds)}"
         if self.redone_steps:
-            line += f" | redone after the restart: {self.redone_steps} steps, {redone:.0f} s"
-        return rec, line
+            line += f" | redone after the restart: {self.redone_steps} steps, {duration(redone)}"
+        if self.down_s is not None:
+            line += f" | down before this session: {duration(self.down_s)}"
+        if self.earlier is None:
+            return rec, None, line, None
+        e = self.earlier
+        seconds = {p: e.seconds[p] + self.seconds[p] for p in self.PHASES}
+        run_wall = self.last - (e.first_start if e.first_start is not None else self.started)
+        down = e.down_s + (self.down_s or 0.0)
+        run = utils.metrics_record(
+            "run_goodput", step, run_sessions=e.sessions + 1, run_wall_s=run_wall, run_lost_s=e.lost_s,
+            run_down_s=down, **{f"run_{p}_s": v for p, v in seconds.items()},
+            run_goodput=seconds["train"] / run_wall if run_wall > 0 else None)
+        run_line = (f"run goodput over {e.sessions + 1} sessions {_shares(run['run_goodput'], run_wall, seconds)} | "
+                    f"lost after an interrupted session's last checkpoint {duration(e.lost_s)} | down between "
+                    f"sessions {duration(down)}") if e.sessions else None
+        return rec, run, line, run_line
+
+
+def _shares(goodput, wall, seconds):
+    """'71% of 3.2 h: startup 12 s (0%) | compile ...'"""
+    if wall <= 0:
+        return "n/a"
+    return f"{100 * goodput:.0f}% of {duration(wall)}: " + " | ".join(
+        f"{p} {duration(v)} ({100 * v / wall:.0f}%)" for p, v in seconds.items())
 
 
 def say(bar, text):

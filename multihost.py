@@ -224,16 +224,43 @@ class Watchdog:
     (`progress`: a step's results fetched, an evaluation, a save) restarts the clock; with none for
     `timeout` seconds this process writes what it was doing and every thread's stack to stderr (the
     host's log) and exits HUNG_EXIT, so that a supervisor can restart the run from its last checkpoint.
-    SIGUSR1 writes the same stacks at any time and the run goes on."""
+    SIGUSR1 writes the same stacks at any time and the run goes on (run.sh --stacks sends it).
 
-    def __init__(self, timeout):
+    With --heartbeat_file, every progress (and `note`) rewrites that file whole (a temporary name, then
+    a rename), one "key value" line each: step (the newest step whose results were fetched), step_time
+    (Unix seconds when it was), time (of this write), doing, and the notes (goodput lines); launcher.sh
+    --status reads it on every host."""
+
+    def __init__(self, timeout, heartbeat_file=""):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.timeout, self.last, self.doing = timeout, None, "starting"
+        self.heartbeat, self.step, self.step_time, self.notes = heartbeat_file, None, None, {}
         if timeout:
             threading.Thread(target=self._watch, daemon=True).start()
 
-    def progress(self, doing):
+    def progress(self, doing, step=None):
         self.last, self.doing = time.monotonic(), doing
+        if step is not None and step != self.step:
+            self.step, self.step_time = step, time.time()
+        self._beat()
+
+    def note(self, **lines):
+        self.notes.update(lines)
+        self._beat()
+
+    def _beat(self):
+        if not self.heartbeat:
+            return
+        fields = {"step": self.step, "step_time": self.step_time, "time": time.time(), "doing": self.doing,
+                  "process": f"{jax.process_index()} of {jax.process_count()}", **self.notes}
+        tmp = f"{self.heartbeat}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write("".join(f"{k} {'' if v is None else v}\n" for k, v in fields.items()))
+            os.replace(tmp, self.heartbeat)
+        except OSError as e:                # a status aid: never the run's end
+            warnings.warn(f"--heartbeat_file {self.heartbeat}: cannot write it ({e}); not writing it again")
+            self.heartbeat = ""
 
     def _watch(self):
         while True:

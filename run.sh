@@ -33,8 +33,17 @@ options:
   --ready                wait until main.py has passed start-up (its line "jaxformer started:
                          process I of N, ..."; up to --timeout), or exit with the status of a
                          program that ended first, showing the last lines of its log
-  --status               print one line: session running or not, last step and loss in the log,
-                         how long ago the log last changed
+  --status               print: session running or not, the program's newest step and how long
+                         ago it was ("no step for N min"), what it is doing, the last step and loss
+                         in the log and how long ago the log changed; then its goodput so far (from
+                         the heartbeat file main.py writes next to the log: --heartbeat_file)
+  --setup CMD            run CMD on HOST with bash in its home directory (no checkout needed: a new
+                         host, e.g. "git clone URL JAXformer; cd JAXformer && ./setup_tpu.sh"), stream
+                         its output and exit with its status
+  --stacks               print the program's newest thread stacks: a running program gets SIGUSR1
+                         (main.py writes every thread's stack to its log, and goes on) and its dump
+                         is shown, or why none came (a stopped program cannot answer); a program
+                         that ended: the newest dump in its log (the hang watchdog's)
   --stop                 send SIGTERM to the program (main.py checkpoints and exits) and wait up to
                          --timeout for its session to end; with --force, then kill the program
                          and the session
@@ -61,7 +70,7 @@ die() { echo "run.sh: error: $*" >&2; exit 2; }
 
 host="" name="" index="" nproc="" coordinator="" dir="${JAXFORMER_DIR:-}" commit="asis"
 python="" main="main.py" log_dir="" tpu="" zone="" project="" force=0 wait=0 dry_run=0
-mode=start ready=0 timeout=900 extra_env=() main_args=()
+mode=start ready=0 timeout=900 extra_env=() main_args=() setup_cmd=""
 
 while (($#)); do
   case $1 in
@@ -82,6 +91,8 @@ while (($#)); do
     --timeout) timeout=$(value "$@"); shift 2 ;;
     --ready) ready=1; shift ;;
     --status) mode=status; shift ;;
+    --stacks) mode=stacks; shift ;;
+    --setup) mode=setup; setup_cmd=$(value "$@"); shift 2 ;;
     --stop) mode=stop; shift ;;
     --force) force=1; shift ;;
     --wait) wait=1; shift ;;
@@ -116,7 +127,9 @@ session=${name//./_}${index:+-$index}          # tmux forbids '.' and ':' in ses
 log_dir=${log_dir:-$dir/logs}
 log=$log_dir/$session.log
 status_file=$log_dir/$session.exit
-pid_file=$log_dir/$session.pid    # the program's pid, for --stop
+pid_file=$log_dir/$session.pid    # the program's pid, for --stop and --stacks
+heartbeat=$log_dir/$session.heartbeat   # main.py's progress (multihost.Watchdog), for --status
+[[ $(basename "$main") != main.py ]] || main_args+=(--heartbeat_file "$heartbeat")
 # what main.py prints on every process once its first training step is dispatched (main.py: started_line)
 ready_line='jaxformer started: process '   # anywhere in a line: a progress bar may precede it
 
@@ -142,7 +155,7 @@ inner+="; rm -f $(q "$pid_file"); echo \"run.sh: exit status \$code\" | tee -a $
 
 # ---- the command sent over SSH: checks, then start (optional checkout, tmux session, optional
 # wait), --status or --stop ----
-S=$(q "=$session") LOG=$(q "$log") STATUS=$(q "$status_file") H=$(q "$host")
+S=$(q "=$session") LOG=$(q "$log") STATUS=$(q "$status_file") H=$(q "$host") HB=$(q "$heartbeat")
 preamble=$(cat <<EOF
 set -euo pipefail
 secrets=""
@@ -205,17 +218,62 @@ EOF
 )
 no_step="no step logged"; [[ ${index:-0} == 0 ]] || no_step+=" (process 0 logs the steps)"
 status=$(cat <<EOF
+ago() { if [ \$1 -lt 120 ]; then echo "\$1 s"; elif [ \$1 -lt 7200 ]; then echo "\$((\$1 / 60)) min"; else echo "\$((\$1 / 3600)) h"; fi; }
 if tmux has-session -t $S 2>/dev/null; then state=running
 elif [ -f $STATUS ]; then state="ended, exit status \$(cat $STATUS)"
 else state=$(q "not running (no tmux session '$session')"); fi
+progress=""; goodput=""
+if [ -f $HB ]; then
+  beat() { sed -n "s/^\$1 //p" $HB | head -n 1; }
+  step_time=\$(beat step_time)
+  if [ -n "\$step_time" ]; then progress="step \$(beat step), no step for \$(ago \$((\$(date +%s) - \${step_time%.*}))) (\$(beat doing)) | "
+  else progress="no step yet (\$(beat doing)) | "; fi
+  for line in "\$(beat goodput)" "\$(beat run_goodput)"; do [ -z "\$line" ] || goodput="\$goodput
+    \$line"; done
+fi
 if [ -f $LOG ]; then
   last=\$(tr '\r' '\n' < $LOG | grep -a -o -E 'step +[0-9]+ \| loss [^ |]+' | tail -n 1 | tr -s ' ' || true)
-  age=\$((\$(date +%s) - \$(stat -c %Y $LOG)))
-  if [ \$age -lt 120 ]; then age="\$age s"; elif [ \$age -lt 7200 ]; then age="\$((age / 60)) min"; else age="\$((age / 3600)) h"; fi
-  echo "\$state | \${last:-$no_step} | log changed \$age ago"
+  tag=""; [ -z "\$progress" ] || [ -z "\$last" ] || tag="logged: "
+  echo "\$state | \$progress\$tag\${last:-$no_step} | log changed \$(ago \$((\$(date +%s) - \$(stat -c %Y $LOG)))) ago\$goodput"
 else
-  echo "\$state | no log at $LOG"
+  echo "\$state | \${progress}no log at $LOG"
 fi
+EOF
+)
+# a thread header of faulthandler's dump (Python's faulthandler.c)
+stack_header='^(Current thread|Thread) 0x[0-9a-f]+ '
+stacks=$(cat <<EOF
+pid=\$(cat $(q "$pid_file") 2>/dev/null || true)
+headers() { grep -a -c -E $(q "$stack_header") $LOG 2>/dev/null || true; }
+if [ -n "\$pid" ] && kill -0 "\$pid" 2>/dev/null; then
+  before=\$(headers); kill -USR1 "\$pid"; end=\$((SECONDS + ${RUN_STACKS_WAIT_S:-10}))
+  while [ "\$(headers)" = "\$before" ]; do
+    if [ \$SECONDS -ge \$end ]; then
+      case \$(ps -o state= -p "\$pid" 2>/dev/null | tr -d ' ') in
+        T*|t*) why="it is stopped (process state T: SIGSTOP, a debugger, a suspended job)" ;;
+        D*) why="it is in uninterruptible sleep (process state D: waiting on a disk or a device)" ;;
+        "") why="it has ended" ;;
+        *) why="no thread of it could run Python (stuck in native code holding the interpreter lock?)" ;;
+      esac
+      echo "no stacks: pid \$pid did not answer SIGUSR1 within ${RUN_STACKS_WAIT_S:-10} s; \$why"; exit 0
+    fi
+    sleep 0.5
+  done
+  sleep 1                                   # the dump is written in one go; let it finish
+  echo "stacks of pid \$pid (SIGUSR1), from $LOG:"
+else
+  echo "the program is not running; the newest stack dump in $LOG:"
+fi
+# the newest dump: a thread header and the File lines, blank lines and headers after it, with the
+# watchdog's line when it precedes the dump
+[ -f $LOG ] || { echo "(no log)"; exit 0; }
+awk -v header=$(q "$stack_header") '
+  \$0 ~ header && !inside { inside = 1; dump = (previous ~ /made no progress/ ? previous "\n" : "") }
+  inside && (\$0 ~ header || /^  File "/ || /^  </ || /^\$/) { dump = dump \$0 "\n"; previous = \$0; next }
+  inside { inside = 0; newest = dump }
+  { previous = \$0 }
+  END { if (inside) newest = dump; if (newest == "") print "(no stack dump in the log)"; else printf "%s", newest }
+' $LOG
 EOF
 )
 stop=$(cat <<EOF
@@ -233,8 +291,9 @@ done
 echo "\$how; session '$session' ended, exit status \$(cat $STATUS 2>/dev/null || echo unknown)"
 EOF
 )
-case $mode in start) body=$start ;; status) body=$status ;; stop) body=$stop ;; esac
-remote="$preamble"$'\n'"$body"
+case $mode in start) body=$start ;; status) body=$status ;; stop) body=$stop ;; stacks) body=$stacks ;; esac
+if [[ $mode == setup ]]; then remote="cd && { $setup_cmd
+}; code=\$?; echo \"run.sh: --setup on $(q "$host") exited \$code\"; exit \$code"; else remote="$preamble"$'\n'"$body"; fi
 
 if [[ -n ${SSH:-} ]]; then
   read -ra ssh_cmd <<< "$SSH"; ssh_cmd+=("$host")

@@ -254,7 +254,7 @@ def wandb_scalars(record):
                     flat.update({f"{name}/layer{layer}/expert{e}": x for e, x in enumerate(v)})
                 else:
                     flat[f"{name}/layer{layer}"] = v
-        elif isinstance(value, (int, float)) and name != "step":
+        elif isinstance(value, (int, float)) and name not in ("step", "time"):
             flat[name] = value
     return flat
 

@@ -8,6 +8,7 @@ field's meaning is written once, as its `flag(default, help)`, and `--help` show
 import argparse
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
@@ -127,6 +128,9 @@ class RunConfig:
                                    "before this process writes every thread's stack to its log and exits 3: a "
                                    "collective waiting on a stopped or lost host never returns (0 = never; "
                                    "SIGUSR1 writes the stacks at any time and the run goes on)")
+    heartbeat_file: str = flag("", "a local file this process rewrites at every sign of progress: its last step and "
+                                   "when, what it is doing, its goodput so far (run.sh sets it; launcher.sh "
+                                   "--status reads it; empty = none)")
     wandb: bool = flag(False, "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)")
     n_device_axis: tuple = flag((1, 1, 1), "mesh sizes DP PP TP")
     cpu_devices: int = flag(0, "simulate N CPU devices (try a 3-D mesh on one machine); 0 = the real devices")
@@ -425,7 +429,8 @@ def lr_schedule(o):
 
 # ----------------------------------------------------------------------------------------------------------
 # Metrics: every field main.py writes to RUN_DIR/metrics.jsonl, and what it means (plot.py and
-# docs/training.md read them from here). Each record has "step"; its other fields are those of one kind. A
+# docs/training.md read them from here). Each record has "step" and "time" (Unix seconds when it was made); its
+# other fields are those of one kind. A
 # per-MoE-layer value is a list indexed by layer (expert_load: per layer, per expert); wandb gets
 # NAME/layerI (and NAME/layerI/expertJ).
 
@@ -469,8 +474,8 @@ METRICS = {
         "final_val_loss": "validation cross-entropy at the end",
         "unigram_entropy": "entropy of the training tokens' unigram distribution (the no-context baseline)",
     },
-    "goodput": {    # once per process run (session), when it ends: where its wall time went
-        "wall_s": "seconds from the process's start to the end of its last checkpoint",
+    "goodput": {    # per process run (session): at every checkpoint and when it ends, where its time went so far
+        "wall_s": "seconds from the process's start to this record (at the end: to its last checkpoint)",
         "startup_s": "imports, devices, the data and the restore",
         "compile_s": "the first training step (its compile)",
         "train_s": "the other training steps",
@@ -479,9 +484,22 @@ METRICS = {
         "sample_s": "text samples",
         "redone_steps": "steps a previous session trained past the checkpoint this one resumed from",
         "redone_s": "their share of train_s (time lost to the restart)",
+        "down_s": "seconds from the previous session's last record to this process's start (the failure, its "
+                  "detection and the restart); null for the first session",
         "goodput": "(train_s - redone_s) / wall_s",
     },
-    "event": {"event": "resume: the run restarted from the checkpoint of this step"},
+    "run_goodput": {    # with each goodput record on process 0: the whole run, every session so far
+        "run_sessions": "process runs of this run so far, this one included",
+        "run_wall_s": "seconds from the first session's start to this record",
+        **{f"run_{p}_s": f"{p}_s of every session, summed" for p in ("startup", "compile", "train", "eval",
+                                                                      "checkpoint", "sample")},
+        "run_lost_s": "work of interrupted sessions after their last goodput record (at their last checkpoint): "
+                      "done again by the next session",
+        "run_down_s": "time between one session's last record and the next one's start, summed",
+        "run_goodput": "run_train_s / run_wall_s (the phases, run_lost_s and run_down_s add up to run_wall_s)",
+    },
+    "event": {"event": "start (a fresh run) or resume (from the checkpoint of this step)",
+              "process_start": "Unix seconds when this session's process started"},
 }
 
 
@@ -490,7 +508,7 @@ def metrics_record(kind, step, **values):
     unknown = set(values) - set(METRICS[kind])
     if unknown:
         raise ValueError(f"metrics {sorted(unknown)} are not in utils.METRICS[{kind!r}]")
-    return {"step": step, **values}
+    return {"step": step, "time": round(time.time(), 3), **values}
 
 
 # ----------------------------------------------------------------------------------------------------------

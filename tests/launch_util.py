@@ -83,3 +83,13 @@ def all_text(*dirs):
                 with open(os.path.join(base, f), errors="replace") as fh:
                     chunks.append(fh.read())
     return "\n".join(chunks)
+
+
+def main_process(name, process_id):
+    """The psutil.Process of run `name`'s main.py that is jax process `process_id`, or None."""
+    import psutil
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
+        if any(c.endswith("main.py") for c in cmd) and name in cmd and env.get("JAX_PROCESS_ID") == str(process_id):
+            return proc
+    return None

@@ -1,68 +1,74 @@
-"""The hang watchdog (--hang_timeout, multihost.Watchdog), from outside the process as a user meets a
-hang: two jax processes joined over gloo on 127.0.0.1 (4 CPU devices each, one (2, 2, 2) mesh), one of
-them stopped with SIGSTOP mid-run. The other waits in a collective that never returns; the watchdog
-writes every thread's stack to its log and ends it with exit 3. SIGUSR1 writes the stacks on demand."""
+"""A hung host, as a user meets it on a pod: two jax processes joined over gloo on 127.0.0.1 (4 CPU devices
+each, one (2, 2, 2) mesh), started by launcher.sh on loopback, one of them stopped with SIGSTOP mid-run.
+The other waits in a collective that never returns; its watchdog (--hang_timeout, multihost.Watchdog)
+writes every thread's stack to its log and ends it with exit 3, and the launcher names the host that
+stopped. Before that, --status shows each host's newest step and --stacks gets every host's stacks
+(SIGUSR1) while the run goes on."""
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 
-from launch_util import ROOT, free_port
+from launch_util import ROOT, free_port, main_process, needs_tmux, sh
+
+pytestmark = needs_tmux
 
 SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32", "--train_batch_size", "2",
          "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--training_steps", "100000",
-         "--checkpoint_steps", "1000"]
+         "--checkpoint_steps", "5"]
 TIMEOUT_S = 20
 
 
-def start_process(cpu_env, pid, port, out, log):
-    env = dict(cpu_env, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_NUM_PROCESSES="2",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(pid))
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "main.py"), *SMALL, "--output_dir", str(out),
-                             "--name", "hang", "--hang_timeout", str(TIMEOUT_S)],
-                            cwd=out.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_until(proc, path, pattern, timeout):
-    deadline = time.time() + timeout
-    while not re.search(pattern, text := path.read_text(errors="replace")):
-        assert proc.poll() is None, f"exited {proc.returncode} before {pattern!r}:\n{text[-3000:]}"
-        assert time.time() < deadline, f"no {pattern!r} within {timeout} s:\n{text[-3000:]}"
-        time.sleep(0.5)
-    return text
-
-
-def test_a_stopped_host_ends_the_other_with_its_stacks_and_sigusr1_dumps_them_on_demand(cpu_env, tmp_path):
-    port, logs, procs = free_port(), [tmp_path / f"{pid}.log" for pid in (0, 1)], []
+def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n127.0.0.1\n")
+    where = ["--hosts", hosts, "--log-dir", tmp_path / "host-logs"]
+    env = dict(tmux_env, LAUNCHER_HANG_GRACE_S="15", RUN_STACKS_WAIT_S="5")
+    cmd = [os.path.join(ROOT, "launcher.sh"), *map(str, where), "--name", "hang", "--coordinator",
+           f"127.0.0.1:{free_port()}", "--python", sys.executable, "--local-logs", str(tmp_path / "logs"), "--wait",
+           "--", *SMALL, "--hang_timeout", str(TIMEOUT_S), "--output_dir", str(tmp_path / "runs")]
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for pid in (0, 1):
-            with open(logs[pid], "w") as log:
-                procs.append(start_process(cpu_env, pid, port, tmp_path / "runs", log))
-        for pid in (0, 1):
-            wait_until(procs[pid], logs[pid], f"jaxformer started: process {pid} of 2", 600)
-        # SIGUSR1: the stacks now, and the run goes on
-        procs[0].send_signal(signal.SIGUSR1)
-        wait_until(procs[0], logs[0], r"Current thread 0x[0-9a-f]+ \(most recent call first\)", 30)
-        time.sleep(TIMEOUT_S / 2)
-        assert procs[0].poll() is None and procs[1].poll() is None, "SIGUSR1 ended the run"
+        deadline = time.time() + 600
+        while True:       # both hosts past the first interval (host 0's goodput noted in its heartbeat)
+            status = sh("launcher.sh", "--status", "hang", *where, env=env, check=0).out
+            if status.count("no step for") == 2 and "goodput" in status:
+                break
+            assert launcher.poll() is None and time.time() < deadline, status + launcher.stdout.read()
+            time.sleep(1)
+        assert re.search(r"host 0 127\.0\.0\.1: running \| step \d+, no step for \d+ s \(.*\) \| logged: step +\d+ "
+                         r"\| loss [0-9.]+ \| log changed \d+ s ago\n +goodput \d+% of \d+ s: startup", status), status
 
-        procs[1].send_signal(signal.SIGSTOP)                       # host 1 hangs
+        stacks = sh("launcher.sh", "--stacks", "hang", *where, env=env, check=0).out     # SIGUSR1: the run goes on
+        for i in (0, 1):
+            assert re.search(rf"host {i} 127\.0\.0\.1: stacks of pid \d+ \(SIGUSR1\)", stacks), stacks
+        assert stacks.count("(most recent call first):") >= 4 and "main.py" in stacks, stacks
+
+        host1 = main_process("hang", 1)
+        host1.suspend()                                                       # SIGSTOP: host 1 hangs
         stopped_at = time.time()
-        returncode = procs[0].wait(timeout=TIMEOUT_S + 120)
+        host0 = main_process("hang", 0)
+        host0.wait(timeout=TIMEOUT_S + 120)
         waited = time.time() - stopped_at
-        text = logs[0].read_text(errors="replace")
-        assert returncode == 3, text[-3000:]
-        # the clock runs from the last progress, at most a step before the stop
-        assert TIMEOUT_S - 5 <= waited <= TIMEOUT_S + 60, waited
-        assert re.search(rf"error: process 0 of 2 made no progress for {TIMEOUT_S} s \(--hang_timeout\) after: "
-                         r"training step \d+", text), text[-3000:]
-        dump = text[text.index("made no progress"):]
-        assert "Thread 0x" in dump and 'File "' in dump and "main.py" in dump, dump[-3000:]
+        assert TIMEOUT_S - 5 <= waited <= TIMEOUT_S + 60, waited   # from the last progress, a step before the stop
+        out, _ = launcher.communicate(timeout=300)
+        assert launcher.returncode == 1, out
+        assert re.search(r"host 0 127\.0\.0\.1: FAILED, exit status 3 \(its hang watchdog: no progress for --hang_timeout "
+                         rf"s\); its stacks are in .*/0-127\.0\.0\.1\.log after:\n    error: process 0 of 2 made no progress "
+                         rf"for {TIMEOUT_S} s \(--hang_timeout\) after: training step \d+", out), out
+        assert ("host 1 127.0.0.1: HUNG, its program did not end by its own watchdog as host 0's did (run.sh --stacks: "
+                "no stacks: pid ") in out and "it is stopped (process state T" in out, out
+
+        after = sh("launcher.sh", "--stacks", "hang", *where, env=env, check=0).out     # the dump host 0 left
+        dump = after[after.index("host 0 127.0.0.1: the program is not running; the newest stack dump"):]
+        assert "made no progress" in dump and "Thread 0x" in dump and 'File "' in dump, after
+        print(status, stacks, out, after, sep="\n")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in (0, 1):
+            proc = main_process("hang", pid)
+            if proc is not None:
+                proc.resume()
                 proc.kill()
-                proc.wait(timeout=60)

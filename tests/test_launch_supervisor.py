@@ -9,9 +9,7 @@ import sys
 import time
 
 import numpy as np
-import psutil
-
-from launch_util import all_text, free_port, needs_tmux, sh
+from launch_util import all_text, free_port, main_process, needs_tmux, sh
 
 pytestmark = needs_tmux
 
@@ -32,12 +30,12 @@ def test_a_run_that_fails_the_same_way_twice_is_not_retried_again(tmux_env, tmp_
 
 
 FAKE_GCLOUD = """#!/bin/sh
-# gcloud compute tpus tpu-vm describe NAME --zone Z --format=...: two workers on 127.0.0.1; the state
-# is PREEMPTED for the first $PREEMPTED_POLLS polls, then READY
+# gcloud compute tpus tpu-vm describe NAME --zone Z --format=...: two workers on 127.0.0.1; the state is
+# READY until $PREEMPTED exists (the test's preemption), then PREEMPTED until $CREATED exists (what
+# --recreate makes)
 echo "$*" >> "$GCLOUD_LOG"
 case "$*" in
-  *"value(state)"*) n=$(grep -c "value(state)" "$GCLOUD_LOG")
-                    if [ "$n" -le "$PREEMPTED_POLLS" ]; then echo PREEMPTED; else echo READY; fi ;;
+  *"value(state)"*) if [ -e "$PREEMPTED" ] && [ ! -e "$CREATED" ]; then echo PREEMPTED; else echo READY; fi ;;
   *) echo "127.0.0.1;127.0.0.1" ;;
 esac
 """
@@ -52,21 +50,13 @@ def losses(path):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def main_process(name, process_id):
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
-        if any(c.endswith("main.py") for c in cmd) and name in cmd and env.get("JAX_PROCESS_ID") == str(process_id):
-            return proc
-    return None
-
-
 def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
     (bin_dir / "gcloud").chmod(0o755)
     env = dict(tmux_env, PATH=f"{bin_dir}:{tmux_env['PATH']}", GCLOUD_LOG=str(tmp_path / "gcloud.log"),
-               PREEMPTED_POLLS="2", LAUNCHER_POLL_S="1")
+               PREEMPTED=str(tmp_path / "preempted"), CREATED=str(tmp_path / "created"), LAUNCHER_POLL_S="1")
 
     def launch(name, *extra):
         return ["launcher.sh", "--tpu", "fake", "--zone", "us-z1", "--name", name, "--coordinator",
@@ -79,7 +69,9 @@ def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp
     straight = losses(tmp_path / "runs" / "straight" / "metrics.jsonl")
     assert sorted(straight) == list(range(1, STEPS + 1))
 
-    cmd = launch("preempted", "--retries", "2")
+    recreate = f"echo creating the TPU again; touch {tmp_path / 'created'}"
+    setup = f"echo set up >> {tmp_path / 'setup.log'}"               # on each host, over the SSH stand-in
+    cmd = launch("preempted", "--retries", "2", "--recreate", recreate, "--setup", setup)
     supervisor = subprocess.Popen([os.path.join(os.path.dirname(os.path.dirname(__file__)), cmd[0]), *map(str, cmd[1:])],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, ckpt = tmp_path / "runs" / "preempted" / "metrics.jsonl", tmp_path / "runs" / "preempted" / "checkpoints"
@@ -89,15 +81,18 @@ def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp
         time.sleep(0.5)
     host1 = main_process("preempted", 1)
     assert host1 is not None
-    host1.kill()                                           # the TPU's worker 1 goes away
+    (tmp_path / "preempted").touch()                       # the TPU is preempted: its worker 1 goes away
+    host1.kill()
     out, _ = supervisor.communicate(timeout=900)
     assert supervisor.returncode == 0, out
     assert re.search(r"launcher.sh: retry 1 of 2 after: host 1 127\.0\.0\.1: FAILED, exit status \d+ at step \d+", out), out
-    assert "launcher.sh: TPU 'fake' is PREEMPTED; waiting for READY" in out and "launcher.sh: TPU 'fake' is READY" in out
+    assert f"launcher.sh: TPU 'fake' is PREEMPTED; recreating it (--recreate): {recreate}\n    creating the TPU again\n" in out
+    assert "launcher.sh: TPU 'fake' is READY\nlauncher.sh: setting up the 2 host(s) of the new TPU (--setup)" in out
+    assert (tmp_path / "setup.log").read_text() == "set up\n" * 2, out
     assert "launcher.sh: run 'preempted' finished (attempts: 2)" in out, out
     resumed = losses(metrics)
     assert sorted(resumed) == sorted(straight)
     np.testing.assert_array_equal([resumed[s] for s in sorted(straight)], [straight[s] for s in sorted(straight)])
     logs = all_text(tmp_path / "preempted-logs")
-    assert "resumed from" in logs and "redone after the restart" in logs
-    print(out)
+    assert "resumed from" in logs and "redone after the restart" in logs and "run goodput over 2 sessions" in logs
+    print(out, *re.findall(r"^(?:resumed from|goodput|run goodput) .*$", logs, re.M), sep="\n")

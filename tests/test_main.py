@@ -29,6 +29,7 @@ N = 20              # steps; checkpoints every 10 x --checkpoint_steps = 10 step
 # (1,1,1) with 8 sequences per replica and (2,2,2) with 4 see the same global batch of 8; each keeps the
 # validation set it had when --val_batch_size counted per replica (2 on (1,1,1), 2 x 2 on (2,2,2)).
 MESH1 = "--n_device_axis 1 1 1 --train_batch_size 8".split()
+PHASES = ("startup", "compile", "train", "eval", "checkpoint", "sample")
 MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --val_batch_size 4 --cpu_devices 8".split()
 
 
@@ -152,13 +153,24 @@ def test_resume_after_sigkill_is_exact(cpu_env, baseline, tmp_path):
              f"the checkpoint of step {N // 2} and step {N // 2 + 2}")
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
+    killed = time.time()
     newest, logged = max(checkpoints(tmp_path)), last_step(tmp_path)
     assert newest < N, "killed too late to test a resume"
+    time.sleep(2)                                   # the run is down for a while before its restart
     proc = run(cpu_env, tmp_path, *MESH1)
     assert f"resumed from {tmp_path}/run/checkpoints/{newest}: step {newest}," in proc.stdout
-    goodput = [r for r in records(tmp_path) if "goodput" in r][-1]        # the resumed session's
+    goodput = [r for r in records(tmp_path) if "redone_steps" in r][-1]        # the resumed session's
     assert goodput["redone_steps"] == logged - newest > 0 and 0 < goodput["redone_s"] < goodput["train_s"]
     assert f"redone after the restart: {logged - newest} steps" in proc.stdout
+    # the whole run: from the first session's start, its phases, the killed session's work after its
+    # last checkpoint and the time down between the kill and the restart add up to its wall time
+    whole = [r for r in records(tmp_path) if "run_sessions" in r][-1]
+    parts = sum(whole[f"run_{p}_s"] for p in PHASES) + whole["run_lost_s"] + whole["run_down_s"]
+    assert whole["run_sessions"] == 2 and parts == pytest.approx(whole["run_wall_s"], abs=0.01), whole
+    assert whole["run_down_s"] == goodput["down_s"] and 2 <= goodput["down_s"] <= time.time() - killed, goodput
+    assert whole["run_lost_s"] > 0 and whole["run_train_s"] > goodput["train_s"], whole
+    assert re.search(r"run goodput over 2 sessions \d+% of \d+ s: startup .* \| lost after an interrupted session's "
+                     r"last checkpoint \d+ s \| down between sessions \d+ s", proc.stdout), proc.stdout
     resumed = losses(tmp_path)
     for s in range(newest + 1, N + 1):
         assert resumed[s] == curve[s], (s, resumed[s], curve[s])
@@ -169,14 +181,20 @@ def test_the_goodput_record_adds_up_to_the_runs_wall_time(cpu_env, tmp_path):
     started = time.time()
     proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", steps=12)
     wall = time.time() - started
-    [goodput] = [r for r in records(tmp_path) if "goodput" in r]
-    phases = {p: goodput[f"{p}_s"] for p in ("startup", "compile", "train", "eval", "checkpoint", "sample")}
+    snapshots = [r for r in records(tmp_path) if "redone_steps" in r]         # at each checkpoint, and the end's
+    assert [r["step"] for r in snapshots] == [10, 12, 12], snapshots
+    goodput = snapshots[-1]
+    phases = {p: goodput[f"{p}_s"] for p in PHASES}
     assert sum(phases.values()) == pytest.approx(goodput["wall_s"], rel=1e-9) and min(phases.values()) > 0, phases
     # from the process's start to its last checkpoint, against the whole process timed from outside
     # (which also holds the interpreter's start and exit)
     assert wall - 5 <= goodput["wall_s"] <= wall and goodput["wall_s"] >= 0.9 * wall, (goodput, wall)
     assert goodput["redone_steps"] == 0 and goodput["goodput"] == pytest.approx(phases["train"] / goodput["wall_s"])
     assert re.search(r"goodput \d+% of \d+ s: startup \d+ s \(\d+%\) \| compile", proc.stdout)
+    # one session: the run's record is the session's, and no second line
+    [whole] = [r for r in records(tmp_path) if "run_sessions" in r and r["time"] == goodput["time"]]
+    assert whole["run_sessions"] == 1 and whole["run_lost_s"] == whole["run_down_s"] == 0 and goodput["down_s"] is None
+    assert all(whole[f"run_{p}_s"] == v for p, v in phases.items()) and "run goodput" not in proc.stdout
 
 
 def test_resume_after_sigterm_is_exact(cpu_env, baseline, tmp_path):
