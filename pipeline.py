@@ -55,15 +55,15 @@ def init_sharded_params(cfg, key, mesh):
 def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
     """Summed cross-entropy with the vocab split over tp (Megatron's parallel softmax), a chunk of
     whole sequences at a time. Per chunk each rank reduces its vocab rows to three numbers per token
-    (`_vocab_softmax_stats`); the ranks then combine maxima, rescaled sums of exponentials and the
-    target logit, which exactly one rank holds. No fp32 logits outlive one chunk, in the forward or
-    the backward pass (which recomputes them): memory is O(chunk x V/tp) whatever the batch.
+    (the max logit, the sum of exponentials, the target's logit); the ranks then combine maxima,
+    rescaled sums and the target logit, which exactly one rank holds. No fp32 logits outlive one
+    chunk: memory is O(chunk x V/tp) whatever the batch.
 
-    table_VD is fp32 (`Embedding.gathered`) and is rounded to the matmul dtype inside each chunk: as a
-    constant of the chunk scan, its gradient is then accumulated over the chunks in an fp32 carry (the
-    transposed scan's), where a table rounded before the scan would carry a bf16 sum."""
+    Differentiated, each chunk's gradients are computed with its loss (`_ce_fwd`), from the logits
+    already there, so the backward pass recomputes nothing. table_VD is fp32 (`Embedding.gathered`),
+    rounded to the matmul dtype once; its gradient is summed over the chunks in fp32."""
     # Guide: vocab-parallel cross-entropy over the tp-split table; no [B, T, V] logits are formed.
-    V, dtype = table_VD.shape[0], jnp.dtype(cfg.model_dtype)
+    V = table_VD.shape[0]
     vocab_start = axis_index(axes.tp) * V
     n_real = jnp.clip(cfg.vocab_size - vocab_start, 0, V)          # rows past the real vocab are padding
     local_targets_BT = targets_BT - vocab_start
@@ -72,20 +72,11 @@ def cross_entropy_sum(table_VD, h_BTD, targets_BT, cfg, axes):
     # makes JAX put the reductions in the cast's transpose: psum over dp/pp for the table (on top of
     # FSDP's reduce-scatter), over tp for the hidden states, both in fp32.
     table_VD, h_BTD = vary_like((table_VD, h_BTD), (table_VD, h_BTD, local_targets_BT, n_real))
-
-    def one(h_TD, y_T):                                             # T: the chunk's tokens
-        local_max_T, sum_exp_T, target_T = _vocab_softmax_stats(dtype, table_VD, h_TD, y_T, n_real)
-        local_max_T = lax.stop_gradient(local_max_T)
-        max_T = local_max_T if axes.tp is None else lax.pmax(local_max_T, axes.tp)
-        sum_exp_T = psum(sum_exp_T * jnp.exp(local_max_T - max_T), axes.tp)
-        return jnp.sum(max_T + jnp.log(sum_exp_T) - psum(target_T, axes.tp))
-
     B, T, D = h_BTD.shape
     n = B // _sequences_per_chunk(B, T)
     with jax.named_scope("output_layer"):
-        _, sums = lax.scan(lambda _, inputs: (None, one(*inputs)), None,
-                           (h_BTD.reshape(n, -1, D), local_targets_BT.reshape(n, -1)))
-    return jnp.sum(sums)
+        return _chunked_ce(jnp.dtype(cfg.model_dtype), axes, table_VD, h_BTD.reshape(n, -1, D),
+                           local_targets_BT.reshape(n, -1), n_real)
 
 
 def _sequences_per_chunk(B, T, min_tokens=128):
@@ -94,25 +85,13 @@ def _sequences_per_chunk(B, T, min_tokens=128):
     return next(g for g in range(1, B + 1) if B % g == 0 and (g * T >= min_tokens or g == B))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _vocab_softmax_stats(dtype, table_VD, h_TD, local_targets_T, n_real):
-    """Over this rank's vocab rows [0, n_real) of the fp32 table, rounded here to the matmul dtype: per
-    token the max logit m, sum_v exp(logit_v - m), and the target's logit (0 when another rank holds
-    the target). m gets no gradient: the loss does not depend on it. The backward pass recomputes the
-    logits rather than keeping [V, T] floats per chunk, and returns the table's and the hidden states'
-    gradients in fp32. The residuals are the inputs themselves (the table a constant of the chunk
-    scan, not a per-chunk copy)."""
-    return _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real)[0]
-
-
-def _exp_logits_VT(table_VD, h_TD, n_real, max_T=None):
-    """exp(logits - max) [V, T] from operands in the matmul dtype, 0 on padding rows, and the max.
-    Vocab-major: XLA:CPU runs the backward's products with it up to 2x faster than with token-major
-    [T, V] (docs/performance.md)."""
+def _exp_logits_VT(table_VD, h_TD, n_real):
+    """exp(logits - max) [V, T] from operands in the matmul dtype, 0 on padding rows, and this rank's
+    max. Vocab-major: XLA:CPU runs the gradient's products with it up to 2x faster than with
+    token-major [T, V] (docs/performance.md)."""
     logits_VT = dot32("vd,td->vt", table_VD, h_TD)
     real_V1 = (jnp.arange(table_VD.shape[0]) < n_real)[:, None]
-    if max_T is None:
-        max_T = jnp.max(jnp.where(real_V1, logits_VT, -jnp.inf), axis=0)
+    max_T = jnp.max(jnp.where(real_V1, logits_VT, -jnp.inf), axis=0)
     return jnp.where(real_V1, jnp.exp(logits_VT - max_T), 0.0), max_T
 
 
@@ -122,33 +101,59 @@ def _target_rows(table_VD, local_targets_T, n_real):
     return inside_T, table_VD[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)]
 
 
-def _softmax_stats_fwd(dtype, table_VD, h_TD, local_targets_T, n_real):
-    table_r, h_r = table_VD.astype(dtype), h_TD.astype(dtype)
-    exp_VT, max_T = _exp_logits_VT(table_r, h_r, n_real)
+def _chunk_ce(axes, table_r, h_r, local_targets_T, n_real):
+    """One chunk's summed cross-entropy from operands in the matmul dtype, and what its gradient needs:
+    exp(logit - local max) [V, T], d loss / d sum_exp per token (the combination's, over tp) and the
+    target rows."""
+    exp_VT, local_max_T = _exp_logits_VT(table_r, h_r, n_real)
+    max_T = local_max_T if axes.tp is None else lax.pmax(local_max_T, axes.tp)
+    rescale_T = jnp.exp(local_max_T - max_T)
+    sum_exp_T = psum(jnp.sum(exp_VT, axis=0) * rescale_T, axes.tp)
     inside_T, rows_TD = _target_rows(table_r, local_targets_T, n_real)
-    target_T = jnp.where(inside_T, dot32("td,td->t", rows_TD, h_r), 0.0)
-    return (max_T, jnp.sum(exp_VT, axis=0), target_T), (table_VD, h_TD, local_targets_T, n_real, max_T)
+    target_T = psum(jnp.where(inside_T, dot32("td,td->t", rows_TD, h_r), 0.0), axes.tp)
+    ce = jnp.sum(max_T + jnp.log(sum_exp_T) - target_T)
+    return ce, (exp_VT, 1 / sum_exp_T * rescale_T, inside_T, rows_TD)
 
 
-def _softmax_stats_bwd(dtype, residuals, cotangents):
-    """d logit[v, t] = g_sum[t] exp(logit[v, t] - m[t]) + g_target[t] [v is t's target]. The g_sum
-    scaling is applied on the [T, D] side of both products, so the recomputed exponentials are the
-    only [V, T] array."""
-    table_VD, h_TD, local_targets_T, n_real, max_T = residuals
-    _, g_sum_T, g_target_T = cotangents
-    table_r, h_r = table_VD.astype(dtype), h_TD.astype(dtype)
-    exp_VT = _exp_logits_VT(table_r, h_r, n_real, max_T)[0].astype(dtype)
-    inside_T, rows_TD = _target_rows(table_r, local_targets_T, n_real)
-    g_target_T = jnp.where(inside_T, g_target_T, 0.0)
-    d_h_TD = (g_sum_T[:, None] * dot32("vd,vt->td", table_r, exp_VT)
-              + g_target_T[:, None] * rows_TD.astype(jnp.float32))
-    d_table_VD = dot32("vt,td->vd", exp_VT, (h_TD * g_sum_T[:, None]).astype(dtype))
-    d_table_VD = d_table_VD.at[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)].add(
-        g_target_T[:, None] * h_r.astype(jnp.float32))
-    return d_table_VD.astype(table_VD.dtype), d_h_TD.astype(h_TD.dtype), None, None
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_ce(dtype, axes, table_VD, h_NTD, local_targets_NT, n_real):
+    """The summed cross-entropy of N chunks of tokens (`_chunk_ce` each, in a scan)."""
+    table_r = table_VD.astype(dtype)
+    _, ces = lax.scan(lambda _, c: (None, _chunk_ce(axes, table_r, c[0].astype(dtype), c[1], n_real)[0]), None,
+                      (h_NTD, local_targets_NT))
+    return jnp.sum(ces)
 
 
-_vocab_softmax_stats.defvjp(_softmax_stats_fwd, _softmax_stats_bwd)
+def _ce_fwd(dtype, axes, table_VD, h_NTD, local_targets_NT, n_real):
+    """The loss and, with it, its gradients for a cotangent of 1 (the backward scales them): per chunk
+    d logit[v, t] = exp(logit[v, t] - m[t]) c[t] - [v is t's target], c = d loss / d sum_exp, with c
+    applied on the [T, D] side of both products and the target's term added in fp32 (a scatter-add
+    of the chunk's hidden states into the table's gradient), so the exponentials are the only [V, T]
+    array. The table's gradient is summed over the chunks in an fp32 carry, last chunk first (the
+    order a transposed scan adds a constant's cotangents in)."""
+    table_r = table_VD.astype(dtype)
+
+    def one(d_table_VD, chunk):
+        h_TD, y_T = chunk
+        h_r = h_TD.astype(dtype)
+        ce, (exp_VT, c_T, inside_T, rows_TD) = _chunk_ce(axes, table_r, h_r, y_T, n_real)
+        exp_VT, minus_T = exp_VT.astype(dtype), jnp.where(inside_T, -1.0, 0.0)
+        d_h_TD = c_T[:, None] * dot32("vd,vt->td", table_r, exp_VT) + minus_T[:, None] * rows_TD.astype(jnp.float32)
+        d_chunk_VD = dot32("vt,td->vd", exp_VT, (h_TD * c_T[:, None]).astype(dtype))
+        d_chunk_VD = d_chunk_VD.at[jnp.clip(y_T, 0, table_VD.shape[0] - 1)].add(minus_T[:, None] * h_r.astype(jnp.float32))
+        return d_table_VD + d_chunk_VD, (ce, d_h_TD)
+
+    zeros_VD, = vary_like((jnp.zeros(table_VD.shape, jnp.float32),), (table_VD,))
+    d_table_VD, (ces, d_h_NTD) = lax.scan(one, zeros_VD, (h_NTD, local_targets_NT), reverse=True)
+    return jnp.sum(ces), (d_table_VD, d_h_NTD)
+
+
+def _ce_bwd(dtype, axes, residuals, g):
+    d_table_VD, d_h_NTD = residuals
+    return (g * d_table_VD).astype(jnp.float32), (g * d_h_NTD).astype(jnp.float32), None, None
+
+
+_chunked_ce.defvjp(_ce_fwd, _ce_bwd)
 
 
 def summarise(ce_sum, stats, n_tokens, n_sequences, cfg):
