@@ -96,9 +96,17 @@ def _exp_logits_VT(table_VD, h_TD, n_real):
 
 
 def _target_rows(table_VD, local_targets_T, n_real):
-    """Each token's target row of the table, and whether this rank holds it."""
-    inside_T = (local_targets_T >= 0) & (local_targets_T < n_real)
-    return inside_T, table_VD[jnp.clip(local_targets_T, 0, table_VD.shape[0] - 1)]
+    """Whether this rank holds each token's target, and the target's row of the table (or row 0/V-1)."""
+    return _held(local_targets_T, n_real), table_VD[_clipped(local_targets_T, table_VD)]
+
+
+def _held(local_targets, n_real):
+    """Whether this rank's vocab rows hold each target."""
+    return (local_targets >= 0) & (local_targets < n_real)
+
+
+def _clipped(local_targets, table_VD):
+    return jnp.clip(local_targets, 0, table_VD.shape[0] - 1)
 
 
 def _chunk_ce(axes, table_r, h_r, local_targets_T, n_real):
@@ -127,10 +135,10 @@ def _chunked_ce(dtype, axes, table_VD, h_NTD, local_targets_NT, n_real):
 def _ce_fwd(dtype, axes, table_VD, h_NTD, local_targets_NT, n_real):
     """The loss and, with it, its gradients for a cotangent of 1 (the backward scales them): per chunk
     d logit[v, t] = exp(logit[v, t] - m[t]) c[t] - [v is t's target], c = d loss / d sum_exp, with c
-    applied on the [T, D] side of both products and the target's term added in fp32 (a scatter-add
-    of the chunk's hidden states into the table's gradient), so the exponentials are the only [V, T]
-    array. The table's gradient is summed over the chunks in an fp32 carry, last chunk first (the
-    order a transposed scan adds a constant's cotangents in)."""
+    applied on the [T, D] side of both products and the target's term added in fp32, so the
+    exponentials are the only [V, T] array. The table's gradient is summed over the chunks in an fp32
+    carry; the target terms then go into it in one scatter-add of every token's hidden state (one
+    pass over the [V, D] table, not one per chunk)."""
     table_r = table_VD.astype(dtype)
 
     def one(d_table_VD, chunk):
@@ -140,11 +148,13 @@ def _ce_fwd(dtype, axes, table_VD, h_NTD, local_targets_NT, n_real):
         exp_VT, minus_T = exp_VT.astype(dtype), jnp.where(inside_T, -1.0, 0.0)
         d_h_TD = c_T[:, None] * dot32("vd,vt->td", table_r, exp_VT) + minus_T[:, None] * rows_TD.astype(jnp.float32)
         d_chunk_VD = dot32("vt,td->vd", exp_VT, (h_TD * c_T[:, None]).astype(dtype))
-        d_chunk_VD = d_chunk_VD.at[jnp.clip(y_T, 0, table_VD.shape[0] - 1)].add(minus_T[:, None] * h_r.astype(jnp.float32))
         return d_table_VD + d_chunk_VD, (ce, d_h_TD)
 
     zeros_VD, = vary_like((jnp.zeros(table_VD.shape, jnp.float32),), (table_VD,))
-    d_table_VD, (ces, d_h_NTD) = lax.scan(one, zeros_VD, (h_NTD, local_targets_NT), reverse=True)
+    d_table_VD, (ces, d_h_NTD) = lax.scan(one, zeros_VD, (h_NTD, local_targets_NT))
+    targets_N, h_ND = local_targets_NT.reshape(-1), h_NTD.reshape(-1, h_NTD.shape[-1]).astype(dtype)
+    d_table_VD = d_table_VD.at[_clipped(targets_N, table_VD)].add(
+        jnp.where(_held(targets_N, n_real)[:, None], -h_ND.astype(jnp.float32), 0.0))
     return jnp.sum(ces), (d_table_VD, d_h_NTD)
 
 
