@@ -233,6 +233,23 @@ def test_cross_entropy_equals_log_softmax(n_seq, T):
     assert not jnp.any(grads[0][cfg.vocab_size:])
 
 
+def test_the_cross_entropy_gradient_recomputes_no_logits():
+    """Its gradient products run with the loss (pipeline._chunked_ce), from the logits already there:
+    the compiled gradient's matmul FLOPs are the forward's three vocab-sized products per chunk (the
+    logits, d h and d table; 4 chunks of 128 tokens here) and nothing in the backward pass, where the
+    logits used to be recomputed (2 of the 4 products there)."""
+    cfg = utils.ModelConfig(vocab_size=1000, model_dimension=16, model_dtype="float32")
+    V, D, N = 1024, 16, 4 * 128
+    table_VD = jax.random.normal(jax.random.key(1), (V, D))
+    h_BTD = jax.random.normal(jax.random.key(2), (4, 128, D))
+    y_BT = jax.random.randint(jax.random.key(3), (4, 128), 0, cfg.vocab_size)
+    grad = jax.jit(jax.grad(lambda t, h: pipeline.cross_entropy_sum(t, h, y_BT, cfg, sharding.Axes()), argnums=(0, 1)))
+    flops = hlo.matmul_flops(grad.lower(table_VD, h_BTD).compile().as_text())
+    vocab_products = 3 * 2 * V * D * N
+    assert flops["backward"] == 0 and flops["remat"] == 0, flops
+    assert vocab_products <= flops["forward"] == flops["output_layer"] <= vocab_products + 2 * N * D, flops
+
+
 def test_dropout_masks_do_not_depend_on_the_mesh():
     cfg = with_model(CFG, dropout_rate=0.2)
     params = model.init_params(cfg, KEY)
