@@ -62,7 +62,8 @@ options:
   -h, --help             this help
 
 environment: SSH (command used as `$SSH HOST COMMAND`), WANDB_API_KEY / HF_TOKEN (sent to the hosts
-on stdin by run.sh, never printed).
+on stdin by run.sh, never printed), LAUNCHER_POLL_S (--retries: seconds between TPU state polls,
+default 30), LAUNCHER_HANG_GRACE_S (default 30), RUN_STACKS_WAIT_S (run.sh --stacks, default 10).
 EOF
 }
 

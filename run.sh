@@ -56,6 +56,7 @@ environment:
                          called as `$SSH HOST COMMAND`, so tests can substitute a local runner
   WANDB_API_KEY, HF_TOKEN  secrets: sent to the host on stdin into a private file that the run
                          reads and deletes; never on a command line, in a pane, a log or --dry-run
+  RUN_STACKS_WAIT_S      --stacks: seconds to wait for the program's dump (default 10)
 
 exit status: 0 started (with --ready: passed start-up; --wait: finished) OK, or stopped; 2 bad
 usage; 255 HOST unreachable; 3 no checkout; 4 tmux missing on HOST; 5 local changes block --commit;
