@@ -233,8 +233,9 @@ class Watchdog:
 
     def __init__(self, timeout, heartbeat_file=""):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-        self.timeout, self.last, self.doing = timeout, None, "starting"
+        self.timeout, self.last, self.doing = timeout, None, "compiling the training step"
         self.heartbeat, self.step, self.step_time, self.notes = heartbeat_file, None, None, {}
+        self._beat()                        # the clock starts with the first step; the file at once
         if timeout:
             threading.Thread(target=self._watch, daemon=True).start()
 

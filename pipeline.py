@@ -148,19 +148,20 @@ def _ce_fwd(dtype, axes, table_VD, h_NTD, local_targets_NT, n_real):
         exp_VT, minus_T = exp_VT.astype(dtype), jnp.where(inside_T, -1.0, 0.0)
         d_h_TD = c_T[:, None] * dot32("vd,vt->td", table_r, exp_VT) + minus_T[:, None] * rows_TD.astype(jnp.float32)
         d_chunk_VD = dot32("vt,td->vd", exp_VT, (h_TD * c_T[:, None]).astype(dtype))
-        return d_table_VD + d_chunk_VD, (ce, d_h_TD)
+        return d_table_VD + d_chunk_VD, (ce, d_h_TD.astype(h_TD.dtype))
 
     zeros_VD, = vary_like((jnp.zeros(table_VD.shape, jnp.float32),), (table_VD,))
     d_table_VD, (ces, d_h_NTD) = lax.scan(one, zeros_VD, (h_NTD, local_targets_NT))
     targets_N, h_ND = local_targets_NT.reshape(-1), h_NTD.reshape(-1, h_NTD.shape[-1]).astype(dtype)
     d_table_VD = d_table_VD.at[_clipped(targets_N, table_VD)].add(
         jnp.where(_held(targets_N, n_real)[:, None], -h_ND.astype(jnp.float32), 0.0))
-    return jnp.sum(ces), (d_table_VD, d_h_NTD)
+    return jnp.sum(ces), (d_table_VD.astype(table_VD.dtype), d_h_NTD)
 
 
 def _ce_bwd(dtype, axes, residuals, g):
+    """The gradients for cotangent g, each in its input's dtype (the residuals are)."""
     d_table_VD, d_h_NTD = residuals
-    return (g * d_table_VD).astype(jnp.float32), (g * d_h_NTD).astype(jnp.float32), None, None
+    return (g * d_table_VD).astype(d_table_VD.dtype), (g * d_h_NTD).astype(d_h_NTD.dtype), None, None
 
 
 _chunked_ce.defvjp(_ce_fwd, _ce_bwd)

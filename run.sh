@@ -188,7 +188,7 @@ if tmux has-session -t $S 2>/dev/null; then
 elif [ $force = 1 ]; then
   kill_program >/dev/null      # a program that outlived its session (a killed pane or tmux server)
 fi
-mkdir -p $(q "$log_dir"); rm -f $STATUS
+mkdir -p $(q "$log_dir"); rm -f $STATUS $HB    # no status or heartbeat of an earlier session
 offset=0; [ -f $LOG ] && offset=\$(wc -c < $LOG)   # the log is appended to: --ready reads past this
 tmux new-session -d -s $(q "$session") -x 200 -y 50 bash -c $(sq "$inner") run.sh "\$secrets"
 echo "run.sh: started tmux session '$session' on $H (tmux attach -t $session), log $LOG"
