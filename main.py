@@ -20,7 +20,6 @@ Read it from the bottom: `main` sets up the devices and calls `train`, whose loo
 metrics.py, save, sample) in small functions above it.
 """
 import dataclasses
-import json
 import sys
 import time
 import uuid
@@ -43,7 +42,7 @@ from checkpoints import (SaveFailed, check_saves, checkpoint_manager, checksums_
 from data.tokenizer import get_tokenizer
 from metrics import Diverged, Goodput, Meter, earlier_sessions, log_interval, process_start, say
 from multihost import StopSignals, log, set_up_devices
-from rundir import Logger, RunRefused, lock_run_dir, read_run_file, run_dir_of, set_aside_previous_run
+from rundir import Logger, RunRefused, lock_run_dir, metrics_records, run_dir_of, set_aside_previous_run
 from trainer import Trainer, build_trainer
 
 
@@ -275,13 +274,7 @@ def earlier(run):
     """The run's earlier sessions, from metrics.jsonl (process 0; the others write no metrics: None)."""
     if jax.process_index() != 0:
         return None
-    records = []
-    for line in read_run_file(run_dir_of(run.cfg.run), "metrics.jsonl").splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:                     # a line cut short by a kill
-            pass
-    return earlier_sessions(records, run.start_step)
+    return earlier_sessions(metrics_records(run_dir_of(run.cfg.run)), run.start_step)
 
 
 def finish(run, state, step, val_ce, saved, t0, goodput, watchdog):

@@ -13,7 +13,6 @@ README's figures: `--out public`, on purpose). Three PNGs:
 When a run was resumed, the last record of each step wins.
 """
 import argparse
-import json
 import os
 
 import matplotlib
@@ -28,14 +27,7 @@ def read_metrics(run_dir):
     """(per-step training records, per-evaluation records) of run_dir's metrics.jsonl, each sorted by
     step, the last record of a step winning."""
     train, evals = {}, {}
-    for line in rundir.read_run_file(str(run_dir), "metrics.jsonl").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:                 # a line cut short by a kill
-            continue
+    for rec in rundir.metrics_records(str(run_dir)):
         if "loss" in rec:
             train[rec["step"]] = rec
         elif "val_loss" in rec:

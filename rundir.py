@@ -183,6 +183,17 @@ def read_run_file(run_dir, name):
     return text + "".join(fs.cat_file(f"{path}.parts/{p}").decode("utf-8") for p in _part_names(fs, f"{path}.parts"))
 
 
+def metrics_records(run_dir):
+    """The records of run_dir's metrics.jsonl, in order; a line cut short by a kill is skipped."""
+    records = []
+    for line in read_run_file(run_dir, "metrics.jsonl").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pass
+    return records
+
+
 class Logger:
     """metrics.jsonl and samples.txt in the run directory (local or any fsspec URL), and wandb."""
 
