@@ -20,6 +20,15 @@ SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32", "--t
 TIMEOUT_S = 20
 
 
+def processes():
+    return subprocess.run(["ps", "-eo", "pid,ppid,stat,etime,args", "--forest"], capture_output=True, text=True).stdout
+
+
+def logs(tmp_path):
+    return "".join(f"\n==> {p} <==\n" + p.read_text(errors="replace")[-3000:]
+                   for d in ("host-logs", "logs") for p in sorted((tmp_path / d).glob("*")) if p.is_file())
+
+
 def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.1\n")
@@ -31,14 +40,14 @@ def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, t
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 600
-        while True:       # both hosts past the first interval (host 0's goodput noted in its heartbeat)
+        host0_line = (r"host 0 127\.0\.0\.1: running \| step \d+, no step for \d+ s \(.*\) \| logged: step +\d+ "
+                      r"\| loss [0-9.]+ \| log changed \d+ s ago\n +goodput \d+% of \d+ s: startup")
+        while True:       # both hosts past the first interval: host 0's step line logged, its goodput noted
             status = sh("launcher.sh", "--status", "hang", *where, env=env, check=0).out
-            if status.count("no step for") == 2 and "goodput" in status:
+            if status.count("no step for") == 2 and re.search(host0_line, status):
                 break
             assert launcher.poll() is None and time.time() < deadline, status + launcher.stdout.read()
             time.sleep(1)
-        assert re.search(r"host 0 127\.0\.0\.1: running \| step \d+, no step for \d+ s \(.*\) \| logged: step +\d+ "
-                         r"\| loss [0-9.]+ \| log changed \d+ s ago\n +goodput \d+% of \d+ s: startup", status), status
 
         stacks = sh("launcher.sh", "--stacks", "hang", *where, env=env, check=0).out     # SIGUSR1: the run goes on
         for i in (0, 1):
@@ -57,7 +66,11 @@ def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, t
         last_progress = float(re.search(r"^time (\S+)$", beat, re.M).group(1))
         assert ended - last_progress >= TIMEOUT_S - 1 and ended - stopped_at <= TIMEOUT_S + 60, (
             ended - last_progress, ended - stopped_at)
-        out, _ = launcher.communicate(timeout=300)
+        try:
+            out, _ = launcher.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            raise AssertionError(launcher.communicate()[0] + processes() + logs(tmp_path)) from None
         assert launcher.returncode == 1, out
         assert re.search(r"host 0 127\.0\.0\.1: FAILED, exit status 3 \(its hang watchdog: no progress for --hang_timeout "
                          rf"s\); its stacks are in .*/0-127\.0\.0\.1\.log after:\n    error: process 0 of 2 made no progress "
