@@ -2,6 +2,7 @@
 "tp"), the vocab-parallel chunked cross-entropy of the tied output layer, and the single-device
 reference they are checked against; and the layout the pipeline stores the params in.
 """
+import dataclasses
 from functools import partial
 
 import jax
@@ -10,7 +11,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import model
-from sharding import Axes, axis_index, dot32, psum, sharded_axes, vary_like
+from sharding import Axes, axis_index, dot32, dp_dim, gather_over_dp, psum, sharded_axes, vary_like
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,9 +211,11 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     # Normalised on entry: the stage's blocks as [R, L, ...] whatever R (GPipe stores them as [L, ...]).
     blocks_RL = params["blocks"] if R > 1 else jax.tree.map(lambda a: a[None], params["blocks"])
-    blocks_of = lambda r: jax.tree.map(lambda a: a[r], blocks_RL)
     # The embedding and the output layer's modules (with any one repeat's blocks, unused).
-    transformer = model.build(params | {"blocks": blocks_of(0)}, cfg)
+    transformer = model.build(params | {"blocks": jax.tree.map(lambda a: a[0], blocks_RL)}, cfg)
+    blocks_RL = _gathered_over_dp(blocks_RL, params, cfg, axes)
+    blocks_of = lambda r: jax.tree.map(lambda a: a[r], blocks_RL)
+    block_axes = dataclasses.replace(axes, dp_gathered=True)
     b, T = x_BT.shape
     M, mb = n_micro, b // n_micro
     n_items, blocks_per_stage = R * M, jax.tree.leaves(blocks_RL)[0].shape[1]
@@ -232,8 +235,6 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
         i = t - stage
         valid = (i >= 0) & (i < n_items)
         i_clipped = jnp.clip(i, 0, n_items - 1)
-        # With one repeat, r is the Python 0: the stage's blocks are then the same every tick, and XLA
-        # all-gathers their weights over dp once per step instead of once per tick.
         r, m = (0, i_clipped) if R == 1 else (i_clipped // M, i_clipped % M)
         # Stage 0's inputs wait in a buffer of M micro-batches, the embeddings at first: it files what the
         # last stage sent last tick (its item t - pp) when that has a repeat to go (none when R = 1),
@@ -245,7 +246,7 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
         x_bTD = jnp.where(stage == 0, waiting_MbTD[m], received_bTD)
         ctx = {"train": train, "key": key, "seq_ids": seq_base + m * mb + jnp.arange(mb)}
         y_bTD, stats, _ = model.build(params | {"blocks": blocks_of(r)}, cfg).run_blocks(
-            x_bTD, positions_T, axes, ctx, first_block=(r * n_stages + stage) * blocks_per_stage)
+            x_bTD, positions_T, block_axes, ctx, first_block=(r * n_stages + stage) * blocks_per_stage)
         stats_sum = jax.tree.map(lambda acc, s: acc.at[r].add(jnp.where(valid, s, 0)), stats_sum, stats)
         # The last stage files the last repeat's outputs; other stages keep their buffer at zero.
         keep = (stage == n_stages - 1) & valid & (r == R - 1)
@@ -257,6 +258,24 @@ def _pipeline_loss(params, x_BT, y_BT, key, cfg, n_micro, train, platform):
     ce_sum = _output_layer_ce(transformer, table_VD, outputs_MbTD, y_MbT, cfg, axes)
     n_dp = lax.axis_size("dp")
     return summarise(ce_sum, _stats_in_model_order(stats), x_BT.size * n_dp, b * n_dp, cfg)
+
+
+def _gathered_over_dp(blocks_RL, params, cfg, axes):
+    """The stage's blocks all-gathered over dp once for the step, [R, L, .., D/dp, ..] -> [R, L, .., D, ..]
+    (FSDP's gather hoisted out of the ticks: gathered inside them, every tick and the remat's replay
+    gathered again, 5.3x the bytes for moe1B on v4-64). In the matmul dtype and held in fp32, as the
+    tied table is (`Embedding.gathered`): their gradient is summed over the ticks in fp32 and
+    reduce-scattered once. A stage's blocks gathered take 1/pp of the model over tp: moe1B on v4-64,
+    0.44 GiB in bf16 per chip and 0.88 GiB for the fp32 sum."""
+    names = model.logical_axes(model.has_router_bias(params))
+
+    def gather(path, a):
+        path = ("blocks", *(k.key for k in path))
+        dim = dp_dim(names[path], cfg.expert_parallel)
+        if dim is None or lax.axis_size(axes.dp) == 1:
+            return a
+        return gather_over_dp(a, model.weight_dtype(path[-1], cfg), axes.dp, dim + 1).astype(jnp.float32)
+    return jax.tree_util.tree_map_with_path(gather, blocks_RL)
 
 
 def _initial_carry(emb_MbTD, R, L, E):

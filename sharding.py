@@ -69,6 +69,9 @@ class Axes:
     # The platform of the devices the program is for ("cpu", "gpu", "tpu"; the mesh's, which may be an
     # ahead-of-time topology's): it picks fused kernels (`attend`). None: the portable code.
     platform: str | None = None
+    # True inside the pipeline's ticks: the stage's blocks were all-gathered over dp once for the step
+    # (`pipeline._gathered_over_dp`), so `fetch` only casts them.
+    dp_gathered: bool = False
 
 
 def sharded_axes(cfg, platform):
@@ -83,14 +86,29 @@ def psum(x, axis):
 BRANCH_SUM = "branch_sum"            # the checkpoint name of a branch's output summed over tp (`branch_sum`)
 
 
-def branch_sum(x, tp):
+def branch_sum(x, tp, dtype):
     """A residual branch's output: the psum over tp of this rank's partial sum (Megatron's one
-    all-reduce per branch). Under tp it is named so that the remat policies keep it for the backward
-    rather than replay the all-reduce there (moe1B on v4-64: all-reduce bytes 15.90 -> 13.09 GiB per
-    chip for 4.3 GiB of HBM); with no tp to sum over, recomputing it is cheaper than keeping it (one
-    H200: Σ 359 vs 366 ms, 23.5 vs 30.0 GiB)."""
-    out = psum(x, tp)
+    all-reduce per branch), carried in the matmul dtype (`tp_sum`). Under tp it is named so that the
+    remat policies keep it for the backward rather than replay the all-reduce there (moe1B on v4-64:
+    all-reduce bytes 15.90 -> 13.09 GiB per chip for 4.3 GiB of HBM); with no tp to sum over,
+    recomputing it is cheaper than keeping it (one H200: Σ 359 vs 366 ms, 23.5 vs 30.0 GiB)."""
+    out = tp_sum(x, (tp,) if tp else (), dtype)
     return out if tp is None or lax.axis_size(tp) == 1 else checkpoint_name(out, BRANCH_SUM)
+
+
+def tp_sum(x, axes, dtype):
+    """The fp32 activation x (a branch's partial output, or an activation's partial gradient) summed
+    over the mesh `axes` (tp), the all-reduce carried in the matmul dtype as Megatron does: half the
+    bytes, and the tp all-reduces are most of a TPU step's collective bytes (moe1B on v4-64: 11.82 of
+    13.61 GiB per chip). The measured reason to round, which issue 24's rule asks for: `bench.py
+    --grad_error` on tp = 2 (docs/performance.md): the mesh's gradient error stays within the bar
+    bf16 sets on one device. Parameter gradients are never summed this way (`sum_like`). With nothing
+    to sum over (one device, tp = 1) nothing is rounded: the numbers of one device stay exact."""
+    if not axes:
+        return x
+    if math.prod(lax.axis_size(a) for a in axes) == 1:
+        return lax.psum(x, axes)               # no data moves: only check_vma's type changes
+    return lax.psum(x.astype(dtype), axes).astype(x.dtype)
 
 
 def axis_index(axis):
@@ -122,10 +140,19 @@ def fetch(param, axes, dtype):
     """A parameter's value in dtype and, under FSDP, all-gathered over dp just in time along the dim
     that its logical axes map to dp (`gather_over_dp`). A dim of experts split over dp (expert
     parallelism) is not gathered: the shard keeps its own experts, and tokens come to them."""
-    spec = mesh_spec(param.out_sharding, axes.expert_parallel)
-    if axes.dp is None or "dp" not in spec or param.out_sharding[spec.index("dp")] == "expert":
+    dim = None if axes.dp is None or axes.dp_gathered else dp_dim(param.out_sharding, axes.expert_parallel)
+    if dim is None:
         return param[...].astype(dtype)
-    return gather_over_dp(param[...], dtype, axes.dp, spec.index("dp"))
+    return gather_over_dp(param[...], dtype, axes.dp, dim)
+
+
+def dp_dim(logical_axes, expert_parallel):
+    """The dim of a parameter with these logical axes that FSDP gathers over dp, or None: not split
+    over dp, or its experts split over dp (expert parallelism), which stay where they are."""
+    spec = mesh_spec(logical_axes, expert_parallel)
+    if "dp" not in spec or logical_axes[spec.index("dp")] == "expert":
+        return None
+    return spec.index("dp")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -219,8 +246,14 @@ def _einsum_rounded_bwd(spec, dtype, operand_dtypes, out_dtype, residuals, g):
     g = g.astype(dtype)
     d_a = dot32(f"{out_spec},{b_spec}->{a_spec}", g, b)
     d_b = dot32(f"{a_spec},{out_spec}->{b_spec}", a, g)
-    return tuple(sum_like(d, like).astype(t) for d, like, t in ((d_a, a, operand_dtypes[0]),
-                                                                  (d_b, b, operand_dtypes[1])))
+    # a is the activation (`matmul(x, w)`), b the weight: only the activation's sum is rounded (`tp_sum`)
+    return (tp_sum(d_a, extra_axes(d_a, a), dtype).astype(operand_dtypes[0]),
+            sum_like(d_b, b).astype(operand_dtypes[1]))
+
+
+def extra_axes(x, like):
+    """The mesh axes x varies over and `like` does not."""
+    return tuple(sorted(varying_axes(x) - varying_axes(like)))
 
 
 def sum_like(x, like):
@@ -228,7 +261,7 @@ def sum_like(x, like):
     pcast that made `like` varying in the forward (a weight split over tp times activations
     replicated over tp: the activations' gradient is the psum over tp), as JAX's own transpose does.
     x is the fp32 product: the sum runs in fp32 whatever dtype the cotangent is then returned in."""
-    extra = tuple(sorted(varying_axes(x) - varying_axes(like)))
+    extra = extra_axes(x, like)
     return lax.psum(x, extra) if extra else x
 
 

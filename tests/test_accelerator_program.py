@@ -4,7 +4,7 @@ Every platform traces the same training step: whether bf16 operands are widened 
 when the step is lowered for its devices (`sharding.fp32_product`), so these CPU tests trace the step a
 TPU VM or a GPU traces, and `--compile_for` compiles it. Lowered for an accelerator here, its matmuls
 take bf16 operands, and no gradient is summed in bf16 on the way (the scatter-adds and scan carries
-of parameter-shaped cotangents, and every psum, are fp32).
+of parameter-shaped cotangents, and every psum but the activations' over tp, are fp32).
 """
 import collections
 import re
@@ -107,10 +107,17 @@ def parameter_shapes(cfg, mesh):
 SUMS = {"psum", "psum_invariant", "psum_scatter", "reduce_scatter", "all_reduce"}
 
 
+def sum_axes(eqn):
+    """The mesh axes a cross-device sum runs over."""
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    return set(axes) if isinstance(axes, (tuple, list)) else {axes}
+
+
 def bf16_sums(jaxpr, parameter_shapes):
-    """(primitive, shape) of every cross-device sum of a bf16 value in the jaxpr (of any shape: an
-    activation's cotangent is psummed over tp as well), and of every scatter-add or scan carry that is
-    bf16 and shaped like a parameter."""
+    """(primitive, shape) of every cross-device sum of a bf16 value in the jaxpr shaped like a
+    parameter, or of any shape over an axis but tp (activations and their gradients are summed over tp
+    in bf16 by design, `sharding.tp_sum`), and of every scatter-add or scan carry that is bf16 and
+    shaped like a parameter."""
     found = []
     for eqn in _equations(jaxpr):
         name, shapes = eqn.primitive.name, parameter_shapes
@@ -120,7 +127,7 @@ def bf16_sums(jaxpr, parameter_shapes):
             start = eqn.params["num_consts"]
             values = eqn.invars[start:start + eqn.params["num_carry"]]
         elif name in SUMS:
-            values, shapes = eqn.invars, None
+            values, shapes = eqn.invars, (parameter_shapes if sum_axes(eqn) <= {"tp"} else None)
         else:
             continue
         found += [(name, tuple(v.aval.shape)) for v in values if getattr(v.aval, "dtype", None) == jnp.bfloat16
@@ -132,13 +139,18 @@ def bf16_sums(jaxpr, parameter_shapes):
 def test_no_gradient_is_summed_in_bf16(shape, changes):
     """The tied table is looked up from its fp32 copy (so repeated tokens' rows add up in fp32), the
     chunked cross-entropy carries the table's gradient across chunks in fp32, and every psum of a
-    cotangent (over tp, over dp and pp for the table) is fp32. The gradient's own scatter-adds, scans
-    and sums all appear in this jaxpr, which every platform traces alike."""
-    cfg, mesh = with_model(BF16, **changes), sharding.make_mesh(shape)
+    parameter's cotangent (over tp, over dp and pp for the table) is fp32; only activations and
+    their cotangents are summed over tp in bf16. The gradient's own scatter-adds, scans and sums all
+    appear in this jaxpr, which every platform traces alike."""
+    # T = 24: no activation [mb, T, D] has the shape of a parameter (the test tells them apart by shape)
+    cfg, mesh = with_model(BF16, T=24, **changes), sharding.make_mesh(shape)
     jaxpr = train_step_jaxpr(cfg, mesh).jaxpr
     names = {eqn.primitive.name for eqn in _equations(jaxpr)}
     assert {"scatter-add", "scan"} <= names and names & SUMS, "the walk must see the step's sums"
     assert bf16_sums(jaxpr, parameter_shapes(cfg, mesh)) == []
+    # the tp all-reduces of activations and their gradients do move bf16 (half the bytes)
+    assert any(eqn.primitive.name in SUMS and sum_axes(eqn) == {"tp"} and eqn.invars[0].aval.dtype == jnp.bfloat16
+               for eqn in _equations(jaxpr))
 
 
 def test_the_tied_tables_bf16_gradient_is_as_close_as_rounding_allows():
