@@ -259,10 +259,15 @@ def grad_error(cfg, tokens="zipf"):
     runs = {"mesh": on_mesh(cfg.run.n_device_axis), "one_device": on_mesh((1, 1, 1)),
             "rounding": errors(jax.tree.map(lambda r: r.astype(m.model_dtype), reference))}
     worst = {name: by_leaf[leaf] for name, (by_leaf, leaf) in runs.items()}
+    # leaf by leaf, the mesh's error over one device's: where a mesh's own rounding would show
+    leaf_ratios = {leaf: runs["mesh"][0][leaf] / e for leaf, e in runs["one_device"][0].items()}
+    worst_ratio_leaf = max(leaf_ratios, key=leaf_ratios.get)
     return {"mode": "grad_error", "tokens": tokens, "mesh": list(cfg.run.n_device_axis), "micro_batches": M,
             "global_batch": len(x), "model_dtype": m.model_dtype,
             **{f"{name}_error": worst[name] for name in runs}, **{f"{name}_worst_leaf": runs[name][1] for name in runs},
             "ratio": worst["mesh"] / worst["one_device"], "bound": GRAD_ERROR_SLACK,
+            "leaf_ratio": {"median": float(np.median(list(leaf_ratios.values()))), "max": leaf_ratios[worst_ratio_leaf],
+                           "max_leaf": worst_ratio_leaf},
             # The tied table's gradient sums over every occurrence of a token: where a bf16 sum would show.
             "table_error": {name: by_leaf[TABLE_LEAF] for name, (by_leaf, _) in runs.items()}}
 

@@ -126,7 +126,9 @@ def weight_dtype(name, cfg):
 
 
 CUDNN_MAX_HEAD_DIM = 256
-CAUSAL_QUERY_CHUNKS = 8     # of a causal attention without cuDNN (see attend)
+# A causal attention without cuDNN runs in up to 8 chunks of >= 128 queries (see attend): smaller
+# chunks save few FLOPs and each is more to compile (tiny, T = 128, in 8: compile 12 -> 21 s on CPU).
+CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 
 
 def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
@@ -143,10 +145,11 @@ def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
             *(a.astype(dtype) for a in (q_BTHQ, k_BSHQ, v_BSHQ)), is_causal=mask_TS is None,
             mask=None if mask_TS is None else mask_TS[None, None], implementation="cudnn")
         return out_BTHQ[..., :K]
-    T, n = q_BTHQ.shape[1], CAUSAL_QUERY_CHUNKS
     if mask_TS is not None:
         return masked_attention(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype)
-    if T % n:
+    T = q_BTHQ.shape[1]
+    n = min(CAUSAL_QUERY_CHUNKS, T // CAUSAL_MIN_CHUNK)
+    if n < 1 or T % n:
         n = 1
     # Causal: query chunk i sees only the keys before its end, so the blocks above the diagonal are
     # never computed: (n + 1) / 2n of the T x T products (moe1B on v4-64: 4.91e13 -> 4.41e13 FLOPs a

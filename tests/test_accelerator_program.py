@@ -163,3 +163,14 @@ def test_the_tied_tables_bf16_gradient_is_as_close_as_rounding_allows():
                          train_batch_size=16, micro_batch_size=1)
     table = bench.grad_error(cfg)["table_error"]
     assert table["one_device"] < 3 * table["rounding"], table
+
+
+def test_a_tp_mesh_in_bf16_costs_no_more_than_bf16_itself():
+    """SPEC rule 1 in bf16: on tp = 2, whose all-reduces of activations and of their gradients move bf16
+    (`sharding.tp_sum`), every leaf's gradient error against the fp32 reference is at most twice one
+    device's (the mesh adds at most what bf16 costs there), and the worst leaf's within bench's bound."""
+    import bench
+    cfg = utils.override(utils.Config(model=with_model(BF16, vocab_size=1000, T=32)), n_device_axis=(1, 1, 2),
+                         train_batch_size=16, micro_batch_size=1)
+    result = bench.grad_error(cfg)
+    assert result["leaf_ratio"]["max"] <= 2 and result["ratio"] <= result["bound"], result

@@ -38,7 +38,7 @@ INVALID = [
     ({"dhR": 0}, "--dhR must be >= 2"),
     ({"dropout_rate": 1.0}, "--dropout_rate must be in [0, 1)"),
     ({"model_dtype": "float16"}, "--model_dtype must be bfloat16 or float32"),
-    ({"remat": "some"}, "--remat must be full, dots or none"),
+    ({"remat": "some"}, "--remat must be auto, full, dots or none"),
     ({"T": 1}, "--T must be >= 2"),
     ({"max_tokens": 128}, "--max_tokens (128) must be < --T (128)"),
     ({"temperature": 0.0}, "--temperature must be > 0"),
@@ -154,5 +154,5 @@ def test_implementation_choices_are_the_tables_keys():
     of the tables that implement them."""
     import experts
     import model
-    assert set(utils.CHOICES["remat"]) == {*model.REMAT_POLICIES, "none"}
+    assert set(utils.CHOICES["remat"]) == {*model.REMAT_POLICIES, "none", "auto"}
     assert set(utils.CHOICES["moe_impl"]) == set(experts.MOE_IMPLS) == set(experts.EXPERT_PARALLEL_IMPLS)

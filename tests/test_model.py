@@ -211,6 +211,20 @@ def test_bfloat16_matmuls_track_the_fp32_reference(reference):
     assert rel_err(loss, ref_loss) < 1e-2 and rel_err(loss, bf16_ref) < 1e-3
 
 
+@pytest.mark.parametrize("T", [256, 1024])
+def test_causal_attention_in_query_chunks_equals_one_masked_softmax(T):
+    """attend runs a causal attention in chunks of queries (T = 256: 2, T = 1024: 8), each against the
+    keys up to its end; in fp32 its values and gradients equal one masked softmax over all T x T."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, T, 3, 24 if i < 2 else 16)) for i in range(3))
+    chunked = lambda q, k, v: model.attend(q, k, v, None, jnp.float32, None)
+    whole = lambda q, k, v: model.masked_attention(q, k, v, jnp.tril(jnp.ones((T, T), bool)), jnp.float32)
+    assert model.CAUSAL_MIN_CHUNK * 2 <= T          # more than one chunk
+    np.testing.assert_allclose(chunked(q, k, v), whole(q, k, v), rtol=1e-5, atol=1e-6)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for g, g_ref in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(whole), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("n_seq,T", [(3, 8), (16, 16), (5, 40), (2, 130)])
 def test_cross_entropy_equals_log_softmax(n_seq, T):
     """The chunked cross-entropy and its hand-written backward (logits recomputed, never stored)
