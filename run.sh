@@ -183,7 +183,7 @@ if [ $(q "$commit") != asis ]; then
   git checkout --quiet --detach $(q "$commit") || fail 6 $(q "git checkout $commit failed")
 fi
 if tmux has-session -t $S 2>/dev/null; then
-  [ $force = 1 ] || fail 7 $(q "tmux session '$session' is already running (attach: tmux attach -t $session; replace: --force)")
+  [ $force = 1 ] || [ -s $STATUS ] || fail 7 $(q "tmux session '$session' is already running (attach: tmux attach -t $session; replace: --force)")
   kill_program >/dev/null; tmux kill-session -t $S 2>/dev/null || true     # gone with its program, maybe
 elif [ $force = 1 ]; then
   kill_program >/dev/null      # a program that outlived its session (a killed pane or tmux server)
@@ -193,17 +193,18 @@ offset=0; [ -f $LOG ] && offset=\$(wc -c < $LOG)   # the log is appended to: --r
 tmux new-session -d -s $(q "$session") -x 200 -y 50 bash -c $(sq "$inner") run.sh "\$secrets"
 echo "run.sh: started tmux session '$session' on $H (tmux attach -t $session), log $LOG"
 if [ $wait = 1 ]; then
-  pid=\$(tmux display-message -p -t $(q "=$session:") '#{pane_pid}' 2>/dev/null || true)
-  if [ -n "\$pid" ]; then tail -n +1 -F --pid="\$pid" $LOG 2>/dev/null || true; fi
-  while tmux has-session -t $S 2>/dev/null; do sleep 1; done
-  [ -f $STATUS ] || fail 1 "the run ended without an exit status (see $LOG)"
-  [ -n "\$pid" ] || cat $LOG
+  # The program has ended when its exit status is written (the pane's last act): not when the pane's
+  # process is gone, which tmux may leave unreaped (a zombie, "alive" to tail --pid) and the session up.
+  tail -n +1 -F $LOG 2>/dev/null & tail_pid=\$!
+  while [ ! -s $STATUS ] && tmux has-session -t $S 2>/dev/null; do sleep 1; done
+  sleep 1; kill \$tail_pid 2>/dev/null || true
+  [ -s $STATUS ] || fail 1 "the run ended without an exit status (see $LOG)"
   exit "\$(cat $STATUS)"
 fi
 if [ $ready = 1 ]; then
   end=\$((SECONDS + $timeout))
   while ! tail -c +\$((offset + 1)) $LOG 2>/dev/null | grep -q -a $(q "$ready_line"); do
-    if ! tmux has-session -t $S 2>/dev/null; then
+    if [ -s $STATUS ] || ! tmux has-session -t $S 2>/dev/null; then
       code=\$(cat $STATUS 2>/dev/null || echo 1)
       if [ "\$code" = 0 ]; then echo "run.sh: the program on $H finished (exit status 0)"; exit 0; fi
       echo "run.sh: last lines of $LOG on $H:"
@@ -220,8 +221,8 @@ EOF
 no_step="no step logged"; [[ ${index:-0} == 0 ]] || no_step+=" (process 0 logs the steps)"
 status=$(cat <<EOF
 ago() { if [ \$1 -lt 120 ]; then echo "\$1 s"; elif [ \$1 -lt 7200 ]; then echo "\$((\$1 / 60)) min"; else echo "\$((\$1 / 3600)) h"; fi; }
-if tmux has-session -t $S 2>/dev/null; then state=running
-elif [ -f $STATUS ]; then state="ended, exit status \$(cat $STATUS)"
+if [ -s $STATUS ]; then state="ended, exit status \$(cat $STATUS)"
+elif tmux has-session -t $S 2>/dev/null; then state=running
 else state=$(q "not running (no tmux session '$session')"); fi
 progress=""; goodput=""
 if [ -f $HB ]; then
@@ -282,7 +283,7 @@ if ! tmux has-session -t $S 2>/dev/null; then echo $(q "not running (no tmux ses
 pid=\$(cat $(q "$pid_file") 2>/dev/null || true)
 if [ -n "\$pid" ] && kill -TERM "\$pid" 2>/dev/null; then how="SIGTERM to pid \$pid"; else how="no program pid"; fi
 end=\$((SECONDS + $timeout))
-while tmux has-session -t $S 2>/dev/null; do
+while [ ! -s $STATUS ] && tmux has-session -t $S 2>/dev/null; do
   if [ \$SECONDS -ge \$end ]; then
     [ $force = 1 ] || fail 9 $(q "tmux session '$session' still running $timeout s after SIGTERM (tmux attach -t $session)")
     killed=\$(kill_program); tmux kill-session -t $S 2>/dev/null || true; echo "\$how; \${killed}killed tmux session '$session' after $timeout s"; exit 0
