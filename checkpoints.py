@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import model
 from multihost import log
 from rundir import RunRefused, is_url, move_aside, os_error
-from trainer import all_finite, trained
 
 
 class SaveFailed(Exception):
@@ -217,6 +216,18 @@ def _checksum(x):
     bits = lax.bitcast_convert_type(x, word).astype(jnp.uint32)
     weights = 2 * lax.iota(jnp.uint32, x.size).reshape(x.shape) + 1
     return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def trained(state):
+    """The parts of the state a NaN must never reach: params, routing bias and the optimizer's moments
+    (not the spike watch's window of grad norms, where NaN means "not seen yet")."""
+    return state["params"], state["router_bias"], state["opt_state"].inner
+
+
+def all_finite(tree):
+    """Whether every float in the tree is finite (one reduction per leaf)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                              if jnp.issubdtype(leaf.dtype, jnp.floating)]))
 
 
 @jax.jit

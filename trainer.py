@@ -106,26 +106,17 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
                                                      cfg.optim.bias_update_rate))
     updated = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
                "router_bias": router_bias}
-    # A non-finite loss, gradient or updated state (an Adam moment can overflow under a finite gradient)
-    # leaves params, moments and routing bias as they were, so no checkpoint ever holds a NaN. The test
-    # reads replicated scalars: every device takes the same decision.
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & all_finite(trained(updated))
+    # A non-finite loss or gradient leaves params, moments and routing bias as they were, so no
+    # checkpoint ever holds a NaN. That suffices: a finite global norm means every g^2 is finite, so
+    # Adam's moments stay finite and its update divides by at least eps (--b2 < 1). Parameters that an
+    # absurd finite --max_lr overflows make the next loss non-finite, and save_checkpoint refuses such
+    # a state. Testing the updated state itself was a reduction and a select over all of it (one H200:
+    # ~10 ms a step). The test reads replicated scalars: every device takes the same decision.
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     metrics["nonfinite"] = ~finite
     kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
                         {name: state[name] for name in updated})
     return kept | {"key": jax.random.key_data(key)}, metrics
-
-
-def trained(state):
-    """The parts of the state a NaN must never reach: params, routing bias and the optimizer's moments
-    (not the spike watch's window of grad norms, where NaN means "not seen yet")."""
-    return state["params"], state["router_bias"], state["opt_state"].inner
-
-
-def all_finite(tree):
-    """Whether every float in the tree is finite (one reduction per leaf)."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
-                              if jnp.issubdtype(leaf.dtype, jnp.floating)]))
 
 
 def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):

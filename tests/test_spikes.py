@@ -1,5 +1,6 @@
 """Loss spikes: the table's own Adam epsilon, the tiny preset free of spikes on every mesh and dtype, the
-spike watch, and --skip_spikes (a true no-op, decided the same way on every mesh)."""
+spike watch, --skip_spikes (a true no-op, decided the same way on every mesh), and the non-finite guard
+(a non-finite loss or gradient changes nothing; a finite gradient cannot make the state non-finite)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +9,10 @@ import pytest
 
 import dataset
 import main
+import trainer as trainer_module
 from trainer import build_trainer
 import model
+import pipeline
 import sharding
 import spikes
 import utils
@@ -179,3 +182,51 @@ def test_tiny_preset_trains_without_spikes(shape=(2, 2, 2), dtype="float32"):
     warnings, _, last_loss = first_steps(shape, dtype, SPIKE_STEPS)
     assert warnings == []
     assert last_loss < 7.0, "stalled: the loss at this step is about 6 nats"
+
+
+def test_the_largest_finite_gradient_keeps_the_optimizer_state_finite():
+    """What lets the train step test only the loss and the gradient's norm: with every g^2 finite (the
+    norm is), Adam's moments, its update and the new parameters stay finite, at the preset's lr and
+    from a fresh state (moments 0, the table's rows with zero gradient included)."""
+    cfg = utils.Config(model=TINY)
+    params = pipeline.init_pipeline_params(TINY, jax.random.key(0))
+    optimizer = trainer_module.make_optimizer(cfg.optim, params)
+    state, leaves = optimizer.init(params), jax.tree.leaves(params)
+    largest = np.sqrt(np.finfo(np.float32).max / sum(leaf.size for leaf in leaves)) * 0.99
+    for sign in (1.0, -1.0, 1.0, 0.0):
+        grads = jax.tree.map(lambda p: jnp.full(p.shape, sign * largest, jnp.float32).at[..., 0].set(0.0), params)
+        assert np.isfinite(float(optax.global_norm(grads)))
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        # the spike watch's window is not checked: NaN there means "no norm yet"
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((params, state.inner, updates))), sign
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 2 * largest, jnp.float32), params)   # squares sum past fp32
+    assert not np.isfinite(float(optax.global_norm(grads)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30])
+def test_a_non_finite_gradient_changes_nothing(monkeypatch, bad):
+    """A gradient holding a NaN, an inf or a finite value whose square overflows (its norm is inf) with a
+    finite loss: params, moments and routing bias stay bit for bit, the step counts as non-finite; the
+    next ordinary step trains."""
+    grads_of = trainer_module.accumulate_gradients
+
+    def poisoned(*args):
+        grads, metrics = grads_of(*args)
+        return jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(bad), grads), metrics
+    cfg = utils.Config(model=TINY, run=utils.RunConfig(train_batch_size=8, micro_batch_size=2))
+    tokens = jax.random.randint(jax.random.key(7), (8, TINY.T + 1), 0, TINY.vocab_size)
+    poisoned_trainer, trainer = (build_trainer(cfg, sharding.make_mesh((1, 1, 1))) for _ in range(2))
+    x, y = (jax.device_put(tokens[:, part], trainer.data_sharding) for part in (slice(None, -1), slice(1, None)))
+    state = trainer.fresh_state(0)
+    before = jax.device_get({k: state[k] for k in ("params", "opt_state", "router_bias")})
+    monkeypatch.setattr(trainer_module, "accumulate_gradients", poisoned)      # while its step is traced
+    state, metrics = poisoned_trainer.step(state, ((x,), (y,)))
+    monkeypatch.undo()
+    assert bool(metrics["nonfinite"]) and np.isfinite(float(metrics["loss"]))
+    after = jax.device_get({k: state[k] for k in before})
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    state, metrics = trainer.step(state, ((x,), (y,)))
+    assert not bool(metrics["nonfinite"])
+    assert not np.array_equal(jax.device_get(state["params"]["embed"]), before["params"]["embed"])
