@@ -29,11 +29,13 @@ from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 
 from experts import EXPERT_PARALLEL_IMPLS, MOE_IMPLS
+from multihost import log
 from sharding import (BRANCH_SUM, DENSE_LAYERS, LAYERS, REPEATS, UNBATCHED_DOT, Axes, axis_index, branch_sum,
                       einsum_fp32, fetch, gelu, matmul, mesh_spec, psum, vary_like)
 
@@ -133,18 +135,12 @@ CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 
 def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
     """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype (the output projection's
-    operand dtype); causal (mask_TS=None: query t sees keys <= t) or
-    under mask_TS. For a GPU in bf16 with a head width cuDNN accepts, its fused kernel through
-    jax.nn.dot_product_attention; it needs one width for q, k and v, so v is zero-padded from K to
-    Q = K + R and the padding sliced off. Elsewhere einsums (`masked_attention`), causal ones a chunk of
-    queries at a time."""
-    Q, K = q_BTHQ.shape[-1], v_BSHK.shape[-1]
+    operand dtype); causal (mask_TS=None: query t sees keys <= t) or under mask_TS. For a GPU in bf16
+    with a head width cuDNN accepts, its fused kernel (`cudnn_attention`); elsewhere einsums
+    (`masked_attention`), causal ones a chunk of queries at a time."""
+    Q = q_BTHQ.shape[-1]
     if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
-        v_BSHQ = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, Q - K)))
-        out_BTHQ = jax.nn.dot_product_attention(
-            *(a.astype(dtype) for a in (q_BTHQ, k_BSHQ, v_BSHQ)), is_causal=mask_TS is None,
-            mask=None if mask_TS is None else mask_TS[None, None], implementation="cudnn")
-        return out_BTHQ[..., :K]
+        return cudnn_attention(*(a.astype(dtype) for a in (q_BTHQ, k_BSHQ, v_BSHK)), mask_TS)
     if mask_TS is not None:
         return masked_attention(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype)
     T = q_BTHQ.shape[1]
@@ -159,6 +155,69 @@ def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
         masked_attention(q_BTHQ[:, i * c:(i + 1) * c], k_BSHQ[:, :(i + 1) * c], v_BSHK[:, :(i + 1) * c],
                          jnp.arange((i + 1) * c)[None, :] <= jnp.arange(i * c, (i + 1) * c)[:, None], dtype)
         for i in range(n)], axis=1)
+
+
+def cudnn_attention(q_BTHQ, k_BSHQ, v_BSHK, mask_TS):
+    """cuDNN's fused attention of bf16 q, k, v. MLA's v is narrower than q and k (K = Q - R): where
+    cuDNN takes that (`cudnn_takes_narrow_v`) v goes in as it is, through jax's private entry (the
+    public jax.nn.dot_product_attention needs one width); else it is zero-padded to Q and the padding
+    sliced off (moe1B on one H200, estimated: Σ 328 -> 312 ms without the padding)."""
+    Q, K = q_BTHQ.shape[-1], v_BSHK.shape[-1]
+    if K < Q and cudnn_takes_narrow_v(Q, K):
+        return _cudnn_narrow_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS)
+    return _cudnn_padded_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS)
+
+
+def _cudnn_padded_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS):
+    Q, K = q_BTHQ.shape[-1], v_BSHK.shape[-1]
+    v_BSHQ = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, Q - K)))
+    return jax.nn.dot_product_attention(q_BTHQ, k_BSHQ, v_BSHQ, is_causal=mask_TS is None,
+                                        mask=None if mask_TS is None else mask_TS[None, None],
+                                        implementation="cudnn")[..., :K]
+
+
+def _cudnn_narrow_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS):
+    from jax._src.cudnn import fused_attention_stablehlo as fused      # private: another jax may lack it
+    return fused.dot_product_attention(
+        q_BTHQ, k_BSHQ, v_BSHK, mask=None if mask_TS is None else mask_TS[None, None],
+        scale=1 / math.sqrt(q_BTHQ.shape[-1]),
+        mask_type=fused.MaskType.CAUSAL if mask_TS is None else fused.MaskType.NO_MASK)
+
+
+@cache
+def cudnn_takes_narrow_v(Q, K):
+    """Whether cuDNN runs attention with v of width K < Q as it is. jax lets it through from cuDNN 9.10
+    on a Hopper or newer, but only cuDNN on the GPU accepts or refuses the kernel for these widths: on
+    a GPU, once per process, a small attention by the narrow kernel is run and compared with the
+    padded one (`narrow_v_matches_padded`). Compiling for a GPU that is not here (`--compile_for h200`:
+    cuDNN 9.28 on sm_90 from requirements-gpu-aot.txt) nothing can run: jax's own checks decide."""
+    if jax.default_backend() != "gpu":
+        return True
+    try:
+        with jax.ensure_compile_time_eval():        # concrete arrays, even while a step is being traced
+            narrow = narrow_v_matches_padded(Q, K, _cudnn_narrow_v, _cudnn_padded_v)
+    except Exception:        # noqa: BLE001 - whatever refuses it (cuDNN, XLA, a jax without the entry): pad
+        narrow = False
+    log(f"attention: cuDNN's fused kernel, v {K} wide " + ("as it is" if narrow else f"zero-padded to q's {Q} "
+        "(the narrow kernel was refused or disagreed: model.cudnn_takes_narrow_v)"))
+    return narrow
+
+
+def narrow_v_matches_padded(Q, K, narrow, padded, T=256, H=2):
+    """Whether attention `narrow`(q, k, v, mask_TS) equals `padded`'s, causal and under a mask, on
+    random bf16 q, k [1, T, H, Q] and v [1, T, H, K]: the outputs and the gradients of a random
+    projection of them, each to within 2% of its largest value (bf16 rounding, blocked differently)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k = (jax.random.normal(key, (1, T, H, Q), jnp.bfloat16) for key in keys[:2])
+    v, w = (jax.random.normal(key, (1, T, H, K), jnp.bfloat16) for key in keys[2:])
+    window_TS = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]) < T // 4
+
+    def run(attention, mask_TS):
+        out, vjp = jax.vjp(lambda *qkv: attention(*qkv, mask_TS), q, k, v)
+        return [np.asarray(a, np.float32) for a in (out, *vjp(w))]
+
+    return all(np.max(np.abs(a - b)) <= 0.02 * np.max(np.abs(b)) for mask_TS in (None, window_TS)
+               for a, b in zip(run(narrow, mask_TS), run(padded, mask_TS)))
 
 
 def masked_attention(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype):

@@ -18,7 +18,8 @@
 #    --remat full, a profile of that step (bench.py --profile: device op time per step by name),
 #    --remat dots, --moe_impl ragged (sorted tokens + lax.ragged_dot) against the per-expert buffers,
 #    then 32 and 64 sequences while the budget lasts.
-#    Each run is one JSON line in RESULT_DIR/<name>.json, its log in RESULT_DIR/<name>.log.
+#    Each run is one JSON line in RESULT_DIR/<name>.json, its log in RESULT_DIR/<name>.log (moe1B's
+#    says which attention kernel cuDNN took: "attention: cuDNN's fused kernel, v 64 wide as it is").
 # 4. Prints a summary table LAST (also saved as RESULT_DIR/summary.txt).
 #
 # Dry run on a CPU (checks the script's flow only): ALLOW_CPU=1 STEPS=2 MOE_EXTRA="--model_dimension 48

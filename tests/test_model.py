@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import experts
 import generate
@@ -223,6 +224,30 @@ def test_causal_attention_in_query_chunks_equals_one_masked_softmax(T):
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     for g, g_ref in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(whole), (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_narrow_v_check_compares_with_the_padded_kernel_while_a_step_is_traced():
+    """cudnn_takes_narrow_v's check on a GPU, with einsum attention in place of cuDNN's (there is no
+    GPU here): a narrow-v kernel that computes the padded one's attention passes, run on concrete
+    arrays from inside a jit trace as the check runs; one that ignores the mask, or loses a column
+    of v, fails it."""
+    Q, K, T = 192, 64, 256
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    narrow = lambda q, k, v, mask: model.masked_attention(q, k, v, causal if mask is None else mask, jnp.bfloat16)
+    padded = lambda q, k, v, mask: narrow(q, k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, Q - K))), mask)[..., :K]
+    always_causal = lambda q, k, v, mask: narrow(q, k, v, None)
+    lossy = lambda q, k, v, mask: narrow(q, k, v.at[..., -1].set(0), mask)
+
+    verdicts = []
+
+    def body(x):                                 # where attend runs: inside shard_map, under jit
+        with jax.ensure_compile_time_eval():
+            verdicts.extend(model.narrow_v_matches_padded(Q, K, kernel, padded, T=T)
+                            for kernel in (narrow, always_causal, lossy))
+        return x + 1
+    mesh = sharding.make_mesh((2, 2, 2))
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))(jnp.zeros(8))
+    assert verdicts == [True, False, False]
 
 
 @pytest.mark.parametrize("n_seq,T", [(3, 8), (16, 16), (5, 40), (2, 130)])
