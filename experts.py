@@ -17,15 +17,18 @@ from sharding import fp32_product, gelu, matmul, sum_like, vary_like
 def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     """Each expert's output for each choice [B, T, k, D], computed on per-expert buffers of C slots
     per sequence: kept choices are scattered into their slot, dropped ones (slot C) fall off
-    (mode="drop")."""
+    (mode="drop"). The buffers hold the matmul dtype, both ways, as experts_over_dp's trips do: the
+    way in is what the up-projection reads anyway; the way back rounds the expert outputs (one H200,
+    moe1B: Σ 309.6 -> 303.1 ms, the scatter and the gathers in half the bytes)."""
     B, T, k = experts_BTk.shape
+    dtype = w["expert_up"].dtype
     b_BTk = jnp.broadcast_to(jnp.arange(B)[:, None, None], experts_BTk.shape)
-    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, x_BTD.shape[-1]))
-    buffer_BECD = jnp.zeros((B, w["expert_up"].shape[0], C, x_BTD.shape[-1]), x_BTD.dtype)
+    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, x_BTD.shape[-1])).astype(dtype)
+    buffer_BECD = jnp.zeros((B, w["expert_up"].shape[0], C, x_BTD.shape[-1]), dtype)
     buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, slot_BTk].set(x_BTkD, mode="drop")
-    h_BECF = gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf", w["expert_up"].dtype))
-    y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd")
-    return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
+    h_BECF = gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf", dtype))
+    y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd", dtype)
+    return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)].astype(jnp.float32)
 
 
 def _grouped_ffn(w, x_ND, group_sizes_E):
