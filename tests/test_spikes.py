@@ -206,9 +206,9 @@ def test_the_largest_finite_gradient_keeps_the_optimizer_state_finite():
 
 @pytest.mark.parametrize("bad", [np.nan, 1e30])
 def test_a_non_finite_gradient_changes_nothing(monkeypatch, bad):
-    """A gradient holding a NaN, an inf or a finite value whose square overflows (its norm is inf) with a
-    finite loss: params, moments and routing bias stay bit for bit, the step counts as non-finite; the
-    next ordinary step trains."""
+    """A gradient holding a NaN, or a finite value whose square overflows (its norm is inf, as an inf's
+    would be), with a finite loss: params, moments and routing bias stay bit for bit, the step counts
+    as non-finite; the next ordinary step trains."""
     grads_of = trainer_module.accumulate_gradients
 
     def poisoned(*args):
