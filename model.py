@@ -368,15 +368,20 @@ class MLA(nnx.Module):
         K, R = cfg.head_dim, cfg.dhR
         B, T, _ = x_BTD.shape
         w_uk, w_uv = fetch(self.w_uk, axes, dtype), fetch(self.w_uv, axes, dtype)      # [Lkv, H*K] each
-        c_q_BTL = matmul(x_BTD, fetch(self.w_dq, axes, dtype), "btd,dl->btl")
-        c_kv_BTL = matmul(x_BTD, fetch(self.w_dkv, axes, dtype), "btd,dl->btl")
+        # The projections of x (w_dq, w_dkv and w_kr: three parameters, as in the guide) as one
+        # product: x is read once and its gradient comes out of one GEMM rather than three added up
+        # (one H200, moe1B: docs/performance.md).
+        down = (self.w_dq, self.w_dkv) + ((self.w_kr,) if self.use_rope else ())
+        c_BTL = matmul(x_BTD, jnp.concatenate([fetch(w, axes, dtype) for w in down], axis=1), "btd,dl->btl")
+        c_q_BTL, c_kv_BTL, k_rope_BTR = jnp.split(c_BTL, [cfg.q_latent_dim, cfg.q_latent_dim + cfg.latent_dim], -1)
         q_BTHK = matmul(c_q_BTL, fetch(self.w_uq, axes, dtype), "btl,lf->btf", dtype).reshape(B, T, -1, K)
         new_cache = {"c_kv": c_kv_BTL}
         if self.use_rope:
-            q_rope_BTHR = rope(matmul(c_q_BTL, fetch(self.w_qr, axes, dtype), "btl,lf->btf").reshape(B, T, -1, R),
+            # Rotated in fp32 from the product in the matmul dtype, as Megatron rotates its q (half the
+            # bytes of the widest attention product; one H200, moe1B: docs/performance.md).
+            q_rope_BTHR = rope(matmul(c_q_BTL, fetch(self.w_qr, axes, dtype), "btl,lf->btf", dtype).reshape(B, T, -1, R),
                                positions_T, cfg.rope_base)
-            new_cache["k_rope"] = rope(matmul(x_BTD, fetch(self.w_kr, axes, dtype), "btd,dr->btr"), positions_T,
-                                       cfg.rope_base)
+            new_cache["k_rope"] = rope(k_rope_BTR, positions_T, cfg.rope_base)
         if cache is None:
             kv, key_positions_S = new_cache, positions_T
         else:
@@ -460,7 +465,11 @@ class MoE(nnx.Module):
         y_BTkD = impl(w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
         routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
         # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
-        shared_BTD = sum(ffn(w["shared_up"][i], w["shared_down"][i], x_BTD) for i in range(cfg.n_shared))
+        # The shared experts as one FFN of n_shared * F hidden units (the same sum, in one pair of GEMMs):
+        # [n_shared, D, F] -> [D, n_shared * F] and [n_shared, F, D] -> [n_shared * F, D].
+        n_shared, D, F = w["shared_up"].shape
+        shared_BTD = ffn(jnp.moveaxis(w["shared_up"], 0, 1).reshape(D, n_shared * F),
+                         w["shared_down"].reshape(n_shared * F, D), x_BTD)
         # One psum over tp, as in MLA (Megatron).
         out_BTD = branch_sum(routed_BTD + shared_BTD, axes.tp, dtype)
         stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
