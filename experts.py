@@ -14,6 +14,16 @@ from jax import lax
 from sharding import fp32_product, gelu, matmul, sum_like, vary_like
 
 
+def _distinct_drops(index_BTk, end):
+    """index_BTk with each dropped choice (index >= end) sent to a place of its own past the end, where
+    the scatter drops it. The kept choices' places are distinct already, so the scatter may promise
+    unique indices; without that promise JAX differentiates a scatter-set by scattering the update
+    ids too, to find which duplicate won (one H200, moe1B: three u32 [B, E, C, D] passes a MoE layer,
+    docs/performance.md)."""
+    B, T, k = index_BTk.shape
+    return jnp.where(index_BTk < end, index_BTk, end + jnp.arange(B * T * k).reshape(B, T, k))
+
+
 def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     """Each expert's output for each choice [B, T, k, D], computed on per-expert buffers of C slots
     per sequence: kept choices are scattered into their slot, dropped ones (slot C) fall off
@@ -25,7 +35,8 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     b_BTk = jnp.broadcast_to(jnp.arange(B)[:, None, None], experts_BTk.shape)
     x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, x_BTD.shape[-1])).astype(dtype)
     buffer_BECD = jnp.zeros((B, w["expert_up"].shape[0], C, x_BTD.shape[-1]), dtype)
-    buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, slot_BTk].set(x_BTkD, mode="drop")
+    buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, _distinct_drops(slot_BTk, C)].set(
+        x_BTkD, mode="drop", unique_indices=True)
     h_BECF = gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf", dtype))
     y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd", dtype)
     return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)].astype(jnp.float32)
@@ -100,7 +111,8 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     # C) to row B C, past the end, where the scatter drops it.
     row_BTk = jnp.where(slot_BTk < C, jnp.arange(B)[:, None, None] * C + slot_BTk, B * C)
     x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, D)).astype(dtype)
-    send_EUD = jnp.zeros((E, B * C, D), dtype).at[experts_BTk, row_BTk].set(x_BTkD, mode="drop")
+    send_EUD = jnp.zeros((E, B * C, D), dtype).at[experts_BTk, _distinct_drops(row_BTk, B * C)].set(
+        x_BTkD, mode="drop", unique_indices=True)
     # all-to-all over dp: block j of the experts goes to shard j, which stacks what it receives by
     # source shard: [E, B C, D] -> [E/dp, dp B C, D] (U = dp B C slots per expert)
     recv_eUD = lax.all_to_all(send_EUD, dp, split_axis=0, concat_axis=1, tiled=True)
