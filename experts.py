@@ -108,7 +108,7 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
     E = w["expert_up"].shape[0] * lax.axis_size(dp)
     # Kept choice (b, t, i) in slot s goes to row b C + s of its expert's buffer; a dropped one (slot
-    # C) to row B C, past the end, where the scatter drops it.
+    # C) past the end, to a row of its own (`_distinct_drops`), where the scatter drops it.
     row_BTk = jnp.where(slot_BTk < C, jnp.arange(B)[:, None, None] * C + slot_BTk, B * C)
     x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, D)).astype(dtype)
     send_EUD = jnp.zeros((E, B * C, D), dtype).at[experts_BTk, _distinct_drops(row_BTk, B * C)].set(
