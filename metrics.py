@@ -199,10 +199,12 @@ class Goodput:
         seconds = {p: e.seconds[p] + self.seconds[p] for p in self.PHASES}
         run_wall = self.last - (e.first_start if e.first_start is not None else self.started)
         down = e.down_s + (self.down_s or 0.0)
+        # stamped with rec's time: the two describe one moment, and a reader pairs them by it (two clock
+        # reads could straddle a millisecond)
         run = utils.metrics_record(
             "run_goodput", step, run_sessions=e.sessions + 1, run_wall_s=run_wall, run_lost_s=e.lost_s,
             run_down_s=down, **{f"run_{p}_s": v for p, v in seconds.items()},
-            run_goodput=seconds["train"] / run_wall if run_wall > 0 else None)
+            run_goodput=seconds["train"] / run_wall if run_wall > 0 else None) | {"time": rec["time"]}
         run_line = (f"run goodput over {e.sessions + 1} sessions {_shares(run['run_goodput'], run_wall, seconds)} | "
                     f"lost after an interrupted session's last checkpoint {duration(e.lost_s)} | down between "
                     f"sessions {duration(down)}") if e.sessions else None
