@@ -468,21 +468,19 @@ def test_balance_loss_is_applied_in_every_moe_layer_and_summed():
     np.testing.assert_allclose(loss, metrics["ce"] + metrics["balance"].sum(), rtol=1e-6)
 
 
-def _gelu(v):
-    return np.asarray(jax.nn.gelu(jnp.asarray(v)))
-
-
 def _moe_by_hand(w, capacity):
+    """The MoE's output [T, D] on LOGITS, token by token: the kept choices' gated experts plus the
+    shared expert (jnp, so that it can be differentiated too)."""
     s = 1 / (1 + np.exp(-LOGITS))
-    out = np.zeros_like(LOGITS)
+    out = []
     for t in range(6):
         chosen = [s[t, e] for e in EXPERTS[t]]
+        out_D = jax.nn.gelu(LOGITS[t] @ w["shared_up"][0]) @ w["shared_down"][0]
         for j, e in enumerate(EXPERTS[t]):
             if SLOTS[t][j] < capacity:
-                expert = _gelu(LOGITS[t] @ np.asarray(w["expert_up"][e])) @ np.asarray(w["expert_down"][e])
-                out[t] += chosen[j] / sum(chosen) * expert
-        out[t] += _gelu(LOGITS[t] @ np.asarray(w["shared_up"][0])) @ np.asarray(w["shared_down"][0])
-    return out
+                out_D += chosen[j] / sum(chosen) * (jax.nn.gelu(LOGITS[t] @ w["expert_up"][e]) @ w["expert_down"][e])
+        out.append(out_D)
+    return jnp.stack(out)
 
 
 def test_router_logits_are_fp32_at_full_precision():
@@ -513,19 +511,8 @@ def test_moe_weight_gradients_with_drops_by_hand(impl):
     dropped choices sent past the end: experts._distinct_drops) and the gathers back equal autodiff
     of the by-hand sum over kept choices, for a random cotangent."""
     w, cfg = _moe_weights(2), with_model(MOE_CFG, moe_impl=impl)
-    s = 1 / (1 + np.exp(-LOGITS))
     g_TD = jax.random.normal(jax.random.key(5), LOGITS.shape)
-
-    def by_hand(w):
-        out = 0.0
-        for t in range(6):
-            chosen = [s[t, e] for e in EXPERTS[t]]
-            for j, e in enumerate(EXPERTS[t]):
-                if SLOTS[t][j] < 2:                            # capacity 2: 6 of the 12 choices drop
-                    expert = jax.nn.gelu(LOGITS[t] @ w["expert_up"][e]) @ w["expert_down"][e]
-                    out += chosen[j] / sum(chosen) * expert @ g_TD[t]
-            out += jax.nn.gelu(LOGITS[t] @ w["shared_up"][0]) @ w["shared_down"][0] @ g_TD[t]
-        return out
+    by_hand = lambda w: jnp.sum(_moe_by_hand(w, capacity=2) * g_TD)        # capacity 2: 6 of the 12 choices drop
 
     through_moe = lambda w: jnp.sum(moe(w, jnp.asarray(LOGITS)[None], cfg, sharding.Axes())[0][0] * g_TD)
     got, want = jax.grad(through_moe)(w), jax.grad(by_hand)(w)
