@@ -2,8 +2,9 @@
 (`experts_in_buffers`) or a sorted grouped matmul (`experts_ragged`, lax.ragged_dot), each also with
 the experts split over dp and the tokens sent to them by all-to-all (`experts_over_dp`,
 `experts_over_dp_ragged`: --expert_parallel). Every way gives each kept choice its expert's output
-[B, T, k, D]; `model.MoE` routes, keeps or drops, and gates. Selected by --moe_impl (MOE_IMPLS,
-EXPERT_PARALLEL_IMPLS). Shape suffixes as in model.py; N = B T k choices, M rows received.
+[B, T, k, D] in the matmul dtype (what the remat keeps of them); `model.MoE` routes, keeps or drops,
+and gates. Selected by --moe_impl (MOE_IMPLS, EXPERT_PARALLEL_IMPLS). Shape suffixes as in model.py;
+N = B T k choices, M rows received.
 """
 from functools import partial
 
@@ -39,7 +40,7 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
         x_BTkD, mode="drop", unique_indices=True)
     h_BECF = gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf", dtype))
     y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd", dtype)
-    return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)].astype(jnp.float32)
+    return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
 
 
 def _grouped_ffn(w, x_ND, group_sizes_E):
@@ -91,8 +92,9 @@ def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
     expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                  # N = B T k choices
     order_N = jnp.argsort(expert_N, stable=True)
     group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
-    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E)
-    return jnp.zeros_like(y_ND).at[order_N].set(y_ND).reshape(B, T, k, -1)
+    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E).astype(w["expert_up"].dtype)
+    # order_N is a permutation: promising unique indices keeps the scatter's gradient a gather
+    return jnp.zeros_like(y_ND).at[order_N].set(y_ND, unique_indices=True).reshape(B, T, k, -1)
 
 
 def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
@@ -121,7 +123,7 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     # all-to-all back over dp: slot block i returns to shard i, stacked by expert block:
     # [E/dp, dp B C, D] -> [E, B C, D]
     y_EUD = lax.all_to_all(y_eUD, dp, split_axis=1, concat_axis=0, tiled=True)
-    return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)].astype(jnp.float32)
+    return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)]
 
 
 def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
@@ -155,12 +157,12 @@ def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     local_M = jnp.where(group_M < n * e, group_M % e, e)
     by_expert_M = jnp.argsort(local_M, stable=True)
     y_sorted_MD = _grouped_ffn(w, recv_MD[by_expert_M], jnp.sum(counts_nne[:, me, :], axis=0))
-    y_MD = jnp.zeros_like(y_sorted_MD).at[by_expert_M].set(y_sorted_MD).astype(dtype)
+    y_MD = jnp.zeros_like(y_sorted_MD).at[by_expert_M].set(y_sorted_MD, unique_indices=True).astype(dtype)
     # And back over dp, the inverse exchange: [M, D] -> [N, D] in this shard's sorted order
     back_ND = vary_like((jnp.zeros((N, D), dtype),), (y_MD,))[0]
     back_ND = lax.ragged_all_to_all(y_MD, back_ND, start_recv_nn[:, me], rows_nn[:, me], start_send_nn[:, me],
                                     rows_nn[me], axis_name=dp)
-    return jnp.zeros((N, D), jnp.float32).at[order_N].set(back_ND.astype(jnp.float32)).reshape(B, T, k, D)
+    return jnp.zeros((N, D), dtype).at[order_N].set(back_ND, unique_indices=True).reshape(B, T, k, D)
 
 
 MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}

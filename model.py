@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from experts import EXPERT_PARALLEL_IMPLS, MOE_IMPLS
@@ -159,22 +160,58 @@ def attend(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype, platform):
 
 
 def cudnn_attention(q_BTHQ, k_BSHQ, v_BSHK, mask_TS):
-    """cuDNN's fused attention of bf16 q, k, v. MLA's v is narrower than q and k (K = Q - R): where
-    cuDNN takes that (`cudnn_takes_narrow_v`) v goes in as it is, through jax's private entry (the
-    public jax.nn.dot_product_attention needs one width); else it is zero-padded to Q and the padding
-    sliced off (moe1B on one H200, estimated: Σ 328 -> 312 ms without the padding)."""
+    """cuDNN's fused attention of bf16 q, k, v, its output and softmax statistics kept for the backward
+    (`keep_kernel_outputs`). MLA's v is narrower than q and k (K = Q - R): where cuDNN takes that
+    (`cudnn_takes_narrow_v`) v goes in as it is, through jax's private entry (the public
+    jax.nn.dot_product_attention needs one width); else it is zero-padded to Q and the padding sliced
+    off (moe1B on one H200, estimated: Σ 328 -> 312 ms without the padding)."""
     Q, K = q_BTHQ.shape[-1], v_BSHK.shape[-1]
-    if K < Q and cudnn_takes_narrow_v(Q, K):
-        return _cudnn_narrow_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS)
-    return _cudnn_padded_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS)
+    kernel = partial(_cudnn_narrow_v if K < Q and cudnn_takes_narrow_v(Q, K) else _cudnn_padded_v, mask_TS=mask_TS)
+    if mask_TS is not None:                 # cached decode: nothing to differentiate
+        return kernel(q_BTHQ, k_BSHQ, v_BSHK)
+    return keep_kernel_outputs(kernel, q_BTHQ, k_BSHQ, v_BSHK)
+
+
+KERNEL_OUTPUTS = "kernel_outputs"     # the checkpoint name of what `keep_kernel_outputs` keeps
+EXPERT_OUTPUTS = "expert_outputs"     # the checkpoint name of each kept choice's expert output (`MoE`)
+FFN_HIDDEN = "ffn_hidden"             # the checkpoint name of an FFN's up-projection (`ffn`)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def keep_kernel_outputs(kernel, *operands):
+    """kernel(*operands), with what its backward needs besides its operands (a fused attention's output
+    and softmax statistics) named KERNEL_OUTPUTS, so that the remat policies keep it: the backward then
+    runs the kernel's own backward without running its forward again (under remat the operands are
+    recomputed, as every layer input is; one H200, moe1B: the replay's 48 cuDNN forwards go)."""
+    return kernel(*operands)
+
+
+def _keep_kernel_outputs_fwd(kernel, *operands):
+    out, backward = jax.vjp(kernel, *operands)
+    named_out = checkpoint_name(out, KERNEL_OUTPUTS)
+
+    def kept(residual):
+        """The operands are left to the remat to recompute, as every layer input is; the rest is kept."""
+        if residual is out:
+            return named_out
+        return residual if any(residual is o for o in operands) else checkpoint_name(residual, KERNEL_OUTPUTS)
+    return named_out, jax.tree.map(kept, backward)
+
+
+def _keep_kernel_outputs_bwd(kernel, backward, g):
+    return backward(g)
+
+
+keep_kernel_outputs.defvjp(_keep_kernel_outputs_fwd, _keep_kernel_outputs_bwd)
 
 
 def _cudnn_padded_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS):
     Q, K = q_BTHQ.shape[-1], v_BSHK.shape[-1]
-    v_BSHQ = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, Q - K)))
-    return jax.nn.dot_product_attention(q_BTHQ, k_BSHQ, v_BSHQ, is_causal=mask_TS is None,
-                                        mask=None if mask_TS is None else mask_TS[None, None],
-                                        implementation="cudnn")[..., :K]
+    v_BSHQ = jnp.pad(v_BSHK, ((0, 0), (0, 0), (0, 0), (0, Q - K))) if K < Q else v_BSHK
+    out_BTHQ = jax.nn.dot_product_attention(q_BTHQ, k_BSHQ, v_BSHQ, is_causal=mask_TS is None,
+                                            mask=None if mask_TS is None else mask_TS[None, None],
+                                            implementation="cudnn")
+    return out_BTHQ[..., :K] if K < Q else out_BTHQ
 
 
 def _cudnn_narrow_v(q_BTHQ, k_BSHQ, v_BSHK, mask_TS):
@@ -228,9 +265,12 @@ def masked_attention(q_BTHQ, k_BSHQ, v_BSHK, mask_TS, dtype):
     return einsum_fp32("bhts,bshk->bthk", dtype, probs_BHTS, v_BSHK, dtype)
 
 
-def ffn(w_up, w_down, x_BTD):
-    """d -> 4d -> d with GELU; under tp each rank holds F/tp hidden units and returns a partial sum."""
-    return matmul(gelu(matmul(x_BTD, w_up, "btd,df->btf", w_up.dtype)), w_down, "btf,fd->btd")
+def ffn(w_up, w_down, x_BTD, name=None):
+    """d -> 4d -> d with GELU; under tp each rank holds F/tp hidden units and returns a partial sum, in
+    the matmul dtype as every residual branch (`Layer`)."""
+    hidden_BTF = matmul(x_BTD, w_up, "btd,df->btf", w_up.dtype)
+    hidden_BTF = hidden_BTF if name is None else checkpoint_name(hidden_BTF, name)
+    return matmul(gelu(hidden_BTF), w_down, "btf,fd->btd", w_down.dtype)
 
 
 def expert_capacity(cfg):
@@ -371,9 +411,12 @@ class MLA(nnx.Module):
         w_uk, w_uv = fetch(self.w_uk, axes, dtype), fetch(self.w_uv, axes, dtype)      # [Lkv, H*K] each
         # The projections of x (w_dq, w_dkv and w_kr: three parameters, as in the guide) as one
         # product: x is read once and its gradient comes out of one GEMM rather than three added up
-        # (one H200, moe1B: docs/performance.md).
+        # (one H200, moe1B: docs/performance.md). Its outputs, the latents and the shared rotary key, come
+        # out in the matmul dtype (Σ -2.3 ms): the up-projections round the latents so anyway, and the key
+        # is rotated in fp32 from its product, as q is; each latent's cotangents from its two up-
+        # projections then add up in that dtype too.
         down = (self.w_dq, self.w_dkv) + ((self.w_kr,) if self.use_rope else ())
-        c_BTL = matmul(x_BTD, jnp.concatenate([fetch(w, axes, dtype) for w in down], axis=1), "btd,dl->btl")
+        c_BTL = matmul(x_BTD, jnp.concatenate([fetch(w, axes, dtype) for w in down], axis=1), "btd,dl->btl", dtype)
         c_q_BTL, c_kv_BTL, k_rope_BTR = jnp.split(c_BTL, [cfg.q_latent_dim, cfg.q_latent_dim + cfg.latent_dim], -1)
         q_BTHK = matmul(c_q_BTL, fetch(self.w_uq, axes, dtype), "btl,lf->btf", dtype).reshape(B, T, -1, K)
         new_cache = {"c_kv": c_kv_BTL}
@@ -405,7 +448,7 @@ class MLA(nnx.Module):
         mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
         out_BTHK = attend(q_BTHK, k_BSHK, v_BSHK, mask_TS, dtype, axes.platform)
         # Each tp rank holds H/tp heads: its W_o rows give a partial sum of the output.
-        out_BTD = matmul(out_BTHK.reshape(B, T, -1), fetch(self.w_o, axes, dtype), "btf,fd->btd")
+        out_BTD = matmul(out_BTHK.reshape(B, T, -1), fetch(self.w_o, axes, dtype), "btf,fd->btd", dtype)
         # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
         return branch_sum(out_BTD, axes.tp, dtype), (new_cache if cache is not None else None)
 
@@ -422,7 +465,7 @@ class FeedForward(nnx.Module):
     def __call__(self, x_BTD, axes):
         dtype = jnp.dtype(self.cfg.model_dtype)
         # One psum over tp, as in MLA (Megatron).
-        return branch_sum(ffn(fetch(self.w_up, axes, dtype), fetch(self.w_down, axes, dtype), x_BTD), axes.tp, dtype)
+        return branch_sum(ffn(fetch(self.w_up, axes, dtype), fetch(self.w_down, axes, dtype), x_BTD, FFN_HIDDEN), axes.tp, dtype)
 
 
 class MoE(nnx.Module):
@@ -463,8 +506,12 @@ class MoE(nnx.Module):
             impl = partial(EXPERT_PARALLEL_IMPLS[cfg.moe_impl], dp=axes.dp)
         else:
             impl = MOE_IMPLS[cfg.moe_impl]
-        y_BTkD = impl(w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots)
-        routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0), gates_BTk)
+        # Kept by the remat (EXPERT_OUTPUTS, [B, T, k, D] in the matmul dtype): the gates' gradient needs
+        # them, and replaying them runs the experts' down-projection again (one H200, moe1B: Σ -4 ms).
+        y_BTkD = checkpoint_name(impl(w, x_BTD, experts_BTk, jnp.where(kept_BTk, place_BTk, n_slots), n_slots),
+                                 EXPERT_OUTPUTS)
+        routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0).astype(jnp.float32),
+                                gates_BTk)
         # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
         # The shared experts as one FFN of n_shared * F hidden units (the same sum, in one pair of GEMMs):
         # [n_shared, D, F] -> [D, n_shared * F] and [n_shared, F, D] -> [n_shared * F, D].
@@ -478,17 +525,23 @@ class MoE(nnx.Module):
         return out_BTD, stats, fill_BE + tokens_per_expert_BE
 
 
-REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(BRANCH_SUM),
+# Kept by every policy besides the policy's own: each branch's tp all-reduce (`sharding.branch_sum`), a
+# fused kernel's outputs (`keep_kernel_outputs`) and the routed experts' outputs (`MoE`).
+_ALWAYS_KEPT = (BRANCH_SUM, KERNEL_OUTPUTS, EXPERT_OUTPUTS)
+REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT),
                   "dots": jax.checkpoint_policies.save_from_both_policies(
                       jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                      jax.checkpoint_policies.save_only_these_names(UNBATCHED_DOT, BRANCH_SUM))}
+                      jax.checkpoint_policies.save_only_these_names(UNBATCHED_DOT, *_ALWAYS_KEPT))}
 
 
 def remat_policy(cfg, platform):
     """What each layer's forward keeps for the backward under --remat (None: everything, no remat).
     auto: dots on a TPU, whose step is bound by matmul FLOPs (moe1B on v4-64: 1.48x -> 1.36x the
-    model's FLOPs, HBM 11.9 -> 21.9 of 30.75 GiB), full elsewhere: a GPU's step is bound by memory
-    traffic, which the kept products add to (one H200: Σ 336 vs 405 ms)."""
+    model's FLOPs, HBM 11.9 -> 21.9 of 30.75 GiB); on a GPU, whose step is bound by memory traffic,
+    full (one H200, moe1B: Σ 336 vs 405 ms with dots) and each dense FFN's up-projection, whose replay
+    costs more than keeping it (Σ -1.2 ms for 7.5 GiB); full on a CPU."""
+    if cfg.remat == "auto" and platform == "gpu":
+        return jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT, FFN_HIDDEN)
     remat = ("dots" if platform == "tpu" else "full") if cfg.remat == "auto" else cfg.remat
     return None if remat == "none" else REMAT_POLICIES[remat]
 
@@ -512,6 +565,9 @@ class Layer(nnx.Module):
         attn_cache, fill_BE = (None, None) if cache is None else (cache["attn"], cache.get("expert_fill"))
 
         def residual(x_BTD, branch_BTD, i):
+            # The branch comes in the matmul dtype, as Megatron's: the residual stream stays fp32, and
+            # the tp all-reduce carried that dtype already (`sharding.tp_sum`; one H200, moe1B: Σ -2.3 ms).
+            branch_BTD = branch_BTD.astype(x_BTD.dtype)
             if ctx["train"] and cfg.dropout_rate:
                 branch_BTD = dropout(branch_BTD, cfg.dropout_rate, jax.random.fold_in(ctx["key"], i), ctx["seq_ids"])
             return x_BTD + branch_BTD
@@ -537,15 +593,15 @@ class Block(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_BTD, positions_T, axes, ctx, cache=None):
-        """Returns x, this block's MoE stats and its updated cache (None without one)."""
+        """Returns x, this block's MoE stats and its updated cache (None without one). ctx["layer_keys"]:
+        each layer's dropout key, in layer order (`Transformer.run_blocks`)."""
         def dense(layer, x_BTD, inputs):
-            i, cache_l = inputs
-            ctx_l = ctx | {"key": jax.random.fold_in(ctx["key"], i)}
-            x_BTD, _, cache_l = layer(x_BTD, positions_T, axes, ctx_l, cache_l)
+            key, cache_l = inputs
+            x_BTD, _, cache_l = layer(x_BTD, positions_T, axes, ctx | {"key": key}, cache_l)
             return x_BTD, cache_l
 
-        def moe(layer, x_BTD, cache_l):
-            return layer(x_BTD, positions_T, axes, ctx | {"key": jax.random.fold_in(ctx["key"], n_dense)}, cache_l)
+        n_dense, keys = self.cfg.layers_per_block - 1, ctx["layer_keys"]
+        moe = lambda layer, x_BTD, cache_l: layer(x_BTD, positions_T, axes, ctx | {"key": keys[n_dense]}, cache_l)
 
         # Each layer is rematerialised on its own (not the block as one): a block-level checkpoint keeps
         # only the block's input but replays the whole inner scan, which stacks every layer's residuals
@@ -556,12 +612,28 @@ class Block(nnx.Module):
         # step (one H200, moe1B: Σ 289.4 -> 283.1 ms, 9,487 -> 6,611 kernels). A TPU keeps the loop,
         # which compiles faster (--compile_for v4-64: docs/performance.md).
         policy = remat_policy(self.cfg, axes.platform)
-        n_dense = self.cfg.layers_per_block - 1
         x_BTD, dense_cache = scan_stacked(self.dense, DENSE_LAYERS, dense, x_BTD,
-                                          (jnp.arange(n_dense), None if cache is None else cache["dense"]), policy,
+                                          (keys[:n_dense], None if cache is None else cache["dense"]), policy,
                                           unroll=axes.platform == "gpu")
         x_BTD, stats, moe_cache = call_module(self.moe, moe, x_BTD, None if cache is None else cache["moe"], policy)
         return x_BTD, stats, None if cache is None else {"dense": dense_cache, "moe": moe_cache}
+
+
+def _fold_in_each(key, n, first=0):
+    """[fold_in(key, first), ..., fold_in(key, first + n - 1)]: one key per layer or block, drawn at once."""
+    return jax.vmap(partial(jax.random.fold_in, key))(first + jnp.arange(n))
+
+
+def _in_read_dtypes(stack, cfg):
+    """stack (stacked blocks) with each weight matrix in the dtype the layers read it in (`weight_dtype`),
+    cast here, outside every layer's remat: `fetch` then has nothing to cast, and the backward's replay
+    reads the cast weights rather than casting them again (one H200, moe1B: Σ -2.9 ms, 461 kernels
+    fewer). The same values, and the same gradients: each weight's is rounded to that dtype by its
+    product (`sharding.einsum_fp32`) either way. Norm scales and shifts stay fp32."""
+    graphdef, state = nnx.split(stack)
+    matrix = lambda name: len(_axes_by_leaf_name()[name]) >= 2
+    cast = lambda path, a: a.astype(weight_dtype(path[-2].key, cfg)) if matrix(path[-2].key) else a
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(cast, state))
 
 
 class Transformer(nnx.Module):
@@ -579,14 +651,18 @@ class Transformer(nnx.Module):
         rematerialised per cfg.remat (`Block`). Returns x, per-block MoE stats (stacked over blocks) and the
         updated caches (None without a cache)."""
         def block(block, x_BTD, inputs):
-            index, cache = inputs
-            ctx_b = ctx | {"key": jax.random.fold_in(ctx["key"], index)}
-            x_BTD, stats, cache = block(x_BTD, positions_T, axes, ctx_b, cache)
+            keys_L, cache = inputs
+            x_BTD, stats, cache = block(x_BTD, positions_T, axes, ctx | {"layer_keys": keys_L}, cache)
             return x_BTD, (stats, cache)
 
         n_blocks = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
-        x_BTD, (stats, caches) = scan_stacked(self.blocks, LAYERS, block, x_BTD,
-                                              (first_block + jnp.arange(n_blocks), caches))
+        # Layer i of block b drops out with fold_in(fold_in(key, b), i), b in model order: drawn here for
+        # every layer, outside the scan and the layers' remat (on a GPU each fold_in in there was a dozen
+        # tiny kernels, in the forward and again in the backward).
+        keys_BL = jax.vmap(partial(_fold_in_each, n=self.cfg.layers_per_block))(
+            _fold_in_each(ctx["key"], n_blocks, first_block))
+        x_BTD, (stats, caches) = scan_stacked(_in_read_dtypes(self.blocks, self.cfg), LAYERS, block, x_BTD,
+                                              (keys_BL, caches))
         return x_BTD, stats, caches
 
     def __call__(self, ids_BT, positions_T=None, caches=None, ctx=None):

@@ -24,6 +24,7 @@ import checkpoints
 import rundir
 from data_util import REPO, SHARD, kill_chain, output_files
 from test_main import MESH1, TINY
+from opt_in import slow
 
 BUCKET = "jaxformer"
 
@@ -130,6 +131,7 @@ def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, cpu_env,
     assert not os.path.exists(os.path.join(REPO, "gs:")) and not os.path.exists(os.path.join(REPO, "gs"))
 
 
+@slow
 def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_losses, tmp_path):
     """Two jax processes (one CPU device each, gloo) on one dp=2 mesh, reading gs:// shards and
     writing one gs:// run directory: each writes its own part of every checkpoint (Orbax, through
@@ -155,6 +157,7 @@ def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_loss
     assert any("ocdbt.process_0" in w for w in written) and any("ocdbt.process_1" in w for w in written)
 
 
+@slow
 def test_second_run_is_refused_then_a_store_outage_is_one_line_and_loses_no_record(cpu_env, reference_run, tmp_path):
     """A run on gs:// holds its directory: a second one (even with --restart) exits 2 naming the holder and
     touches nothing. Then the store goes down (the emulator killed from outside): the first exits 1 with one

@@ -11,6 +11,7 @@ import sys
 import time
 
 from launch_util import ROOT, free_port, main_process, needs_tmux, sh
+from opt_in import slow
 
 pytestmark = needs_tmux
 
@@ -29,6 +30,7 @@ def logs(tmp_path):
                    for d in ("host-logs", "logs") for p in sorted((tmp_path / d).glob("*")) if p.is_file())
 
 
+@slow
 def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.1\n")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from launch_util import ROOT, SECRET, all_text, free_port, needs_tmux, sh
+from opt_in import slow
 
 # 2 processes against 1 on one mesh, fp32: the collectives sum in another order (measured: at most
 # 8.4e-8, one ulp, over 4 steps); a wrong shard of the data or of the state moves the loss by ~1e-2.
@@ -105,6 +106,7 @@ def wait_for(tmux_env, where, name, pattern, timeout):
     return shown
 
 
+@slow
 def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, two_hosts, tmp_path):
     """SIGTERM to process 1 only: both processes stop and save at the same step and exit 0, and the
     training driver synchronised the processes far less often than once a step (it used to gather

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 from launch_util import all_text, free_port, main_process, needs_tmux, sh
+from opt_in import slow
 
 pytestmark = needs_tmux
 
@@ -50,6 +51,7 @@ def losses(path):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@slow
 def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
