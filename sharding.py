@@ -204,9 +204,10 @@ UNBATCHED_DOT = "unbatched_dot"     # the checkpoint name of einsum_fp32's produ
 
 def matmul(x, w, spec, out_dtype=jnp.float32):
     """einsum of operands rounded to the weights' dtype, accumulated in fp32 and returned in out_dtype:
-    fp32 for a partial sum (psummed over tp) or a branch of the fp32 residual stream; the weights'
-    dtype for a product whose one use rounds it to that dtype anyway (attention's q, k, v): the same
-    numbers in half the bytes, and no separate cast kernel on a GPU."""
+    the weights' dtype for a product whose one use rounds it to that dtype anyway (attention's q, k, v,
+    the latents): the same numbers in half the bytes, and no separate cast kernel on a GPU; and for a
+    residual branch, whose tp all-reduce carries that dtype (`tp_sum`) before the fp32 residual stream
+    adds it. fp32, the default, where the caller needs the product unrounded."""
     return einsum_fp32(spec, w.dtype, x, w, out_dtype)
 
 
