@@ -631,8 +631,7 @@ def _in_read_dtypes(stack, cfg):
     fewer). The same values, and the same gradients: each weight's is rounded to that dtype by its
     product (`sharding.einsum_fp32`) either way. Norm scales and shifts stay fp32."""
     graphdef, state = nnx.split(stack)
-    matrix = lambda name: len(_axes_by_leaf_name()[name]) >= 2
-    cast = lambda path, a: a.astype(weight_dtype(path[-2].key, cfg)) if matrix(path[-2].key) else a
+    cast = lambda path, a: a.astype(weight_dtype(path[-2].key, cfg)) if _is_matrix(path[-2].key) else a
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(cast, state))
 
 
@@ -777,7 +776,12 @@ def param_shardings(params, mesh, expert_parallel=False):
 def decay_mask(params):
     """True for the leaves AdamW decays: matrices (two or more logical axes besides the stacking
     ones), not norm scales and shifts."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: len(_axes_by_leaf_name()[path[-1].key]) >= 2, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: _is_matrix(path[-1].key), params)
+
+
+def _is_matrix(name):
+    """Whether leaf `name` is a matrix: two or more logical axes besides the stacking ones."""
+    return len(_axes_by_leaf_name()[name]) >= 2
 
 
 def table_mask(params):

@@ -5,22 +5,12 @@ XLA:CPU (`sharding.fp32_product`) hands the backward no copies of the weights.
 """
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jax_core
 
 import model
 import pipeline
 import sharding
+from test_accelerator_program import _equations as eqns
 from test_model import CFG, KEY, abstract_params, batch, with_model
-
-
-def eqns(jaxpr):
-    """Every equation of a jaxpr, those of the jaxprs inside it (scans, conds, remats, ...) included."""
-    for e in jaxpr.eqns:
-        yield e
-        for value in e.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
-                    yield from eqns(getattr(sub, "jaxpr", sub))
 
 
 @jax.custom_vjp
