@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 
@@ -119,19 +120,31 @@ def _remove_partial_checkpoints(directory):
         pass
 
 
+def check_can_save(mngr, abstract_state):
+    """RunRefused at start when the checkpoint directory could not take a save of the state (a file in its
+    place, not writable, too little space for one checkpoint): found at the first save, it would cost
+    every step before it."""
+    try:
+        _check_writable(str(mngr.directory), abstract_state)
+    except OSError as e:
+        raise RunRefused(f"the checkpoints could not be saved in {mngr.directory} ({os_error(e)}); make it a "
+                         f"directory this process can write with room for a checkpoint, or use another "
+                         f"--output_dir or --name") from None
+
+
 def _check_writable(directory, state):
-    """OSError when a local checkpoint directory cannot take a save of `state`: not writable, or less free
-    space than this process' share of the state's bytes (uncompressed: a safe bound). Object stores
-    are left to Orbax."""
+    """OSError when a local checkpoint directory cannot take a save of `state` (arrays or their shapes):
+    not writable, or less free space than this process' share of the state's bytes (uncompressed: a safe
+    bound). Object stores are left to Orbax."""
 
     if is_url(directory):
         return
     os.makedirs(directory, exist_ok=True)
-    probe = os.path.join(directory, f".write-test-{os.getpid()}")
+    probe = os.path.join(directory, f".write-test-{socket.gethostname()}-{os.getpid()}")
     with open(probe, "w") as f:
         f.write("ok")
     os.remove(probe)
-    need = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) // jax.process_count()
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)) // jax.process_count()
     free = shutil.disk_usage(directory).free
     if free < need:
         raise OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free, the checkpoint "

@@ -44,6 +44,11 @@ class DataError(ValueError):
     """A problem with the token data (always names the manifest or shard file)."""
 
 
+class DataUnavailable(DataError):
+    """The data's store stopped answering (a GCS outage, a lost network): main() exits 1, not 2, since the
+    same command resumes from the newest checkpoint once it answers again."""
+
+
 def default_cache_dir():
     return os.environ.get("JAXFORMER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxformer"))
 
@@ -63,31 +68,36 @@ def ensure_bundled_shards(cache_dir: str, say=lambda text: None) -> str:
     key = _shards._file_sha256(corpus.PATH)[:16]
     # "_c": manifests with token counts (older caches without them are rebuilt, not reused)
     out = os.path.join(os.path.abspath(cache_dir), f"kjv_{_tok.NAME}_{key}_s{BUNDLED_SHARD_SIZE}_c")
-    if _complete(out):
+    if _intact(out):
         return out
-    say(f"tokenizing the bundled corpus (the King James Bible) into {out}, once")
+    say(f"tokenizing the bundled corpus (the King James Bible) into {out}, once"
+        + (" more: the cached shards there are incomplete or damaged" if os.path.exists(out) else ""))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _shards.tokenize(tmp, _shards.make_plan(_shards.BUNDLED), BUNDLED_SHARD_SIZE)
-        if os.path.exists(out) and not _complete(out):
+        if os.path.exists(out) and not _intact(out):
             shutil.rmtree(out, ignore_errors=True)
         try:
             os.rename(tmp, out)
         except OSError:
-            if not _complete(out):
+            if not _intact(out):
                 raise
     finally:               # a build that failed (a full or read-only disk) or lost the race leaves nothing
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _complete(d):
+def _intact(d):
+    """Whether d holds a finished tokenization whose every shard has the size its manifest records (the
+    loader's own check at start; python -m data.verify also hashes them)."""
     try:
         with open(os.path.join(d, _shards.MANIFEST)) as f:
-            return bool(json.load(f).get("complete"))
-    except (OSError, ValueError):
+            m = json.load(f)
+        return bool(m.get("complete")) and all(os.path.getsize(os.path.join(d, s["file"])) == 4 * int(s["tokens"])
+                                               for s in m["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
@@ -137,12 +147,15 @@ class TokenDataset:
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.manifest_path = f"{data_dir.rstrip('/')}/{_shards.MANIFEST}"
-        self.manifest = m = _read_manifest(self.fs, self.root, self.manifest_path, self.vocab_size)
-        entries = [s for s in m["shards"] if s["split"] == split]
-        if not entries:
-            raise DataError(f"{self.manifest_path}: no shards for split {split!r} "
-                            f"(splits present: {sorted({s['split'] for s in m['shards']})})")
-        self._check_sizes(entries)
+        try:
+            self.manifest = m = _read_manifest(self.fs, self.root, self.manifest_path, self.vocab_size)
+            entries = [s for s in m["shards"] if s["split"] == split]
+            if not entries:
+                raise DataError(f"{self.manifest_path}: no shards for split {split!r} "
+                                f"(splits present: {sorted({s['split'] for s in m['shards']})})")
+            self._check_sizes(entries)
+        except _shards.store_errors() as e:
+            raise self._unavailable(e) from None
         self.files = [f"{data_dir.rstrip('/')}/{s['file']}" for s in entries]
         self.paths = [f"{self.root}/{s['file']}" for s in entries]
         self.sizes = np.array([int(s["tokens"]) for s in entries], dtype=np.int64)
@@ -165,7 +178,7 @@ class TokenDataset:
                 raise DataError(f"shard {name} listed in the manifest is missing")
             if sizes[s["file"]] != want:
                 raise DataError(f"shard {name} is truncated or corrupt: {sizes[s['file']]} bytes, the manifest "
-                                f"says {s['tokens']} tokens ({want} bytes); re-tokenize it")
+                                f"says {s['tokens']} tokens ({want} bytes){self._remedy()}")
 
     def _pieces(self, start, length):
         """(position in the row, shard index, token offset in the shard, token count) covering tokens
@@ -210,7 +223,7 @@ class TokenDataset:
             for i, off, take in pieces:
                 data = os.pread(self._fd(i), 4 * take, 4 * off)
                 if len(data) != 4 * take:
-                    raise DataError(f"shard {self.files[i]} is shorter than the manifest says; re-tokenize it")
+                    raise DataError(f"shard {self.files[i]} is shorter than the manifest says{self._remedy()}")
                 res.append(data)
         return res
 
@@ -234,10 +247,20 @@ class TokenDataset:
                                      [4 * (off + take) for _, off, take in pieces], on_error="raise")
         except FileNotFoundError as e:
             raise DataError(f"a shard of {self.manifest_path} is missing ({e})") from None
+        except _shards.store_errors() as e:
+            raise self._unavailable(e) from None
         for (i, _, take), data in zip(pieces, res):
             if len(data) != 4 * take:
-                raise DataError(f"shard {self.files[i]} is shorter than the manifest says; re-tokenize it")
+                raise DataError(f"shard {self.files[i]} is shorter than the manifest says{self._remedy()}")
         return res
+
+    def _remedy(self):
+        return (f"; python -m data.verify {self.data_dir} checks every shard; tokenize the data again into an "
+                f"empty --out (python -m data.tokenize_local ...) to replace them")
+
+    def _unavailable(self, e):
+        return DataUnavailable(f"could not read {self.data_dir} ({_shards.describe_error(e)}); run the same command "
+                               f"again once it can be read: training resumes from the newest checkpoint")
 
     def close(self):
         with self._lock:

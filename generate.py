@@ -18,10 +18,12 @@ def init_caches(cfg, batch, length, dtype=jnp.float32):
     shared key in RoPE layers) and in MoE layers each sequence's tokens queued per expert so far."""
     n_dense = cfg.layers_per_block - 1
     latent = lambda *lead: jnp.zeros((*lead, batch, length, cfg.latent_dim), dtype)
-    return {"dense": {"attn": {"c_kv": latent(cfg.blocks, n_dense),
-                               "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)}},
-            "moe": {"attn": {"c_kv": latent(cfg.blocks)},
-                    "expert_fill": jnp.zeros((cfg.blocks, batch, cfg.n_experts), jnp.int32)}}
+    caches = {"moe": {"attn": {"c_kv": latent(cfg.blocks)},
+                      "expert_fill": jnp.zeros((cfg.blocks, batch, cfg.n_experts), jnp.int32)}}
+    if n_dense:
+        caches["dense"] = {"attn": {"c_kv": latent(cfg.blocks, n_dense),
+                                    "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)}}
+    return caches
 
 
 def _sample(logits_V, key, top_k, temperature):

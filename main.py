@@ -7,8 +7,8 @@ flag (`python main.py --help`). A run lives in OUTPUT_DIR/NAME (rundir.py: metri
 its checkpoints in OUTPUT_DIR/NAME/checkpoints (checkpoints.py); starting the same command again
 resumes from the newest readable checkpoint, exactly: the data loader is a pure function of the
 sequences consumed, and they, the RNG key, the optimizer state, the step and the model config are in
-the checkpoint. SIGTERM, SIGHUP or Ctrl-C: finish the step, save, exit 0. No progress for
---hang_timeout s (a host stopped or lost mid-collective): every thread's stack to stderr, exit 3;
+the checkpoint. SIGTERM, SIGHUP, Ctrl-C or a lost terminal: finish the step, save, exit 0 (a SIGHUP
+ignored at start, as nohup does, stays ignored). No progress for --hang_timeout s (a host stopped or lost mid-collective): every thread's stack to stderr, exit 3;
 SIGUSR1: the stacks now, and go on (multihost.Watchdog).
 
 Steps are counted in optimizer updates; "step k" is the k-th update, and its loss is the loss of the
@@ -37,12 +37,13 @@ import multihost
 import pod
 import sharding
 import utils
-from checkpoints import (SaveFailed, check_saves, checkpoint_manager, checksums_and_finite, discard_failed_saves,
-                         newest_meta, quiet_failed_saves, restore_latest, save, wait_for_save)
+from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_manager, checksums_and_finite,
+                         discard_failed_saves, newest_meta, quiet_failed_saves, restore_latest, save, wait_for_save)
+from data.shards import OutputError
 from data.tokenizer import get_tokenizer
 from metrics import Diverged, Goodput, Meter, earlier_sessions, log_interval, process_start, say
 from multihost import StopSignals, log, set_up_devices
-from rundir import Logger, RunRefused, lock_run_dir, metrics_records, run_dir_of, set_aside_previous_run
+from rundir import Logger, RunRefused, lock_run_dir, metrics_records, os_error, run_dir_of, set_aside_previous_run
 from trainer import Trainer, build_trainer
 
 
@@ -53,9 +54,10 @@ def data_dir_for(cfg):
     cache = dataset.default_cache_dir()
     try:
         return dataset.ensure_bundled_shards(cache, say=log)
-    except OSError as e:
-        raise dataset.DataError(f"JAXFORMER_CACHE={cache}: cannot write the bundled corpus' shards there ({e}); "
-                                f"point JAXFORMER_CACHE at a writable directory, or pass --data_dir") from None
+    except (OSError, OutputError) as e:
+        raise dataset.DataError(f"JAXFORMER_CACHE={cache}: cannot write the bundled corpus' shards there "
+                                f"({os_error(e)}); point JAXFORMER_CACHE at a writable directory, or pass "
+                                f"--data_dir") from None
 
 
 def next_batch(batches, grad_step):
@@ -107,6 +109,7 @@ def open_run(cfg, mesh):
     trainer = build_trainer(cfg, mesh)
     train_ds, val_batches = load_data(cfg, trainer.data_sharding)
     mngr = checkpoint_manager(run_dir)
+    check_can_save(mngr, trainer.abstract_state)
     restored = restore_latest(mngr, trainer.abstract_state, run_dir, cfg.model)
     state, meta = restored if restored is not None else (trainer.fresh_state(rc.seed), None)
     start_step, start_seq, run_id = start_position(meta, cfg)
@@ -152,7 +155,7 @@ def load_data(cfg, data_sharding):
         val_ds = dataset.TokenDataset(data_dir, "val", mc.vocab_size)
     except dataset.DataError as e:
         if rc.data_dir:
-            raise dataset.DataError(f"--data_dir {rc.data_dir}: {e}") from None
+            raise type(e)(f"--data_dir {rc.data_dir}: {e}") from None
         raise
     val_batches = dataset.validation_batches(val_ds, mc.T, rc.val_batch_size, data_sharding, rc.eval_steps)
     if len(val_batches) < rc.eval_steps:
@@ -309,10 +312,11 @@ def train(cfg, mesh):
     run.logger.metrics(utils.metrics_record("event", run.start_step, event="start" if run.meta is None else "resume",
                                             process_start=goodput.started))
     state, step = run.state, run.start_step
+    stop = StopSignals()            # first: it guards sys.stdout, which the progress bar writes to
     # A progress bar on a terminal; a log file (launcher.sh's) gets the interval lines alone, not redraws.
     bar = tqdm(total=oc.training_steps, initial=step, disable=jax.process_index() != 0 or not sys.stdout.isatty(),
                dynamic_ncols=True, desc="train", unit="step", file=sys.stdout, mininterval=0.5)
-    meter, stop = Meter(run, bar), StopSignals()
+    meter = Meter(run, bar)
     # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
     stop_agreed = multihost.StopAgreement(lambda: stop.requested)
     watchdog = multihost.Watchdog(rc.hang_timeout, rc.heartbeat_file)
@@ -424,7 +428,7 @@ def main(argv=None):
     except RunRefused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (SaveFailed, Diverged) as e:
+    except (SaveFailed, Diverged, dataset.DataUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except dataset.DataError as e:          # the data (or --T, --vocab_size) does not fit the run

@@ -172,7 +172,10 @@ class Goodput:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.start_step, self.earlier = start_step, earlier
         self.redone_steps = earlier.redone_steps if earlier else 0
-        self.down_s = started - earlier.last_time if earlier and earlier.last_time is not None else None
+        # < 0: this session started before the previous one's last record, i.e. both ran at once (its lock
+        # was deleted by hand): no time down
+        self.overlap_s = max(0.0, earlier.last_time - started) if earlier and earlier.last_time is not None else 0.0
+        self.down_s = max(0.0, started - earlier.last_time) if earlier and earlier.last_time is not None else None
 
     def mark(self, phase):
         now = time.time()
@@ -191,7 +194,10 @@ class Goodput:
         line = f"goodput {_shares(rec['goodput'], wall, self.seconds)}"
         if self.redone_steps:
             line += f" | redone after the restart: {self.redone_steps} steps, {duration(redone)}"
-        if self.down_s is not None:
+        if self.overlap_s:
+            line += (f" | started {duration(self.overlap_s)} before the previous session's last record (two "
+                     f"sessions at once: was the run's lock deleted?)")
+        elif self.down_s is not None:
             line += f" | down before this session: {duration(self.down_s)}"
         if self.earlier is None:
             return rec, None, line, None
@@ -259,14 +265,15 @@ def log_interval(run, meter, state, step):
 
 def load_spread(load):
     """(max/min tokens per expert over the worst MoE layer, a note naming idle experts or None); inf when
-    an expert got no tokens."""
+    an expert got no tokens: the router sent it none of the interval's tokens (early in a run, or an
+    expert collapsing; the balance loss and --bias_update_rate pull it back)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         spread = float(np.max(load.max(-1) / load.min(-1)))
-    idle = [f"{layer}.{e}" for layer, e in zip(*np.nonzero(load == 0))]
+    idle = [f"layer {layer} expert {e}" for layer, e in zip(*np.nonzero(load == 0))]
     if not idle:
         return spread, None
-    more = f" and {len(idle) - 8} more" if len(idle) > 8 else ""
-    return spread, f" (no tokens: expert {', '.join(idle[:8])}{more}, as layer.expert)"
+    more = f" and {len(idle) - 4} more" if len(idle) > 4 else ""
+    return spread, f" (routed no token this interval: MoE {', '.join(idle[:4])}{more})"
 
 
 def expert_stats(steps):

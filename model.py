@@ -479,8 +479,10 @@ class MoE(nnx.Module):
         self.router = _variable(rngs, _normal(0.02), (D, E), "embed", "score")
         self.expert_up = _variable(rngs, _normal(0.02), (E, D, F), "expert", "embed", "mlp")
         self.expert_down = _variable(rngs, _normal(_output_std(cfg)), (E, F, D), "expert", "mlp", "embed")
-        self.shared_up = _variable(rngs, _normal(0.02), (n_shared, D, F), "shared", "embed", "mlp")
-        self.shared_down = _variable(rngs, _normal(_output_std(cfg)), (n_shared, F, D), "shared", "mlp", "embed")
+        # --n_shared 0: no shared experts, and no empty arrays to checkpoint
+        shared = lambda init, shape, *axes: _variable(rngs, init, shape, "shared", *axes) if n_shared else None
+        self.shared_up = shared(_normal(0.02), (n_shared, D, F), "embed", "mlp")
+        self.shared_down = shared(_normal(_output_std(cfg)), (n_shared, F, D), "mlp", "embed")
         self.router_bias = _variable(rngs, _zeros, (E,), "score", kind=RouterBias) if router_bias else None
         self.cfg = cfg
 
@@ -494,7 +496,7 @@ class MoE(nnx.Module):
         experts_BTk, gates_BTk, place_BTk, tokens_per_expert_BE, balance_B = route(
             fetch(self.router, axes, weight_dtype("router", cfg)), x_BTD, cfg, bias_E)
         w = {name: fetch(getattr(self, name), axes, dtype)
-             for name in ("expert_up", "expert_down", "shared_up", "shared_down")}
+             for name in ("expert_up", "expert_down", "shared_up", "shared_down") if getattr(self, name) is not None}
         B, T, _ = x_BTD.shape
         C = expert_capacity(cfg)
         fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
@@ -512,14 +514,15 @@ class MoE(nnx.Module):
                                  EXPERT_OUTPUTS)
         routed_BTD = jnp.einsum("btkd,btk->btd", jnp.where(kept_BTk[..., None], y_BTkD, 0.0).astype(jnp.float32),
                                 gates_BTk)
-        # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
-        # The shared experts as one FFN of n_shared * F hidden units (the same sum, in one pair of GEMMs):
-        # [n_shared, D, F] -> [D, n_shared * F] and [n_shared, F, D] -> [n_shared * F, D].
-        n_shared, D, F = w["shared_up"].shape
-        shared_BTD = ffn(jnp.moveaxis(w["shared_up"], 0, 1).reshape(D, n_shared * F),
-                         w["shared_down"].reshape(n_shared * F, D), x_BTD)
+        if "shared_up" in w:
+            # Guide: the shared experts' output is added (the guide's MoE returns the routed part alone).
+            # The shared experts as one FFN of n_shared * F hidden units (the same sum, in one pair of
+            # GEMMs): [n_shared, D, F] -> [D, n_shared * F] and [n_shared, F, D] -> [n_shared * F, D].
+            n_shared, D, F = w["shared_up"].shape
+            routed_BTD = routed_BTD + ffn(jnp.moveaxis(w["shared_up"], 0, 1).reshape(D, n_shared * F),
+                                          w["shared_down"].reshape(n_shared * F, D), x_BTD)
         # One psum over tp, as in MLA (Megatron).
-        out_BTD = branch_sum(routed_BTD + shared_BTD, axes.tp, dtype)
+        out_BTD = branch_sum(routed_BTD, axes.tp, dtype)
         stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
                  "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
         return out_BTD, stats, fill_BE + tokens_per_expert_BE
@@ -588,7 +591,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg, rngs, router_bias=False):
         dense_layer = lambda rngs: Layer(cfg, rngs, use_moe=False)
-        self.dense = _stacked(dense_layer, cfg.layers_per_block - 1, DENSE_LAYERS, rngs)
+        # --layers_per_block 1: every layer MoE, and no empty stack of dense ones to checkpoint
+        n_dense = cfg.layers_per_block - 1
+        self.dense = _stacked(dense_layer, n_dense, DENSE_LAYERS, rngs) if n_dense else None
         self.moe = Layer(cfg, rngs, use_moe=True, router_bias=router_bias)
         self.cfg = cfg
 
@@ -612,11 +617,14 @@ class Block(nnx.Module):
         # step (one H200, moe1B: Σ 289.4 -> 283.1 ms, 9,487 -> 6,611 kernels). A TPU keeps the loop,
         # which compiles faster (--compile_for v4-64: docs/performance.md).
         policy = remat_policy(self.cfg, axes.platform)
-        x_BTD, dense_cache = scan_stacked(self.dense, DENSE_LAYERS, dense, x_BTD,
-                                          (keys[:n_dense], None if cache is None else cache["dense"]), policy,
-                                          unroll=axes.platform == "gpu")
-        x_BTD, stats, moe_cache = call_module(self.moe, moe, x_BTD, None if cache is None else cache["moe"], policy)
-        return x_BTD, stats, None if cache is None else {"dense": dense_cache, "moe": moe_cache}
+        new_cache = {}
+        if self.dense is not None:
+            x_BTD, new_cache["dense"] = scan_stacked(self.dense, DENSE_LAYERS, dense, x_BTD,
+                                                     (keys[:n_dense], None if cache is None else cache["dense"]),
+                                                     policy, unroll=axes.platform == "gpu")
+        x_BTD, stats, new_cache["moe"] = call_module(self.moe, moe, x_BTD, None if cache is None else cache["moe"],
+                                                     policy)
+        return x_BTD, stats, None if cache is None else new_cache
 
 
 def _fold_in_each(key, n, first=0):
@@ -723,9 +731,16 @@ def init_params(cfg, key):
     """fp32 parameters with global shapes, each drawn by its initializer (stacked ones whole) with its
     own key split from `key` in the params' order. The values depend only on (cfg, key), not on any
     mesh, and are those this file drew before its modules were nnx modules."""
-    params = _flat_variables(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    params = _params_of(cfg)
     keys = jax.random.split(key, len(params))
     return _nested([(path, v.initializer(k, v.shape)) for (path, v), k in zip(params, keys)])
+
+
+@cache
+def _params_of(cfg):
+    """[(path in the params, abstract Param)] of the Transformer for cfg, built once per config (nnx builds
+    a module tree in about half a second, and init, shapes and counts each want one)."""
+    return _flat_variables(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
 
 
 def param_shapes(cfg):
@@ -734,12 +749,12 @@ def param_shapes(cfg):
 
 
 class _SizeOne:
-    """A stand-in config whose every size is 1: the logical axes of a parameter depend on where it
-    sits in the modules, not on any size."""
+    """A stand-in config whose every size is 1 but layers_per_block (2: a dense layer beside the MoE
+    one): the logical axes of a parameter depend on where it sits in the modules, not on any size."""
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return 1
+        return 2 if name == "layers_per_block" else 1
 
 
 @cache

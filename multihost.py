@@ -9,11 +9,13 @@ Environment:
                              a stop (SIGTERM) is honoured within about this plus a step; each check
                              costs one host-device sync.
 """
+import errno
 import faulthandler
 import glob
+import importlib.metadata
+import importlib.util
 import os
 import signal
-import stat
 import sys
 import threading
 import time
@@ -148,6 +150,10 @@ def set_up_devices(cfg):
         jax.config.update("jax_num_cpu_devices", cfg.run.cpu_devices)
         if not os.environ.get("JAX_PLATFORMS"):
             jax.config.update("jax_platforms", "cpu")
+    elif not os.environ.get("JAX_PLATFORMS") and not _on_tpu_vm() and importlib.util.find_spec("libtpu"):
+        # libtpu off a TPU VM (requirements-tpu.txt, for --compile_for): JAX would start its runtime, which
+        # looks for a TPU and prints a screen of errors; "cuda" is skipped where no NVIDIA GPU is visible
+        jax.config.update("jax_platforms", "cuda,cpu" if _has_cuda_plugin() else "cpu")
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         # GPU/CPU clusters (and launcher.sh): the coordinator and this host's rank come from the environment.
         if (jax.config.jax_platforms or "").startswith("cpu"):
@@ -166,6 +172,10 @@ def set_up_devices(cfg):
             warnings.warn(f"jax.distributed.initialize() skipped on a single TPU host: {e}")
 
 
+def _has_cuda_plugin():
+    return any("cuda" in ep.name for ep in importlib.metadata.entry_points(group="jax_plugins"))
+
+
 def _on_tpu_vm():
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
                 or os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("TPU_WORKER_HOSTNAMES"))
@@ -178,41 +188,71 @@ def _tpu_multihost():
 
 
 class StopSignals:
-    """SIGTERM, SIGHUP (a closed terminal or tmux pane) and a first Ctrl-C set .requested (and .signal,
-    its name): the loop finishes its step, saves, says where, exits 0. A second Ctrl-C gets the default
-    action, which ends the process at once, even inside a long XLA call (a Python handler would wait
-    for it to return)."""
+    """SIGTERM, SIGHUP (a closed terminal or tmux pane), a first Ctrl-C, or stdout or stderr gone (a closed
+    terminal whose hangup did not reach this process, a dead pipe) set .requested (and .signal, its name):
+    the loop finishes its step, saves, says where, exits 0. A signal ignored when the process started stays
+    ignored (nohup's SIGHUP, a background job's SIGINT), so `nohup python main.py &` outlives its terminal.
+    A second Ctrl-C gets the default action, which ends the process at once, even inside a long XLA call
+    (a Python handler would wait for it to return)."""
 
     def __init__(self):
         self.requested, self.signal = False, None
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, self.on_signal)
+            if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, self.on_signal)
+        sys.stdout, sys.stderr = _Output(sys.stdout, 1, self.on_lost), _Output(sys.stderr, 2, self.on_lost)
 
     def on_signal(self, signum, frame):
-        if signum == signal.SIGHUP:
-            _detach_from_terminal()
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             # os.write, not print: the handler may interrupt a print, and print is not reentrant
-            os.write(2, b"\nCtrl-C: finishing this step, then saving and exiting; Ctrl-C again to exit now "
-                        b"without saving\n")
+            _write_quietly(2, b"\nCtrl-C: finishing this step, then saving and exiting; Ctrl-C again to exit "
+                              b"now without saving\n")
         self.requested = True
         self.signal = self.signal or signal.Signals(signum).name
 
+    def on_lost(self, name, error):
+        self.requested = True
+        self.signal = self.signal or f"{name} lost ({errno.errorcode.get(error.errno, error.errno)})"
 
-def _detach_from_terminal():
-    """After SIGHUP the terminal, or the tmux pane and the tee that logged it (run.sh), is gone, and
-    writing there fails (EIO, EPIPE): stdout and stderr that were a terminal or a pipe now go to
-    /dev/null, so that the run still saves and exits 0. Output redirected to a file is left as it is."""
-    null = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
+
+class _Output:
+    """sys.stdout or sys.stderr, whose terminal or pipe may go away: a write that fails so (EIO: the
+    terminal is gone; EPIPE: the pipe's reader, tee or a pane, is) points the file descriptor at
+    /dev/null and tells on_lost, so that the run saves and exits 0 rather than dying in a print. What still
+    reads the output (run.sh's log, through a tee that outlives the pane) gets the rest of it."""
+
+    def __init__(self, stream, fd, on_lost):
+        self._stream, self._fd, self._on_lost = stream, fd, on_lost
+
+    def write(self, text):
+        return self._guarded(self._stream.write, text)
+
+    def flush(self):
+        return self._guarded(self._stream.flush)
+
+    def _guarded(self, method, *args):
         try:
-            mode = os.fstat(fd).st_mode
-        except OSError:
-            continue
-        if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
-            os.dup2(null, fd)
-    os.close(null)
+            return method(*args)
+        except OSError as e:
+            if e.errno not in (errno.EIO, errno.EPIPE):
+                raise
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._fd)
+            os.close(null)
+            self._on_lost(("stdout", "stderr")[self._fd - 1], e)
+            return len(args[0]) if args else None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _write_quietly(fd, data):
+    """os.write that ignores a terminal that is gone: a signal handler or the watchdog must go on."""
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass
 
 
 HUNG_EXIT = 3
@@ -269,9 +309,9 @@ class Watchdog:
             last = self.last
             if last is not None and time.monotonic() - last > self.timeout:
                 # os.write and faulthandler: the main thread may hold locks print would need
-                os.write(2, (f"\nerror: process {jax.process_index()} of {jax.process_count()} made no progress for "
-                             f"{self.timeout} s (--hang_timeout) after: {self.doing}; a host is stopped, hung or "
-                             f"gone if this waits in a collective. Every thread's stack follows; exiting "
-                             f"{HUNG_EXIT} (the same command resumes from the last checkpoint)\n").encode())
+                _write_quietly(2, (f"\nerror: process {jax.process_index()} of {jax.process_count()} made no progress "
+                                   f"for {self.timeout} s (--hang_timeout) after: {self.doing}; a host is stopped, "
+                                   f"hung or gone if this waits in a collective. Every thread's stack follows; "
+                                   f"exiting {HUNG_EXIT} (the same command resumes from the last checkpoint)\n").encode())
                 faulthandler.dump_traceback(all_threads=True)
                 os._exit(HUNG_EXIT)

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 
 import jax
@@ -132,7 +133,7 @@ def rehearse(cfg, target):
               {k: trainer.abstract_state[k] for k in ("params", "router_bias")}))
     for name, jitted, args, state in steps:
         try:
-            needed = report.step(name, *_compile(jitted, args), state)
+            needed = report.step(name, *_compile(jitted, args, f"the {name} for {target.name}"), state)
         except Exception as e:               # noqa: BLE001 - libtpu reports some plans that do not fit so
             needed = _hbm_shortfall(str(e))
             if needed is None:
@@ -146,12 +147,28 @@ def rehearse(cfg, target):
     return 0
 
 
-def _compile(jitted, args):
-    """(compiled executable, wall seconds, CPU seconds) to lower and compile. The CPU time is what the
-    compile costs on an otherwise idle machine (the compiler runs mostly on one thread); the wall
-    time also counts waiting for cores that other processes hold."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    compiled = jitted.lower(*args).compile()
+TICK_S = 30                         # while a compile runs, a line this often says it still does
+
+
+def _compile(jitted, args, what):
+    """(compiled executable, wall seconds, CPU seconds) to lower and compile, saying so first and every
+    TICK_S seconds while it runs (a large model compiles for minutes with nothing else to show). The
+    CPU time is what the compile costs on an otherwise idle machine (the compiler runs mostly on one
+    thread); the wall time also counts waiting for cores that other processes hold."""
+    print(f"compiling {what} (the guide's moe1B: about a minute on a quiet 2-core CPU, several under load; "
+          f"a small model: seconds)", flush=True)
+    wall, cpu, done = time.perf_counter(), time.process_time(), threading.Event()
+
+    def tick():
+        while not done.wait(TICK_S):
+            print(f"  ... still compiling {what}: {time.perf_counter() - wall:.0f} s", flush=True)
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        compiled = jitted.lower(*args).compile()
+    finally:
+        done.set()
+        ticker.join()
     return compiled, time.perf_counter() - wall, time.process_time() - cpu
 
 

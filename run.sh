@@ -150,8 +150,10 @@ cmd="$py -u $(q "$main")"
 for a in ${main_args[@]+"${main_args[@]}"}; do cmd+=" $(q "$a")"; done
 inner+="; echo \"run.sh: run $name process ${index:-0}/${nproc:-1} on $(q "$host"), commit \$(git rev-parse --short HEAD 2>/dev/null || echo none), \$(date -u +%FT%TZ)\" | tee -a $(q "$log")"
 inner+="; echo \"run.sh: \$ \"$(q "$cmd") | tee -a $(q "$log")"
-# the program replaces a subshell that first writes its pid: --stop signals exactly the program
-inner+="; { echo \$BASHPID > $(q "$pid_file"); exec $cmd; } 2>&1 | tee -a $(q "$log"); code=\${PIPESTATUS[0]}"
+# the program replaces a subshell that first writes its pid: --stop signals exactly the program; the tee
+# ignores SIGHUP, so that when the pane closes the log still gets what the program prints while it saves
+inner+="; { echo \$BASHPID > $(q "$pid_file"); exec $cmd; } 2>&1 | { trap '' HUP; exec tee -a $(q "$log"); }"
+inner+="; code=\${PIPESTATUS[0]}"
 inner+="; rm -f $(q "$pid_file"); echo \"run.sh: exit status \$code\" | tee -a $(q "$log"); echo \$code > $(q "$status_file")"
 
 # ---- the command sent over SSH: checks, then start (optional checkout, tmux session, optional

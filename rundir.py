@@ -5,8 +5,8 @@ that keeps one run per directory (on object stores too), and --restart, which mo
 import atexit
 import contextlib
 import dataclasses
+import glob
 import json
-import logging
 import math
 import os
 import posixpath
@@ -51,16 +51,20 @@ def make_run_dir(run_dir):
     """RunRefused, naming --output_dir, when the run directory cannot be made (a file is in the way, a
     read-only or unwritable parent)."""
     fs, path = fsspec.core.url_to_fs(run_dir)
+    created = not is_url(run_dir) and not os.path.isdir(path)
     try:
         fs.makedirs(path, exist_ok=True)       # a no-op under a bucket, where directories are prefixes
     except OSError as e:
         raise RunRefused(f"cannot create the run directory {run_dir} ({os_error(e)}); --output_dir must be a "
                          f"directory this process can write, or a URL (gs://bucket/runs)") from e
+    if created:                 # a run refused at start leaves no empty directory (rmdir takes only an empty one)
+        atexit.register(_remove_if_empty, path)
 
 
-# gcsfs logs every request it gives up on, with a screenful of aiohttp frames, and then raises the same error
-# to its caller, which reports it in one line (a run file's warning, the lock's refusal, SaveFailed)
-logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+def _remove_if_empty(path):
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
 
 EXIT_WAIT_S = 5.0           # at exit, how long a store that does not answer may hold the process
 
@@ -92,25 +96,29 @@ def _append(path, data):
 class RunFile:
     """One growing text file of the run directory (metrics.jsonl, samples.txt), written by process 0.
 
-    A local directory gets every record appended at once. An object store cannot append, and rewriting a
-    growing object on every line would cost O(lines^2): records wait in memory and go out as whole
-    numbered objects, NAME.parts/000001, 000002, ... at flush() (each checkpoint, at most every FLUSH_S
-    seconds otherwise, and at close). `read_run_file` puts either layout back together.
+    A local directory gets every record appended at once (after a newline, should a killed process have
+    left the file's last line cut short). An object store cannot append, and rewriting a growing object
+    on every line would cost O(lines^2): records wait in memory and go out as whole numbered objects,
+    NAME.parts/000001, 000002, ... at flush() (each checkpoint, at most every FLUSH_S seconds otherwise,
+    and at close). `read_run_file` puts either layout back together.
 
     A write that fails (a read-only or full disk, a store that is down) never stops training: one warning,
     and the records wait in memory for the next write that succeeds. At close (also at exit, however the
-    process ends) what is still waiting is tried once more, then spilled to a local file that one line names."""
+    process ends) what is still waiting is tried once more, then spilled to a local file in
+    $JAXFORMER_CACHE/unwritten that one line names; the next RunFile for the same file on this host (the
+    same command, started again) writes the spill there first, where its records belong."""
     FLUSH_S = 60.0
 
     def __init__(self, run_dir, name):
         self.run_dir, self.name = run_dir, name
         self.remote = is_url(run_dir)
         self.path = f"{run_dir.rstrip('/')}/{name}" if self.remote else os.path.join(run_dir, name)
-        self._buf, self._last, self._failing = [], time.monotonic(), False
+        self._buf, self._last, self._failing, self._line_ended = [], time.monotonic(), False, False
         if self.remote:
             self.fs, parts = fsspec.core.url_to_fs(f"{self.path}.parts")
             self.parts = parts.rstrip("/")
-            self._next = 1 + max([int(p) for p in _part_names(self.fs, self.parts)] or [0])
+            self._next = 1 + max([int(p.split(".")[0]) for p in _part_names(self.fs, self.parts)] or [0])
+        self._write_spills()
         atexit.register(self.close)
 
     def write(self, text):
@@ -135,7 +143,7 @@ class RunFile:
 
     def close(self):
         """The last try at what is waiting (at most EXIT_WAIT_S on a store); what it cannot write goes to a
-        local file in $JAXFORMER_CACHE/unwritten, named in one line with how to put it back."""
+        local file in $JAXFORMER_CACHE/unwritten, named in one line with what becomes of it."""
         if not self._buf:
             return
         text, n, target = "".join(self._buf), len(self._buf), self._target()
@@ -145,35 +153,96 @@ class RunFile:
             return
         except Exception as e:
             error = f"no answer in {EXIT_WAIT_S:.0f} s" if isinstance(e, TimeoutError) else os_error(e)
-        spill = os.path.join(dataset.default_cache_dir(), "unwritten",
-                             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self.name}")
+        spill = os.path.join(_spill_dir(), f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self.name}")
+        # on a store, a part name no writer takes (theirs are digits alone) that sorts right after the parts
+        # written before these records, and before any written after them
+        part = f"{self._next - 1:06d}.{os.path.basename(spill)}" if self.remote else None
         try:
             os.makedirs(os.path.dirname(spill), exist_ok=True)
             _append(spill, text.encode("utf-8"))
+            _write_whole(f"{spill}{SPILL_TARGET}", json.dumps({"target": self.path, "part": part}).encode())
         except OSError as e:
             _warn(f"{n} record(s) could not be written to {target} ({error}) nor to {spill} ({e}): they are lost")
             return
-        _warn(f"{n} record(s) could not be written to {target} ({error}); they are in {spill}: "
-              + (f"upload it as {target} when the store is back" if self.remote else
-                 f"append it to {target} (cat {spill} >> {target}) once that can be written"))
+        by_hand = (f"upload it as {self.path}.parts/{part}" if self.remote else f"cat {spill} >> {self.path}")
+        _warn(f"{n} record(s) could not be written to {target} ({error}); they are in {spill}: the next start of "
+              f"this run on this host writes them there first (or by hand: {by_hand}, then delete {spill}*)")
+
+    def _write_spills(self):
+        """Write the records an earlier process spilled for this file (`close`), in the order they were
+        spilled, and delete each spill once written; one that still cannot be written waits for the next
+        start."""
+        for meta_path in sorted(glob.glob(os.path.join(_spill_dir(), f"*{SPILL_TARGET}"))):
+            spill = meta_path[:-len(SPILL_TARGET)]
+            try:
+                with open(meta_path) as f:
+                    meta = json.load(f)
+                if meta.get("target") != self.path:
+                    continue
+                with open(spill, "rb") as f:
+                    data = f.read()
+                if self.remote:
+                    self.fs.pipe_file(f"{self.parts}/{meta['part']}", data)
+                else:
+                    self._put(data.decode("utf-8"))
+            except (OSError, ValueError) as e:
+                _warn(f"could not write the records spilled in {spill} to {self.path} ({os_error(e)}); "
+                      f"trying again at the next start")
+                continue
+            os.remove(spill)
+            os.remove(meta_path)
+            lines = data.count(b"\n")
+            log(f"wrote {lines} record(s) an earlier process could not write to {self.path} (they were in {spill})")
 
     def _target(self):
         return f"{self.path}.parts/{self._next:06d}" if self.remote else self.path
 
     def _put(self, text, **kwargs):
         if not self.remote:
+            if not self._line_ended:           # a line cut short by a kill would swallow the next record
+                self._line_ended = True
+                if _ends_mid_line(self.path):
+                    _append(self.path, b"\n")
             _append(self.path, text.encode("utf-8"))
             return
         self.fs.pipe_file(f"{self.parts}/{self._next:06d}", text.encode("utf-8"), **kwargs)
         self._next += 1
 
 
+SPILL_TARGET = ".target.json"     # beside each spill: the file (or URL) its records belong to, and the part
+
+
+def _spill_dir():
+    return os.path.join(dataset.default_cache_dir(), "unwritten")
+
+
+def _ends_mid_line(path):
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
+def _write_whole(path, data):
+    """A small file written whole or not at all (a temporary name, then a rename)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def _part_names(fs, parts):
+    """The names of a run file's parts in order: NNNNNN, and a spill's NNNNNN.SPILL right after NNNNNN."""
     try:
         names = [posixpath.basename(str(p).rstrip("/")) for p in fs.ls(parts, detail=False)]
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if n.isdigit())
+    numbered = [n for n in names if re.fullmatch(r"\d+(\.[\w.-]+)?", n)]
+    return sorted(numbered, key=lambda n: (int(n.split(".")[0]), n))
 
 
 def read_run_file(run_dir, name):
@@ -199,8 +268,8 @@ class Logger:
 
     def __init__(self, cfg, run_dir, run_id, enabled):
         self.enabled = enabled
-        self.metrics_file = RunFile(run_dir, "metrics.jsonl")
-        self.samples_file = RunFile(run_dir, "samples.txt")
+        if enabled:
+            self.metrics_file, self.samples_file = RunFile(run_dir, "metrics.jsonl"), RunFile(run_dir, "samples.txt")
         self.wandb = self.wandb_html = None
         if enabled and cfg.run.wandb:
             self.wandb, self.wandb_html = _init_wandb(cfg, run_dir, run_id)
@@ -337,8 +406,9 @@ def lock_run_dir(run_dir):
                 raise RunRefused(f"{run_dir} is in use by another run: pid {holder.get('pid')} on "
                                  f"{holder.get('host')}, started {holder.get('started')} (lock {lock.path}); stop "
                                  f"it or use another --name; if that run is gone, delete {lock.path}")
-            log(f"WARNING: taking over {lock.path}: pid {holder and holder.get('pid')} on "
-                f"{holder and holder.get('host')} that held it is gone")
+            log(f"WARNING: taking over {lock.path}: " + (
+                f"pid {holder.get('pid')} on {holder.get('host')} that held it is gone" if holder is not None else
+                "it holds no lock record this code can read (not written by a run, or cut short)"))
             lock.remove(token)
         raise RunRefused(f"could not take the lock {lock.path}: other runs keep taking it")
     except OSError as e:

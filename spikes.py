@@ -79,7 +79,7 @@ def skip_spikes(inner, factor):
                           jnp.zeros((), jnp.int32), inner.init(params))
 
     def update(grads, state, params=None):
-        norm = optax.global_norm(grads).astype(jnp.float32)
+        norm = optax.tree.norm(grads).astype(jnp.float32)
         enough = jnp.sum(~jnp.isnan(state.norms)) >= MIN_HISTORY
         ratio = jnp.where(enough, norm / jnp.nanmedian(state.norms), jnp.nan)
         skip = (ratio > factor) if factor > 0 else jnp.zeros((), bool)   # NaN > x is False

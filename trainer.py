@@ -96,7 +96,7 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
     """One optimizer update from --grad_step micro-steps: (state, (xs, ys)) -> (state, metrics)."""
     key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
     grads, metrics = accumulate_gradients(state["params"], state["router_bias"], batch, step_key, cfg, mesh)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     # Guide: the update runs inside shard_map; here outside it, on global arrays that jit partitions.
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     metrics["grad_norm_ratio"], metrics["skipped"] = opt_state.ratio, opt_state.skipped
@@ -134,14 +134,14 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
         (loss, metrics), g = grad_fn(params, x, y, jax.random.fold_in(key, i))
         return jax.tree.map(jnp.add, sums, (g, {"loss": loss, **metrics})), None
 
+    if G == 1:                 # nothing to sum: no zeros to start from, whose shapes cost a trace of the loss
+        (loss, metrics), grads = grad_fn(params, xs[0], ys[0], jax.random.fold_in(key, 0))
+        return grads, {"loss": loss, **metrics}
     loss, metrics = jax.eval_shape(grad_fn, params, xs[0], ys[0], key)[0]
     zeros = (jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {"loss": loss, **metrics}))
-    if G == 1:
-        (grads, sums), _ = micro(zeros, (xs[0], ys[0], 0))
-    else:
-        (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
-        grads = jax.tree.map(lambda g: g / G, grads)
+    (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
+    grads = jax.tree.map(lambda g: g / G, grads)
     return grads, {name: s if name == "tokens_per_expert" else s / G for name, s in sums.items()}
 
 

@@ -7,6 +7,7 @@ field's meaning is written once, as its `flag(default, help)`, and `--help` show
 """
 import argparse
 import dataclasses
+import difflib
 import math
 import time
 from dataclasses import dataclass, field
@@ -165,8 +166,8 @@ class Config:
 
 
 PRESETS = {
-    # The embedded default: about 7 minutes on a 2-core CPU, where the 100k-row output layer is most
-    # of the work, so the body stays small and its activations are kept (--remat none); the step count
+    # The embedded default: minutes on a 2-core CPU (docs/training.md), where the 100k-row output layer
+    # is most of the work, so the body stays small and its activations are kept (--remat none); the step count
     # fills the time budget. With the spike fix in (spikes.py), one run each at 360 steps, val CE:
     # lr 5e-3 5.134, 7e-3 5.070, 1e-2 5.013 (before it, 7e-3 stuck on the unigram plateau).
     # One run each, so these rank the settings only loosely (other seeds of the preset: val within 0.004).
@@ -203,7 +204,7 @@ PRESETS["moe1B-v4-32"] = dataclasses.replace(
 PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
 # The pod presets are the guide's run on FineWeb-Edu: they train on --data_dir, never on the bundled corpus.
 TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/fineweb-edu --hf_config sample-350BT "
-                    "--out gs://BUCKET/fineweb-edu --shard_size 100000000 --val_shards 1")
+                    "--out gs://BUCKET/fineweb-edu --shard_size 100000000 --val_shards 1 --max_tokens 26400000000")
 
 # Flags that pick an implementation, and their values: the keys of model.REMAT_POLICIES (with none:
 # nothing recomputed) and of experts.MOE_IMPLS (tests/test_config.py checks they agree).
@@ -230,9 +231,21 @@ def _preset_values(section, name):
     return ", ".join(f"{p}: {v}" for p, v in shown.items())
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose mistakes are one line (not the 30-line usage first) with the closest flag names."""
+
+    def error(self, message):
+        unknown = message.split(": ", 1)[1].split() if message.startswith("unrecognized arguments") else []
+        flags = [f for action in self._actions for f in action.option_strings]
+        close = [m for arg in unknown if arg.startswith("-")
+                 for m in difflib.get_close_matches(arg.split("=")[0], flags, 1, 0.6)]
+        self.exit(2, f"{self.prog}: error: {message}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+                  + f"; python {self.prog} --help lists every flag\n")
+
+
 def build_parser():
     """The CLI: --preset, then one flag per config field, named as the field, with its help text."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="Train, evaluate and sample a sharded MoE + MLA transformer. With no flags: the tiny "
                     "preset on the bundled corpus.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
@@ -383,7 +396,8 @@ def validate(cfg, n_devices=None):
         errors.append(f"--n_device_axis {dp} {pp} {tp} needs {n_mesh} devices"
                       + (f" (a TPU {' or '.join(slices)})" if slices else "")
                       + f", which must divide the {n_devices} available; valid meshes have DP x PP x TP "
-                        f"dividing {n_devices}")
+                        f"dividing {n_devices}" + ("" if r.cpu_devices else
+                                                   f" (to try this mesh on a CPU: --cpu_devices {n_mesh})"))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return cfg

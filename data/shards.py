@@ -41,11 +41,14 @@ bounded-window map over a multiprocessing pool or Ray tasks (`ordered_map`).
 import base64
 import collections
 import csv
+import errno
+import functools
 import gzip
 import hashlib
 import io
 import itertools
 import json
+import logging
 import os
 import re
 import sys
@@ -85,6 +88,56 @@ class SourceError(ValueError):
 CLI_ERRORS = (SourceError, FileNotFoundError, FileExistsError)
 
 
+class OutputError(Exception):
+    """--out cannot be written (read-only, full, no such bucket; or its store stopped answering): the
+    drivers print it as one line and exit with `exit_code`: 2 when it could never be written as given,
+    1 when it may work again later (a store that is down: --resume then continues exactly)."""
+
+    def __init__(self, url, cause):
+        permanent = (isinstance(cause, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError))
+                     or getattr(cause, "errno", None) in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES,
+                                                          errno.EFBIG)
+                     or 400 <= (getattr(cause, "code", None) or 0) < 500)
+        self.exit_code = 2 if permanent else 1
+        what = describe_error(cause)
+        if isinstance(cause, FileNotFoundError) and "://" in url:
+            what = f"no such bucket, or this account cannot see it: {what}"
+        super().__init__(f"--out {url}: cannot write there ({what}); choose an --out this process can write"
+                         if permanent else f"--out {url}: its store did not answer ({what}); rerun with --resume "
+                                           f"once it does: it continues exactly")
+
+
+# gcsfs logs every request it gives up on, with a screenful of aiohttp frames, and then raises the same error
+# to its caller, which reports it in one line (OutputError, DataUnavailable, a run file's warning, the
+# lock's refusal, SaveFailed)
+logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+
+
+def store_errors():
+    """What a failing disk or object store raises: OSError (aiohttp's connection errors are OSErrors too),
+    aiohttp's other client errors and gcsfs' HTTP errors (as a tuple, for an except clause)."""
+    import aiohttp
+    from gcsfs.retry import HttpError
+    return OSError, aiohttp.ClientError, HttpError
+
+
+def describe_error(e):
+    """An exception in one line: an OS error's own text, else its type and first line."""
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    return text if isinstance(e, OSError) and e.errno else f"{type(e).__name__}: {text}"
+
+
+def _on_out(method):
+    """An Output method whose store errors become OutputError, naming --out."""
+    @functools.wraps(method)
+    def wrapped(self, *args):
+        try:
+            return method(self, *args)
+        except store_errors() as e:
+            raise OutputError(self.url, e) from e
+    return wrapped
+
+
 # ----------------------------------------------------------------------------------------------------
 # Sources
 # ----------------------------------------------------------------------------------------------------
@@ -116,11 +169,13 @@ def _looks_like_file(p):
     return p.lower().endswith(_DATA_FILE_ENDINGS)
 
 
-def source_spec(source, hf_config=None, hf_split="train", text_field="text", max_docs=None):
+def source_spec(source, hf_config=None, hf_split="train", text_field="text", max_docs=None, max_tokens=None):
     """A JSON-able description of one document source (recorded in the manifest).
 
     `source` is a Hugging Face dataset name (streamed), one or more local files / a directory / a glob
-    (comma-separated), or "bundled:train" / "bundled:val" for the bundled corpus' splits.
+    (comma-separated), or "bundled:train" / "bundled:val" for the bundled corpus' splits. max_tokens: the
+    source ends with the document that brings its tokens to at least this many (recorded only when set,
+    so that manifests written without it resume unchanged).
     """
     if source.startswith(BUNDLED + ":"):
         split = source.split(":", 1)[1]
@@ -150,6 +205,8 @@ def source_spec(source, hf_config=None, hf_split="train", text_field="text", max
                 raise FileNotFoundError(f"source {source!r}: no such file or directory: {missing}")
             spec = {"kind": "hf", "name": source, "config": hf_config, "split": hf_split, "text_field": text_field}
     spec["max_docs"] = max_docs
+    if max_tokens is not None:
+        spec["max_tokens"] = max_tokens
     return spec
 
 
@@ -397,13 +454,16 @@ class Output:
     def path(self, name):
         return f"{self.root}/{name}"
 
+    @_on_out
     def exists(self, name):
         return self.fs.exists(self.path(name))
 
+    @_on_out
     def read_text(self, name):
         with self.fs.open(self.path(name), "rb") as f:
             return f.read().decode("utf-8")
 
+    @_on_out
     def write_atomic(self, name, data):
         """A file system: temp file + rename. An object store: one upload to the final name, since an
         object appears only whole, when its upload completes (and a "rename" there is copy + delete)."""
@@ -415,6 +475,7 @@ class Output:
         if tmp != target:
             self.fs.mv(tmp, target)
 
+    @_on_out
     def remove_temps(self):
         if not self.fs.exists(self.root):
             return
@@ -422,6 +483,7 @@ class Output:
             if str(p).endswith(".tmp"):
                 self.fs.rm(p)
 
+    @_on_out
     def list(self):
         if not self.fs.exists(self.root):
             return []
@@ -532,17 +594,26 @@ class Writer:
             texts = iter_documents(seg["source"], start=start, problems=self.problems)
             doc_index = start
             first = bool(carry)
+            # --max_tokens: the segment ends with the document that reaches it (never inside one, so that
+            # a resume's carried tail is the document's own); its closed shards count from the manifest
+            budget, packed = seg["source"].get("max_tokens"), self._segment_tokens(seg)
             for flat, lengths in encode_map(batched(texts, batch_docs, batch_chars)):
                 if first:                               # the straddling document: keep only its tail
                     first = False
                     n0 = int(lengths[0])
                     self._pack(seg, si, flat[n0 - carry: n0], doc_index + 1, progress)
+                    packed += carry
                     flat, lengths = flat[int(lengths[0]):], lengths[1:]
                     doc_index += 1
                 offs = np.concatenate([[0], np.cumsum(lengths)])
                 for j in range(len(lengths)):
+                    if budget is not None and packed >= budget:
+                        break
                     doc_index += 1
                     self._pack(seg, si, flat[offs[j]:offs[j + 1]], doc_index, progress)
+                    packed += int(lengths[j])
+                if budget is not None and packed >= budget:
+                    break
             if seg["split"] == "auto":
                 self._check_train_shard(seg)
             else:
@@ -557,6 +628,10 @@ class Writer:
         if self.problems.total:
             print(f"tokenize: {self.problems.summary()}", file=sys.stderr, flush=True)
         return self
+
+    def _segment_tokens(self, seg):
+        """Tokens of the segment's closed shards: a plan's segments write splits of their own (auto: all)."""
+        return sum(s["tokens"] for s in self.shards if seg["split"] in ("auto", s["split"]))
 
     def _check_train_shard(self, seg):
         """With one source split by --val_shards, refuse to end with no training shard at all."""
@@ -619,6 +694,9 @@ def add_common_args(p):
     p.add_argument("--hf_split", default="train")
     p.add_argument("--text_field", default="text")
     p.add_argument("--max_docs", type=int, default=None, help="stop each source after this many documents")
+    p.add_argument("--max_tokens", type=int, default=None,
+                   help="stop each source at the end of the document that brings it to this many tokens (a "
+                        "budget: the guide's moe1B run reads 26.2B tokens in 100,000 steps, 6.8B to its stop)")
     p.add_argument("--out", required=True, help="output directory or fsspec URL (gs://bucket/prefix)")
     p.add_argument("--shard_size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per shard")
     p.add_argument("--val_shards", type=int, default=1,
@@ -629,12 +707,29 @@ def add_common_args(p):
     return p
 
 
+def run_cli(a, run):
+    """The drivers' main after parsing: run(plan) -> manifest, then the summary line and 0; a problem
+    with the flags, sources or --out: one `error:` line and 2 (OutputError: its own exit code)."""
+    try:
+        m = run(plan_from_args(a))
+    except CLI_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"{a.out}: {summary(m)}")
+    return 0
+
+
 def plan_from_args(a):
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise SourceError(f"--max_tokens must be a positive number of tokens, got {a.max_tokens}")
     if a.source is None and a.train_source is None:
         a.source = DEFAULT_HF_NAME
         a.hf_config = a.hf_config or DEFAULT_HF_CONFIG
     return make_plan(a.source, a.train_source, a.val_source, a.val_shards, hf_config=a.hf_config,
-                     hf_split=a.hf_split, text_field=a.text_field, max_docs=a.max_docs)
+                     hf_split=a.hf_split, text_field=a.text_field, max_docs=a.max_docs, max_tokens=a.max_tokens)
 
 
 def progress_bar(disable=False):

@@ -62,14 +62,8 @@ def main(argv=None):
     p = shards.add_common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     p.add_argument("--workers", type=int, default=None, help="pool size (default: half the cores)")
     a = p.parse_args(argv)
-    try:
-        plan = shards.plan_from_args(a)
-        m = run(a.out, plan, a.shard_size, a.resume, a.workers, progress=not a.no_progress, batch_docs=a.batch_docs)
-    except shards.CLI_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{a.out}: {shards.summary(m)}")
-    return 0
+    return shards.run_cli(a, lambda plan: run(a.out, plan, a.shard_size, a.resume, a.workers,
+                                              progress=not a.no_progress, batch_docs=a.batch_docs))
 
 
 if __name__ == "__main__":

@@ -62,15 +62,8 @@ def main(argv=None):
     p.add_argument("--inflight", type=int, default=None, help="tasks in flight (default 2 x cluster CPUs)")
     p.add_argument("--working_dir", default=None, help="ship this directory to the workers (Ray runtime_env)")
     a = p.parse_args(argv)
-    try:
-        plan = shards.plan_from_args(a)
-        m = run(a.out, plan, a.shard_size, a.resume, a.address, a.num_cpus, not a.no_progress, a.batch_docs,
-                a.inflight, a.working_dir)
-    except shards.CLI_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{a.out}: {shards.summary(m)}")
-    return 0
+    return shards.run_cli(a, lambda plan: run(a.out, plan, a.shard_size, a.resume, a.address, a.num_cpus,
+                                              not a.no_progress, a.batch_docs, a.inflight, a.working_dir))
 
 
 if __name__ == "__main__":

@@ -8,25 +8,40 @@ test modules share.
   crash-resume tests compare against byte for byte.
 - `cpu_env`: the environment for a subprocess of this repository on CPU (main.py, bench.py, ...): no
   inherited JAXFORMER_/WANDB_ variables or device-count flag, wandb disabled, unbuffered output, the
-  session's cache directory, and one persistent XLA compilation cache for the whole session.
+  session's cache directory and its persistent XLA compilation cache (XLA_CACHE, this process' too).
 - `gcs_emulator`: a local GCS server (data/emulator.py) for a test module, this process pointed at it;
   the value is the environment that points a subprocess at it.
 - `tmux_env`: tests/launch_util.py's environment for a launch script, its private tmux server killed
-  afterwards (no session may outlive the test).
+  afterwards (no session may outlive the test); `launch_cache`: launcher.sh flags that give the
+  processes it starts the same compilation cache.
 """
+import atexit
 import gzip
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# One persistent XLA compilation cache for the session, in this process and in its subprocesses (cpu_env):
+# a program compiled once (a trainer built again, main.py started again) is read back, not compiled again.
+XLA_CACHE = tempfile.mkdtemp(prefix="jaxformer-xla-cache-")
+atexit.register(shutil.rmtree, XLA_CACHE, True)
+os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("WANDB_MODE", "offline")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_configure(config):
+    # a deprecated optax call is code to update (optax.global_norm warned 78 times a CI run), not noise
+    config.addinivalue_line("filterwarnings", "error::DeprecationWarning:optax")
 
 
 @pytest.fixture(scope="session")
@@ -60,13 +75,20 @@ def reference_run(src, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def cpu_env(jaxformer_cache, tmp_path_factory):
+def cpu_env(jaxformer_cache):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "JAXFORMER_"))}
     e.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", WANDB_MODE="disabled", JAXFORMER_CACHE=jaxformer_cache,
-             XLA_FLAGS=" ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f),
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+             XLA_FLAGS=" ".join(f for f in e.get("XLA_FLAGS", "").split() if "device_count" not in f))
     return e
+
+
+@pytest.fixture(scope="session")
+def launch_cache(cpu_env):
+    """launcher.sh flags that give the processes it starts cpu_env's persistent compilation cache: a run
+    launched again (a relaunch after a preemption, the next test's hosts) reuses the programs compiled."""
+    names = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+    return [a for name in names for a in ("--env", f"{name}={cpu_env[name]}")]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 kill -9 and --resume (byte-identical to a clean local run), train from gs:// shards with the run
 directory on gs:// (checkpoints through Orbax/tensorstore, metrics as part objects), kill -9 and resume
 exactly (the killed run's lock taken over), two processes of one run sharing one gs:// run directory, a second
-run refused there, and the store going down mid-run (one line, the unwritten metrics spilled locally)."""
+run refused there, and the store going down under a run and a tokenizer (one line each, the unwritten
+metrics spilled locally and written by the next start)."""
 import json
 import os
 import re
@@ -24,7 +25,6 @@ import checkpoints
 import rundir
 from data_util import REPO, SHARD, kill_chain, output_files
 from test_main import MESH1, TINY
-from opt_in import slow
 
 BUCKET = "jaxformer"
 
@@ -56,6 +56,15 @@ def test_tokenize_to_gcs_kill_9_resume_is_byte_identical(gcs, src, reference_run
     assert ds.bytes_read == 3 * 70 * 4 and ds.unigram_entropy() == ref.unigram_entropy()
     from data import verify
     assert verify.verify(url, out=lambda *_: None) == []
+
+
+def test_tokenize_to_a_bucket_that_does_not_exist_is_one_line(gcs):
+    p = subprocess.run([sys.executable, "-m", "data.tokenize_local", "--source", "bundled", "--out",
+                        "gs://nosuchbucket/x", "--workers", "0", "--no_progress"], cwd=REPO,
+                       env=dict(os.environ, **gcs), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr[-3000:]
+    assert p.stderr.startswith("error: --out gs://nosuchbucket/x: cannot write there (no such bucket, or this "
+                               "account cannot see it: "), p.stderr
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +140,6 @@ def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, cpu_env,
     assert not os.path.exists(os.path.join(REPO, "gs:")) and not os.path.exists(os.path.join(REPO, "gs"))
 
 
-@slow
 def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_losses, tmp_path):
     """Two jax processes (one CPU device each, gloo) on one dp=2 mesh, reading gs:// shards and
     writing one gs:// run directory: each writes its own part of every checkpoint (Orbax, through
@@ -157,23 +165,27 @@ def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_loss
     assert any("ocdbt.process_0" in w for w in written) and any("ocdbt.process_1" in w for w in written)
 
 
-@slow
-def test_second_run_is_refused_then_a_store_outage_is_one_line_and_loses_no_record(cpu_env, reference_run, tmp_path):
-    """A run on gs:// holds its directory: a second one (even with --restart) exits 2 naming the holder and
-    touches nothing. Then the store goes down (the emulator killed from outside): the first exits 1 with one
-    error line naming the URL, no traceback, and the metrics it could not write spilled to a local file that
-    one line names; uploaded as that line says once the store is back, the run's metrics miss no step."""
+def test_second_run_is_refused_then_a_store_outage_is_one_line_and_the_next_start_loses_no_record(
+        cpu_env, reference_run, tmp_path):
+    """A run with its data and run directory on gs:// holds the directory: a second one (even with
+    --restart) exits 2 naming the holder and touches nothing. Then the store goes down (the emulator killed
+    from outside) while the run reads its data and a tokenizer writes there: each exits 1 with one error
+    line naming its URL, no traceback, and the metrics the run could not write are spilled to a local file
+    that one line names, with a part name no writer takes. The store back, the same command resumes from
+    the checkpoint and writes the spill first: every step is in metrics.jsonl once, in order, and the
+    resumed steps' losses are the first session's."""
     import gcsfs.core
     store = tmp_path / "store"
     store.mkdir()
     proc, url = emulator.start(bucket=BUCKET, data_dir=str(store))      # objects survive a restart on its port
     restore = emulator.point_this_process_at(url)
     e = dict(cpu_env, **emulator.emulator_env(url))
-    out, log = f"gs://{BUCKET}/outage", tmp_path / "first.log"
+    out, data, log = f"gs://{BUCKET}/outage", f"gs://{BUCKET}/outage-shards", tmp_path / "first.log"
     fs = gcsfs.core.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
-    with open(log, "w") as f:          # saves every 50 steps: the store goes down long before the first
-        first = subprocess.Popen(_cmd(out, reference_run, 100_000, ["--checkpoint_steps", "5"]), cwd=REPO, env=e,
-                                 stdout=f, stderr=f)
+    fs.put(reference_run.rstrip("/") + "/", data.removeprefix("gs://"), recursive=True)
+    with open(log, "w") as f:          # a checkpoint (and its metrics part) at step 10, the next at 20
+        first = subprocess.Popen(_cmd(out, data, 100_000), cwd=REPO, env=e, stdout=f, stderr=f)
+    tokenizer = None
     try:
         deadline = time.time() + 600
         # the lock is taken before the compile that precedes the first step's line
@@ -181,7 +193,7 @@ def test_second_run_is_refused_then_a_store_outage_is_one_line_and_loses_no_reco
             assert first.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
         lock = fs.info(f"{BUCKET}/outage/run/lock")
-        second = subprocess.run(_cmd(out, reference_run, 3, ["--restart"]), cwd=REPO, env=e, capture_output=True,
+        second = subprocess.run(_cmd(out, data, 3, ["--restart"]), cwd=REPO, env=e, capture_output=True,
                                 text=True, timeout=600)
         assert second.returncode == 2, second.stderr[-4000:]
         assert f"{out}/run is in use by another run: pid {first.pid} on {socket.gethostname()}" in second.stderr
@@ -189,19 +201,28 @@ def test_second_run_is_refused_then_a_store_outage_is_one_line_and_loses_no_reco
         assert fs.info(f"{BUCKET}/outage/run/lock")["generation"] == lock["generation"]
         assert not fs.exists(f"{BUCKET}/outage/run/replaced")
 
-        while "step     10 |" not in log.read_text():
+        while "step     12 |" not in log.read_text():
             assert first.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
         proc.kill()
         proc.wait()
+        tokenizer = subprocess.run([sys.executable, "-m", "data.tokenize_local", "--source", "bundled", "--out",
+                                    f"gs://{BUCKET}/tok", "--workers", "0", "--no_progress"], cwd=REPO, env=e,
+                                   capture_output=True, text=True, timeout=600)
         assert first.wait(timeout=600) == 1, log.read_text()[-4000:]
         text = log.read_text()
         assert "Traceback" not in text and "ERROR:" not in text, text[-4000:]
         errors = re.findall(r"error: .*", text)          # after the progress bar's last refresh, on its line
-        assert len(errors) == 1 and f"in {out}/run/checkpoints: Cannot connect to host" in errors[0], text[-4000:]
-        spill = re.search(r"WARNING: (\d+) record\(s\) could not be written to (\S+) \(.*\); they are in (\S+): "
-                          r"upload it as (\S+) when the store is back", text)
-        assert spill and spill[2] == spill[4] and spill[2].startswith(f"{out}/run/metrics.jsonl.parts/"), text[-4000:]
+        assert len(errors) == 1 and errors[0].startswith(f"error: could not read {data} (Cannot connect to host"), (
+            text[-4000:])
+        spill = re.search(r"WARNING: (\d+) record\(s\) could not be written to \S+ \(.*\); they are in (\S+): the "
+                          r"next start of this run on this host writes them there first \(or by hand: upload it "
+                          r"as (\S+), then delete", text)
+        assert spill and spill[3] == f"{out}/run/metrics.jsonl.parts/000001.{os.path.basename(spill[2])}", text[-4000:]
+        assert tokenizer.returncode == 1 and tokenizer.stderr.splitlines() == [
+            f"error: --out gs://{BUCKET}/tok: its store did not answer (Cannot connect to host 127.0.0.1:"
+            f"{url.rsplit(':', 1)[1]} ssl:default [Connect call failed ('127.0.0.1', {url.rsplit(':', 1)[1]})]); "
+            f"rerun with --resume once it does: it continues exactly"], tokenizer.stderr[-4000:]
     finally:
         proc.kill()
         proc.wait()
@@ -209,15 +230,20 @@ def test_second_run_is_refused_then_a_store_outage_is_one_line_and_loses_no_reco
         first.wait()
     proc, url = emulator.start(port=int(url.rsplit(":", 1)[1]), bucket=BUCKET, data_dir=str(store))
     try:
+        resumed = _main(e, out, data, 14)
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        assert f"wrote {spill[1]} record(s) an earlier process could not write to {out}/run/metrics.jsonl" in (
+            resumed.stdout)
+        assert "resumed from" in resumed.stdout and not os.path.exists(spill[2])
         fs = gcsfs.core.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
-        fs.put_file(spill[3], spill[4])
-        got = [json.loads(line) for line in fs.cat_file(f"{BUCKET}/outage/run/metrics.jsonl.parts/{spill[4][-6:]}")
-               .decode().splitlines()]
-        assert len(got) == int(spill[1])
-        parts = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/outage/run/metrics.jsonl.parts", detail=False))
-        text = "".join(fs.cat_file(f"{BUCKET}/outage/run/metrics.jsonl.parts/{p}").decode() for p in parts)
-        steps = [r["step"] for r in map(json.loads, text.splitlines()) if "loss" in r]
-        assert steps == list(range(1, 51)), steps
+        parts = fs.ls(f"{BUCKET}/outage/run/metrics.jsonl.parts", detail=False)
+        assert [p.rsplit("/", 1)[1] for p in parts if not p.rsplit("/", 1)[1].isdigit()] == [spill[3].rsplit("/", 1)[1]]
+        recs = [r for r in map(json.loads, rundir.read_run_file(f"{out}/run", "metrics.jsonl").splitlines())
+                if "loss" in r]
+        before, after = recs[:-4], recs[-4:]               # the first session's steps, then the resumed 11-14
+        assert [r["step"] for r in before] == list(range(1, len(before) + 1)) and len(before) >= 12, recs
+        assert [r["step"] for r in after] == [11, 12, 13, 14]
+        assert [r["loss"] for r in after if r["step"] <= len(before)] == [r["loss"] for r in before[10:14]]
     finally:
         proc.kill()
         proc.wait()

@@ -1,5 +1,6 @@
-"""A hung host, as a user meets it on a pod: two jax processes joined over gloo on 127.0.0.1 (4 CPU devices
-each, one (2, 2, 2) mesh), started by launcher.sh on loopback, one of them stopped with SIGSTOP mid-run.
+"""A hung host, as a user meets it on a pod: two jax processes joined over gloo on 127.0.0.1 (one CPU device
+each, a (2, 1, 1) mesh: launch_util.SMALL), started by launcher.sh on loopback, one of them stopped with
+SIGSTOP mid-run.
 The other waits in a collective that never returns; its watchdog (--hang_timeout, multihost.Watchdog)
 writes every thread's stack to its log and ends it with exit 3, and the launcher names the host that
 stopped. Before that, --status shows each host's newest step and --stacks gets every host's stacks
@@ -10,15 +11,13 @@ import subprocess
 import sys
 import time
 
+import launch_util
 from launch_util import ROOT, free_port, main_process, needs_tmux, sh
-from opt_in import slow
 
 pytestmark = needs_tmux
 
-SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32", "--train_batch_size", "2",
-         "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--training_steps", "100000",
-         "--checkpoint_steps", "5"]
-TIMEOUT_S = 20
+SMALL = [*launch_util.SMALL, "--training_steps", "100000", "--checkpoint_steps", "5"]
+TIMEOUT_S = 15
 
 
 def processes():
@@ -30,15 +29,14 @@ def logs(tmp_path):
                    for d in ("host-logs", "logs") for p in sorted((tmp_path / d).glob("*")) if p.is_file())
 
 
-@slow
-def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, tmp_path):
+def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, launch_cache, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.1\n")
     where = ["--hosts", hosts, "--log-dir", tmp_path / "host-logs"]
-    env = dict(tmux_env, LAUNCHER_HANG_GRACE_S="15", RUN_STACKS_WAIT_S="5")
+    env = dict(tmux_env, **launch_util.ONE_DEVICE, LAUNCHER_HANG_GRACE_S="6", RUN_STACKS_WAIT_S="3")
     cmd = [os.path.join(ROOT, "launcher.sh"), *map(str, where), "--name", "hang", "--coordinator",
            f"127.0.0.1:{free_port()}", "--python", sys.executable, "--local-logs", str(tmp_path / "logs"), "--wait",
-           "--", *SMALL, "--hang_timeout", str(TIMEOUT_S), "--output_dir", str(tmp_path / "runs")]
+           *launch_cache, "--", *SMALL, "--hang_timeout", str(TIMEOUT_S), "--output_dir", str(tmp_path / "runs")]
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 600

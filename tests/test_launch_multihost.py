@@ -1,6 +1,7 @@
 """Real multi-process launches through launcher.sh and run.sh: two "hosts" on 127.0.0.1 (the SSH
 stand-in tests/launch_local_ssh.sh runs each host's command locally in a clean environment), each a
-jax process with 4 CPU devices, joined by jax.distributed over gloo into one (2, 2, 2) mesh."""
+jax process with 4 CPU devices joined by jax.distributed over gloo into one (2, 2, 2) mesh (the
+stop-agreement test: one device each, launch_util.SMALL)."""
 import json
 import os
 import re
@@ -11,8 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from launch_util import ROOT, SECRET, all_text, free_port, needs_tmux, sh
-from opt_in import slow
+from launch_util import ONE_DEVICE, ROOT, SECRET, SMALL, all_text, free_port, needs_tmux, sh
 
 # 2 processes against 1 on one mesh, fp32: the collectives sum in another order (measured: at most
 # 8.4e-8, one ulp, over 4 steps); a wrong shard of the data or of the state moves the loss by ~1e-2.
@@ -28,8 +28,8 @@ def two_hosts(tmp_path):
     return f
 
 
-def launch(tmux_env, hosts, tmp_path, name, main_args, main=None, timeout=120):
-    extra = ["--main", main] if main else []
+def launch(tmux_env, hosts, tmp_path, name, main_args, main=None, timeout=120, extra=()):
+    extra = [*extra, *(["--main", main] if main else [])]
     return sh("launcher.sh", "--hosts", hosts, "--name", name, "--coordinator", f"127.0.0.1:{free_port()}",
               "--python", sys.executable, "--log-dir", tmp_path / "host-logs", "--local-logs",
               tmp_path / "local-logs", "--wait", *extra, "--", *main_args, env=tmux_env, timeout=timeout)
@@ -60,7 +60,7 @@ def read_losses(path):
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "main.py")), reason="main.py not written yet")
-def test_two_host_training_matches_single_process(tmux_env, two_hosts, tmp_path):
+def test_two_host_training_matches_single_process(tmux_env, launch_cache, two_hosts, tmp_path):
     """A tiny config trained on a (2, 2, 2) mesh spanning two processes (4 devices each) through
     launcher.sh and run.sh checkpoints and logs the same losses as one process with 8 devices, in
     fp32: one program on other collectives (gloo's) gives the same numbers. (In bf16 a one-ulp
@@ -71,7 +71,7 @@ def test_two_host_training_matches_single_process(tmux_env, two_hosts, tmp_path)
               "--train_batch_size", "2",
               "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--training_steps", "4",
               "--checkpoint_steps", "2", "--output_dir", str(tmp_path / "runs")]
-    p = launch(tmux_env, two_hosts, tmp_path, "multi", common + ["--name", "multi"], timeout=600)
+    p = launch(tmux_env, two_hosts, tmp_path, "multi", common + ["--name", "multi"], timeout=600, extra=launch_cache)
     assert p.returncode == 0, p.out + all_text(tmp_path / "local-logs")
     run_dir = tmp_path / "runs" / "multi"
     saved = [os.path.join(b, x) for b, ds, fs in os.walk(run_dir) for x in ds + fs]
@@ -89,11 +89,6 @@ def test_two_host_training_matches_single_process(tmux_env, two_hosts, tmp_path)
     np.testing.assert_allclose([multi[k] for k in steps], [single[k] for k in steps], rtol=RTOL, atol=0)
 
 
-# a small model on the (2, 2, 2) mesh: quick to compile and to step on a loaded 2-core machine
-SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32",
-         "--train_batch_size", "2", "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "8"]
-
-
 def status(tmux_env, where, name):
     return sh("launcher.sh", "--status", name, *where, env=tmux_env, check=0).stdout
 
@@ -106,8 +101,7 @@ def wait_for(tmux_env, where, name, pattern, timeout):
     return shown
 
 
-@slow
-def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, two_hosts, tmp_path):
+def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, launch_cache, two_hosts, tmp_path):
     """SIGTERM to process 1 only: both processes stop and save at the same step and exit 0, and the
     training driver synchronised the processes far less often than once a step (it used to gather
     the stop flag every step, which waits for the device and undoes the one-step-ahead dispatch)."""
@@ -116,12 +110,12 @@ def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, two_hosts,
     p = sh("launcher.sh", *where, "--name", "agree", "--coordinator", f"127.0.0.1:{free_port()}",
            "--python", sys.executable, "--main", "tests/launch_count_allgather.py",
            "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=20",
-           "--env", f"COUNT_OUT={count}",
-           "--", *SMALL, "--max_tokens", "0", "--training_steps", "100000", "--checkpoint_steps", "1000",
-           "--output_dir", tmp_path / "runs", "--name", "agree", env=tmux_env, timeout=600)
+           "--env", f"COUNT_OUT={count}", *launch_cache,
+           "--", *SMALL, "--training_steps", "100000", "--checkpoint_steps", "1000",
+           "--output_dir", tmp_path / "runs", "--name", "agree", env=dict(tmux_env, **ONE_DEVICE), timeout=600)
     assert p.returncode == 0, p.out
     assert p.stdout.count("main.py passed start-up") == 2
-    time.sleep(15)                                     # a few steps, then SIGTERM to process 1 alone
+    time.sleep(10)                                     # some steps, then SIGTERM to process 1 alone
     p = sh("run.sh", "127.0.0.1", "--name", "agree", "--index", "1", "--log-dir", tmp_path / "host-logs",
            "--stop", "--timeout", "300", env=tmux_env, check=0, timeout=330)
     assert "exit status 0" in p.stdout, p.out

@@ -9,8 +9,8 @@ import sys
 import time
 
 import numpy as np
+import launch_util
 from launch_util import all_text, free_port, main_process, needs_tmux, sh
-from opt_in import slow
 
 pytestmark = needs_tmux
 
@@ -40,36 +40,35 @@ case "$*" in
   *) echo "127.0.0.1;127.0.0.1" ;;
 esac
 """
-SMALL = ["--preset", "tiny", "--n_device_axis", "2", "2", "2", "--T", "32", "--train_batch_size", "2",
-         "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--checkpoint_steps", "1"]
-STEPS = 24                  # checkpoints every 10 x --checkpoint_steps: at 10, 20 and the last step
+SMALL = [*launch_util.SMALL, "--checkpoint_steps", "1"]
+STEPS = 16                  # checkpoints every 10 x --checkpoint_steps: at 10 and the last step
 
 
 def losses(path):
-    """Per step, the last loss metrics.jsonl recorded (after a restart the resumed run's)."""
+    """(step, loss) of every step record metrics.jsonl holds, in order (after a restart, the redone steps
+    twice)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-@slow
-def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp_path):
+def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, launch_cache, tmp_path):
+    """Worker 1 of a fake TPU goes away (its process killed, the TPU PREEMPTED) after the checkpoint of step
+    10: the supervisor recreates the TPU, sets up its hosts and relaunches; the run resumes from step 10
+    and the steps it does again have the losses they had, bit for bit, up to its last step."""
+
+
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
     (bin_dir / "gcloud").chmod(0o755)
-    env = dict(tmux_env, PATH=f"{bin_dir}:{tmux_env['PATH']}", GCLOUD_LOG=str(tmp_path / "gcloud.log"),
+    env = dict(tmux_env, **launch_util.ONE_DEVICE, PATH=f"{bin_dir}:{tmux_env['PATH']}", GCLOUD_LOG=str(tmp_path / "gcloud.log"),
                PREEMPTED=str(tmp_path / "preempted"), CREATED=str(tmp_path / "created"), LAUNCHER_POLL_S="1")
 
     def launch(name, *extra):
         return ["launcher.sh", "--tpu", "fake", "--zone", "us-z1", "--name", name, "--coordinator",
                 f"127.0.0.1:{free_port()}", "--python", sys.executable, "--log-dir", tmp_path / f"{name}-host-logs",
-                "--local-logs", tmp_path / f"{name}-logs", *extra, "--", *SMALL, "--training_steps", str(STEPS),
+                "--local-logs", tmp_path / f"{name}-logs", *extra, *launch_cache, "--", *SMALL, "--training_steps", str(STEPS),
                 "--output_dir", tmp_path / "runs"]
-
-    p = sh(*launch("straight", "--wait"), env=env, timeout=900)
-    assert p.returncode == 0, p.out
-    straight = losses(tmp_path / "runs" / "straight" / "metrics.jsonl")
-    assert sorted(straight) == list(range(1, STEPS + 1))
 
     recreate = f"echo creating the TPU again; touch {tmp_path / 'created'}"
     setup = f"echo set up >> {tmp_path / 'setup.log'}"               # on each host, over the SSH stand-in
@@ -78,7 +77,7 @@ def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, ckpt = tmp_path / "runs" / "preempted" / "metrics.jsonl", tmp_path / "runs" / "preempted" / "checkpoints"
     deadline = time.time() + 600
-    while not (ckpt.is_dir() and "10" in os.listdir(ckpt) and metrics.exists() and max(losses(metrics), default=0) >= 12):
+    while not (ckpt.is_dir() and "10" in os.listdir(ckpt) and metrics.exists() and len(losses(metrics)) >= 12):
         assert supervisor.poll() is None and time.time() < deadline, supervisor.stdout.read()
         time.sleep(0.5)
     host1 = main_process("preempted", 1)
@@ -92,9 +91,12 @@ def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, tmp
     assert "launcher.sh: TPU 'fake' is READY\nlauncher.sh: setting up the 2 host(s) of the new TPU (--setup)" in out
     assert (tmp_path / "setup.log").read_text() == "set up\n" * 2, out
     assert "launcher.sh: run 'preempted' finished (attempts: 2)" in out, out
-    resumed = losses(metrics)
-    assert sorted(resumed) == sorted(straight)
-    np.testing.assert_array_equal([resumed[s] for s in sorted(straight)], [straight[s] for s in sorted(straight)])
+    logged = losses(metrics)
+    restart = [i for i, (step, _) in enumerate(logged) if step == 11][1]        # the resumed session's first
+    first, resumed = logged[:restart], logged[restart:]
+    assert [s for s, _ in first] == list(range(1, len(first) + 1)) and len(first) >= 12, logged
+    assert [s for s, _ in resumed] == list(range(11, STEPS + 1)), logged
+    np.testing.assert_array_equal(resumed[:len(first) - 10], first[10:])      # the steps done again: same losses
     logs = all_text(tmp_path / "preempted-logs")
     assert "resumed from" in logs and "redone after the restart" in logs and "run goodput over 2 sessions" in logs
     print(out, *re.findall(r"^(?:resumed from|goodput|run goodput) .*$", logs, re.M), sep="\n")

@@ -319,6 +319,8 @@ def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_pa
 
 @pytest.mark.parametrize("flags, message", [
     (["--n_device_axis", "1", "1", "3"], "TP of --n_device_axis"),
+    (["--n_device_axis", "2", "2", "2"], "which must divide the 1 available; valid meshes have DP x PP x TP dividing 1 "
+                                         "(to try this mesh on a CPU: --cpu_devices 8)"),
     (["--max_lr", "inf"], "--max_lr must be a finite number, got inf"),
     (["--seed", "-1"], "--seed must be in [0, "),
     (["--name", "../.."], "--name must be one directory name under --output_dir"),
@@ -328,6 +330,22 @@ def test_config_error_names_the_flag(cpu_env, tmp_path, flags, message):
     proc = run(cpu_env, tmp_path, *flags, expect=2, timeout=120)
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not os.listdir(tmp_path)
+
+
+def test_a_mistyped_flag_is_one_line_naming_the_flag_it_resembles(cpu_env, tmp_path):
+    """Not argparse's 30 lines of usage before the one that matters."""
+    proc = run(cpu_env, tmp_path, "--modle_dimension", "64", expect=2, timeout=120)
+    assert proc.stderr.splitlines() == ["main.py: error: unrecognized arguments: --modle_dimension 64 (did you mean "
+                                        "--model_dimension?); python main.py --help lists every flag"], proc.stderr
+
+
+def test_a_cpu_run_is_quiet_with_libtpu_installed(cpu_env, tmp_path):
+    """requirements-tpu.txt (for --compile_for) puts libtpu in the training virtualenv; off a TPU VM, with
+    JAX_PLATFORMS unset, JAX would start its TPU runtime, which printed five lines of errors first."""
+    pytest.importorskip("libtpu")
+    env = {k: v for k, v in cpu_env.items() if k != "JAX_PLATFORMS"}
+    proc = run(env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2, timeout=120)   # the devices are counted
+    assert proc.stderr.splitlines()[0] == "invalid configuration:" and "TPU" not in proc.stderr, proc.stderr
 
 
 def test_a_diverging_run_stops_keeping_its_finite_checkpoint_and_resumes_from_it(cpu_env, baseline, tmp_path):
@@ -356,3 +374,21 @@ def test_eval_steps_beyond_the_val_split_are_capped_with_a_note(cpu_env, tmp_pat
     proc = run(cpu_env, tmp_path, *MESH1, "--val_batch_size", "300", "--eval_steps", "3", steps=1, timeout=240)
     assert "enough for 2 of --eval_steps 3 batches of 300; evaluating on 2" in proc.stdout
     assert "final: val cross-entropy" in proc.stdout
+
+
+def test_a_model_without_shared_experts_or_dense_layers_saves_resumes_exactly_and_restores_on_another_mesh(
+        cpu_env, tmp_path):
+    """--n_shared 0 (no shared expert) and --layers_per_block 1 (every layer MoE), together: models of their
+    own, not empty weights, which Orbax refuses to save; either alone used to end its run at the first
+    checkpoint."""
+    flags = ["--n_shared", "0", "--layers_per_block", "1"]
+    run(cpu_env, tmp_path / "straight", *MESH1, *flags, steps=4)
+    run(cpu_env, tmp_path / "resumed", *MESH1, *flags, steps=2)
+    proc = run(cpu_env, tmp_path / "resumed", *MESH1, *flags, steps=4)
+    assert f"resumed from {tmp_path}/resumed/run/checkpoints/2: step 2," in proc.stdout
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    saved = params(tmp_path / "resumed", 4)
+    assert_same_params(saved, params(tmp_path / "straight", 4))
+    assert set(saved["params"]["blocks"]) == {"moe"} and "shared_up" not in saved["params"]["blocks"]["moe"]["moe"]
+    proc = run(cpu_env, tmp_path / "resumed", *MESH8, *flags, "--sample", "--max_tokens", "4", steps=4)
+    assert f"sample @ 4 of {tmp_path}/resumed/run/checkpoints:" in proc.stdout

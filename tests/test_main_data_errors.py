@@ -46,7 +46,9 @@ def _truncate(d, name="train_000001.bin"):
 BROKEN = [
     (lambda d: shutil.rmtree(d), [], "--data_dir {d}: {d}: no such directory; tokenize into it first"),
     (lambda d: [os.remove(p) for p in d.iterdir()], [], "--data_dir {d}: {d}/manifest.json: no manifest"),
-    (_truncate, [], "--data_dir {d}: shard {d}/train_000001.bin is truncated or corrupt"),
+    (_truncate, [], "--data_dir {d}: shard {d}/train_000001.bin is truncated or corrupt: 9996 bytes, the manifest "
+                    "says 2500 tokens (10000 bytes); python -m data.verify {d} checks every shard; tokenize the data "
+                    "again into an empty --out"),
     (lambda d: _write_manifest(d, '{"format": 1,'), [], "--data_dir {d}: {d}/manifest.json: not valid JSON"),
     (lambda d: os.remove(d / VAL), [], f"--data_dir {{d}}: shard {{d}}/{VAL} listed in the manifest is missing"),
     (lambda d: None, ["--T", "4096"], "--T 4096: split 'val' of {d}/manifest.json has 2500 tokens = 0 windows"),
@@ -61,6 +63,7 @@ def test_data_that_does_not_fit_is_one_line_naming_the_flag(cpu_env, shard_copy,
     breakage(shard_copy)
     proc = run(cpu_env, tmp_path, "--data_dir", str(shard_copy), *flags, expect=2, timeout=120)
     assert message.format(d=shard_copy) in error_line(proc)
+    assert not os.path.exists(tmp_path / "run"), os.listdir(tmp_path)      # no empty run directory left
 
 
 @pytest.mark.parametrize("bad_id", [0xFFFFFFFF, 100277], ids=["2**32-1", "vocab_size"])
@@ -97,3 +100,15 @@ def test_a_cache_that_fills_up_leaves_nothing_half_written(cpu_env, tmp_path):
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)))
     assert f"error: JAXFORMER_CACHE={cache}: cannot write the bundled corpus' shards there" in error_line(proc)
     assert os.listdir(cache) == []
+
+
+def test_a_damaged_bundled_cache_is_built_again(cpu_env, bundled_shards, tmp_path):
+    """The bundled corpus' cache is main.py's own: a shard of it cut short (a full disk, a copy cut short)
+    is tokenized again at start, with a line saying so, rather than refused with advice to re-tokenize."""
+    cache = tmp_path / "cache"
+    shutil.copytree(bundled_shards, cache / os.path.basename(bundled_shards))
+    _truncate(cache / os.path.basename(bundled_shards), "train_000000.bin")
+    proc = run(cpu_env, tmp_path, extra_env={"JAXFORMER_CACHE": str(cache)}, steps=1, timeout=300)
+    assert (f"tokenizing the bundled corpus (the King James Bible) into {cache / os.path.basename(bundled_shards)}, "
+            f"once more: the cached shards there are incomplete or damaged") in proc.stdout
+    assert "final: val cross-entropy" in proc.stdout

@@ -79,6 +79,9 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
     assert "slice: v4-8 = 4 TPU v4 chips (v4:2x2x1) on 1 host(s)" in out
     assert "mesh: dp=2 pp=2 tp=1; crossing hosts: none" in out
     assert re.search(r"train step: compiled in [\d.]+ s", out) and re.search(r"eval step: compiled in", out)
+    # each compile is announced before it starts (a large model's takes minutes, with nothing else shown)
+    assert out.index("compiling the train step for v4-8 (the guide's moe1B: about a minute") < out.index(
+        "train step: compiled in") < out.index("compiling the eval step for v4-8") < out.index("eval step: compiled in")
     assert re.search(r"HBM per chip: state .* total +[\d.]+ GiB of 30.75 GiB", out)
     assert "fits on v4-8" in out and not os.listdir(tmp_path), "a rehearsal writes nothing"
     # The loop-aware count: each chip runs the output layer's three vocab-sized products (the logits

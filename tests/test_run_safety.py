@@ -4,18 +4,24 @@ outside it (signals, a read-only mount, a full tmpfs, a second run in the same d
 - a changed model flag exits 2 touching nothing; --restart moves the old run aside; unreadable
   checkpoints everywhere stop the run instead of training from 0
 - Ctrl-C saves and exits 0, a second Ctrl-C exits at once; one run per directory (a lock)
+- a closed terminal (a pty, a tmux pane: with nohup the run goes on; plain, or behind a parent that eats
+  the hangup, it saves and exits 0) and a stdout pipe nobody reads any more
 - an empty prompt samples from <|endoftext|>; a prompt too long is refused at start; a sample that fails
   is a warning after the checkpoint; an expert with no tokens prints inf
-- a checkpoint directory that is read-only or full: one line, non-zero exit, within 30 s
+- a checkpoint directory that could not take a save (a file, read-only, full) is refused at start in one
+  line; a disk that fills up while a checkpoint is written stops the run at once in one line
 - the data position is in sequences: a new batch layout resumes right after the last sequence
 - --sample on (1,1,1) from a run trained on (2,2,2), writing nothing
-- the run directory read-only or full mid-run: one warning, no record lost; unusable at start (read-only, a
-  file): exit 2 in one line; --output_dir file:///path is that path
+- the run directory read-only or full mid-run: one warning, no record lost, the spill written by the next
+  start; unusable at start (read-only, a file): exit 2 in one line; --output_dir file:///path is that path;
+  a garbage lock, metrics.jsonl cut mid-line and a session that overlapped the last one are taken as they are
 """
 import contextlib
 import glob
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -24,8 +30,10 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 
+from launch_util import kill_tmux, needs_tmux, tmux
 from test_main import MESH1, MESH8, REPO, TINY, checkpoints, last_step, records, run, start, wait_for, wait_for_step
 
 
@@ -193,6 +201,108 @@ def test_a_closed_terminal_saves_and_exits_0(cpu_env, tmp_path):
     assert not os.path.exists(tmp_path / "run" / "lock")
 
 
+# the issue's wrapper: SIGHUP ignored in itself, the default in its child; it records the child's exit status
+EATER = ("import signal, subprocess, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+         "rc = subprocess.call(sys.argv[2:], preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)); "
+         "open(sys.argv[1], 'w').write(str(rc))")
+
+
+def main_py(out):
+    return [sys.executable, os.path.join(REPO, "main.py"), *TINY, *MESH1, "--output_dir", str(out), "--name", "run",
+            "--training_steps", "100000"]
+
+
+def process_of(out):
+    """The main.py process training into `out`, or None."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if any(c.endswith("main.py") for c in cmd) and str(out) in cmd:
+            return proc
+    return None
+
+
+def wait_until(condition, what, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+
+
+@needs_tmux
+def test_a_closed_tmux_pane_leaves_nohup_training_and_otherwise_saves_and_exits_0(cpu_env, tmp_path):
+    """A run's tmux pane is closed (`tmux kill-session`: the pane, its window, the tmux server or the SSH
+    session that held it goes), three ways a user starts main.py in it:
+
+    - `nohup python main.py ... &` at the pane's shell: nohup ignores SIGHUP and the run goes on training
+      (main.py used to replace nohup's SIG_IGN with its stop handler, and stopped);
+    - `python main.py ...` at the pane's shell: the shell passes the hangup on, the run saves and exits 0;
+    - behind a parent that ignores the hangup itself (a wrapper, some shells), so that none reaches
+      main.py: its next write to the dead terminal fails with EIO, the same hangup: it saves and exits 0
+      (it used to die in tqdm with exit 1, losing every step since its last checkpoint)."""
+    env = dict(cpu_env, TMUX_TMPDIR=str(tmp_path / "tmux"), TERM="xterm", HOME=str(tmp_path))
+    os.makedirs(env["TMUX_TMPDIR"])
+    runs = {name: tmp_path / name for name in ("nohup", "plain", "eater")}
+    for out in runs.values():
+        os.makedirs(out)
+    quoted = lambda cmd: " ".join(map(shlex.quote, cmd))
+    try:
+        for name in ("nohup", "plain"):          # typed at an interactive shell in the pane
+            assert tmux(env, "new-session", "-d", "-s", name, "-x", "200", "-y", "50", "-c", str(runs[name]),
+                        "bash --norc --noprofile -i").returncode == 0
+        tmux(env, "send-keys", "-t", "plain", quoted(main_py(runs["plain"])), "Enter")
+        # the others once the first has compiled its steps, from the compilation cache (cpu_env's)
+        wait_until(lambda: last_step(runs["plain"]) >= 1, "step 1 of the plain run")
+        tmux(env, "send-keys", "-t", "nohup", f"nohup {quoted(main_py(runs['nohup']))} &", "Enter")
+        status = tmp_path / "eater.status"
+        assert tmux(env, "new-session", "-d", "-s", "eater", "-x", "200", "-y", "50", "-c", str(runs["eater"]),
+                    quoted([sys.executable, "-c", EATER, str(status), *main_py(runs["eater"])])).returncode == 0
+        for name, out in runs.items():
+            wait_until(lambda: last_step(out) >= 2, f"step 2 of the {name} run")
+        procs = {name: process_of(out) for name, out in runs.items()}
+        assert None not in procs.values(), procs
+        for name in runs:
+            assert tmux(env, "kill-session", "-t", name).returncode == 0
+
+        for name in ("plain", "eater"):          # each saves the step it was at and exits
+            procs[name].wait(timeout=300)
+            out = runs[name]
+            assert checkpoints(out)[-1] == last_step(out) >= 2, (name, checkpoints(out), last_step(out))
+            assert not os.path.exists(out / "run" / "lock"), name           # released at a normal exit
+            assert records(out)[-1].get("run_goodput") is not None, name     # the stop's last record
+        assert status.read_text() == "0"
+
+        at_kill = last_step(runs["nohup"])
+        wait_until(lambda: last_step(runs["nohup"]) >= at_kill + 3, "the nohup run training on after the kill")
+        assert procs["nohup"].is_running()
+        procs["nohup"].send_signal(signal.SIGTERM)
+        procs["nohup"].wait(timeout=300)
+        printed = (runs["nohup"] / "nohup.out").read_text()
+        saved = checkpoints(runs["nohup"])[-1]
+        assert f"SIGTERM: checkpoint of step {saved} written" in printed, printed[-3000:]
+        assert saved == last_step(runs["nohup"])
+    finally:
+        for out in runs.values():
+            proc = process_of(out)
+            if proc is not None:
+                proc.kill()
+        kill_tmux(env)
+
+
+def test_stdout_a_pipe_nobody_reads_any_more_is_a_hangup(cpu_env, tmp_path):
+    """main.py | tee LOG, and the tee goes (killed with its pane): the next print fails with EPIPE, and the
+    run saves and exits 0 instead of dying in a print."""
+    out = tmp_path / "run-out"
+    os.makedirs(out)
+    proc = subprocess.Popen(main_py(out), cwd=REPO, env=cpu_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: last_step(out) >= 2, "step 2")
+        proc.stdout.close()                 # the reader is gone: its end of the pipe is closed
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    assert checkpoints(out)[-1] == last_step(out) >= 2
+
+
 def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpoint(cpu_env, tmp_path):
     os.makedirs(tmp_path / "run" / "samples.txt")           # writing a sample fails: it is a directory
     # 64 experts, one per token, and 32 tokens a step: at least 32 experts get no token.
@@ -203,7 +313,7 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
     assert f"WARNING: could not write {tmp_path}/run/samples.txt ([Errno 21] Is a directory" in proc.stderr
     assert f"2 record(s) could not be written to {tmp_path}/run/samples.txt ([Errno 21]" in proc.stderr
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
-    assert "load max/min inf (no tokens: expert 0." in proc.stdout
+    assert "load max/min inf (routed no token this interval: MoE layer 0 expert " in proc.stdout
     assert all(r["expert_load_spread"] is None and min(r["idle_expert_fraction"]) >= 0.5
                for r in records(tmp_path) if "val_loss" in r)
 
@@ -229,23 +339,30 @@ def _mount(*args):
         pytest.skip(f"cannot mount here ({proc.stderr.strip()}): a read-only or full directory needs a mount")
 
 
-def _save_fails_fast(cpu_env, out, expected):
-    proc = run(cpu_env, out, *MESH1, steps=4, expect=1, timeout=300)
-    last_metric = os.stat(out / "run" / "metrics.jsonl").st_mtime
+def _refused_at_start(cpu_env, out, expected):
+    """The run stops before its first step: exit 2, one line naming the checkpoint directory, nothing
+    written to its run directory."""
+    before = snapshot(out)
+    proc = run(cpu_env, out, *MESH1, steps=4, expect=2, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith(f"error: could not save the checkpoint of step 4 in {out}/run/checkpoints: {expected}")
-    assert "Traceback" not in proc.stderr
-    assert time.time() - last_metric < 30            # from the last record before the save to the exit
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: the checkpoints could not be saved in {out}/run/checkpoints ({expected}"), errors
+    assert "jaxformer started" not in proc.stdout and snapshot(out) == before
 
 
-def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_last_checkpoint(cpu_env, trained,
-                                                                                               tmp_path):
+def test_a_checkpoint_directory_that_cannot_take_a_save_is_refused_at_start(cpu_env, trained, tmp_path):
+    """A file named checkpoints, a read-only checkpoints directory, a disk without room for one checkpoint:
+    found at start, not at the first save after every step before it. The same directory writable again:
+    the run resumes from its checkpoint."""
+    os.makedirs(tmp_path / "file" / "run")
+    (tmp_path / "file" / "run" / "checkpoints").write_text("")
+    _refused_at_start(cpu_env, tmp_path / "file", f"[Errno 17] File exists: '{tmp_path}/file/run/checkpoints'")
+
     shutil.copytree(trained / "run", tmp_path / "ro" / "run")
     ckpts = tmp_path / "ro" / "run" / "checkpoints"
     _mount("--bind", "-o", "ro", str(ckpts), str(ckpts))
     try:
-        _save_fails_fast(cpu_env, tmp_path / "ro", f"[Errno 30] Read-only file system: '{ckpts}/.write-test-")
+        _refused_at_start(cpu_env, tmp_path / "ro", f"[Errno 30] Read-only file system: '{ckpts}/.write-test-")
     finally:
         subprocess.run(["umount", str(ckpts)], check=True)
 
@@ -255,7 +372,7 @@ def test_read_only_or_full_checkpoint_directory_fails_in_one_line_keeping_the_la
     _mount("-t", "tmpfs", "-o", f"size={used + (2 << 20)}", "tmpfs", str(full))
     try:
         shutil.copytree(trained / "run", full / "run")
-        _save_fails_fast(cpu_env, full, "[Errno 28] No space left on device")
+        _refused_at_start(cpu_env, full, "[Errno 28] No space left on device (")
     finally:
         subprocess.run(["umount", str(full)], check=True)
 
@@ -384,7 +501,7 @@ def test_run_dir_turned_read_only_mid_run_fails_in_one_line_losing_no_record(cpu
         assert len(spills) == 1 and len(warnings) == 2, err[-3000:]
         assert warnings[0].startswith(f"WARNING: could not write {run_dir}/metrics.jsonl ([Errno 30] Read-only")
         assert f"could not be written to {run_dir}/metrics.jsonl ([Errno 30] Read-only file system" in warnings[1]
-        assert f"they are in {spills[0]}: append it to {run_dir}/metrics.jsonl" in warnings[1]
+        assert f"they are in {spills[0]}: the next start of this run on this host writes them there first" in warnings[1]
         with open(spills[0]) as f:
             spilled = [json.loads(line) for line in f]
         steps = [r["step"] for r in records(out) + spilled if "loss" in r]
@@ -400,6 +517,10 @@ def test_run_dir_turned_read_only_mid_run_fails_in_one_line_losing_no_record(cpu
             f"error: cannot create the run directory {run_dir}/run ([Errno 30] Read-only file system")
     finally:
         subprocess.run(["umount", str(run_dir)], check=True)
+    proc = run(cpu_env, out, *MESH1, steps=1, timeout=300)       # writable again: the spill goes in first
+    assert f"wrote {len(spilled)} record(s) an earlier process could not write to {run_dir}/metrics.jsonl" in proc.stdout
+    assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, 11)) + [1]
+    assert not glob.glob(f"{spills[0]}*")
     (tmp_path / "afile").write_text("")
     proc = run(cpu_env, tmp_path / "afile", *MESH1, expect=2, timeout=300)  # --output_dir a file
     assert _lines(proc.stderr, "error:") == [
@@ -436,3 +557,28 @@ def test_full_disk_mid_run_keeps_the_records_until_there_is_room(cpu_env, tmp_pa
         assert steps == list(range(1, max(steps) + 1)) and max(steps) < 50
     finally:
         subprocess.run(["umount", str(out)], check=True)
+
+
+def test_a_run_dir_left_odd_by_a_crash_or_a_deleted_lock_is_taken_as_it_is(cpu_env, tmp_path):
+    """What a killed process or a hand that deleted a live run's lock leaves: a lock file that is no lock
+    record, metrics.jsonl cut mid-line, and a previous session whose last record is later than this
+    session's start (both ran at once). The warning names the lock without "pid None on None", the new
+    records start on a line of their own, and no negative time down is reported."""
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir)
+    (run_dir / "lock").write_bytes(b"\x00\x17not json")
+    now = time.time()
+    earlier = [{"step": 0, "time": now - 100, "event": "start", "process_start": now - 110},
+               {"step": 1, "time": now + 60, "loss": 7.0}]
+    cut = '{"step": 2, "time": 1, "lo'
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier) + cut)
+    proc = run(cpu_env, tmp_path, *MESH1, steps=1, timeout=300)
+    assert f"WARNING: taking over {run_dir}/lock: it holds no lock record this code can read" in proc.stdout
+    assert "pid None" not in proc.stdout
+    assert re.search(r"started \d+ s before the previous session's last record \(two sessions at once", proc.stdout)
+    assert "down before this session" not in proc.stdout
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert lines[2] == cut and all(json.loads(line) for line in lines[3:]) and len(lines) > 4, lines
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 1]
+    goodput = [r for r in records(tmp_path) if "down_s" in r][-1]
+    assert goodput["down_s"] == 0, goodput

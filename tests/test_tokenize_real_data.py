@@ -6,6 +6,7 @@ val source without text, is a clear error."""
 import gzip
 import json
 import os
+import subprocess
 import zlib
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 import tokenize_faults
 from data import shards
-from data_util import corpus_documents, reference_tokens, run_driver, shard_tokens
+from data_util import SHARD, corpus_documents, output_files, reference_tokens, run_driver, shard_tokens, tokenize_docs
 
 FFFD = "\ufffd"
 
@@ -196,3 +197,45 @@ def test_the_bad_document_count_survives_a_sigkill_and_resume(bad_jsonl, tmp_pat
     assert m["cursor"]["bad_docs"] == BAD_DOCS
     for name in os.listdir(tmp_path / "ref" / "out"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / "out" / name).read_bytes(), name
+
+
+def _mount(tmp_path, *args):
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount here ({proc.stderr.strip()}): a read-only or full --out needs a mount")
+
+
+@pytest.mark.parametrize("how, cause", [(("--bind", "-o", "ro"), "[Errno 30] Read-only file system"),
+                                        (("-t", "tmpfs", "-o", "size=1m"), "[Errno 28] No space left on device")],
+                         ids=["read-only", "full"])
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, how, cause):
+    """A read-only or full --out: one `error:` line naming --out and the OS error, exit 2 (a traceback and
+    exit 1 before)."""
+    disk = tmp_path / "disk"
+    os.makedirs(disk)
+    _mount(tmp_path, *how, *((str(disk),) if how[0] == "--bind" else ("tmpfs",)), str(disk))
+    try:
+        p = run_driver(["--source", "bundled", "--out", str(disk / "out"), "--workers", "0", "--shard_size",
+                        "100000"], {}, check=False)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert one_line_error(p).startswith(f"error: --out {disk}/out: cannot write there ({cause}"), p.stderr
+    assert p.stderr.strip().endswith("choose an --out this process can write")
+
+
+def test_max_tokens_ends_a_source_with_the_document_that_reaches_it_and_resumes_exactly(src, tmp_path):
+    """--max_tokens N: the source ends with the first document whose tokens bring it to N (never inside a
+    document); killed after the first shard and resumed, the same bytes."""
+    docs = tokenize_docs()
+    lengths = np.cumsum([len(reference_tokens([d])) for d in docs])
+    budget = int(lengths[len(lengths) // 2]) - 5               # inside a document, past several shards
+    kept = int(np.searchsorted(lengths, budget)) + 1          # the documents up to the one reaching it
+    args = ["--train_source", src, "--shard_size", str(SHARD), "--max_tokens", str(budget)]
+    whole = driver(tmp_path / "whole", *args)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert np.array_equal(shard_tokens(str(tmp_path / "whole" / "out"))[1], reference_tokens(docs[:kept]))
+    assert driver(tmp_path, *args, point="shard:1").returncode == -9
+    assert driver(tmp_path, *args, "--resume").returncode == 0
+    assert output_files(str(tmp_path / "out")) == output_files(str(tmp_path / "whole" / "out"))
+    assert one_line_error(driver(tmp_path / "bad", *args[:-1], "0")) == (
+        "error: --max_tokens must be a positive number of tokens, got 0")
