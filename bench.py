@@ -26,7 +26,9 @@ single-device reference; it prints both and, in bf16, exits 1 when the mesh is w
 device (x1.1). In fp32 both are summation-order noise (~1e-6) and their ratio means nothing. The
 batch's token ids are Zipf-distributed as in text (`--tokens uniform`: uniform); beside the errors,
 that of the fp32 gradient rounded once to the matmul dtype (the floor), and each error on the tied
-table alone (its gradient sums over every occurrence of a token).
+table alone (its gradient sums over every occurrence of a token), and one device's error with the other
+engine (--engine reference's plain math, or the fast one's kernels): in bf16 the fast engine's is to be
+no larger than the reference's.
 
 Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
@@ -39,6 +41,7 @@ Examples:
   python bench.py --preset tiny --n_device_axis 8 1 1 --train_batch_size 2 --cpu_devices 8 --grad_error
 """
 import argparse
+import dataclasses
 import collections
 import glob
 import json
@@ -52,7 +55,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import hlo
-import model
 import multihost
 import pipeline
 import sharding
@@ -234,7 +236,7 @@ def grad_error(cfg, tokens="zipf"):
     batch of `tokens` ("zipf": `zipf_tokens`, or "uniform"); beside them the same error of the fp32
     gradient rounded once to the matmul dtype, the least a gradient held in it can have."""
     m, M = cfg.model, cfg.run.micro_batch_size
-    params = model.init_params(m, jax.random.key(cfg.run.seed))
+    params = sharding.init_params(m, jax.random.key(cfg.run.seed))
     key = jax.random.key(cfg.run.seed + 1)
     shape = (utils.global_batch(cfg), m.T + 1)
     batch = (zipf_tokens(cfg.run.seed + 1, shape, m.vocab_size) if tokens == "zipf" else
@@ -242,7 +244,7 @@ def grad_error(cfg, tokens="zipf"):
     x, y = batch[:, :-1], batch[:, 1:]
     fp32 = utils.override(cfg, model_dtype="float32").model
     reference = jax.device_get(jax.jit(jax.grad(
-        lambda p: pipeline.reference_loss_and_metrics(p, x, y, key, fp32)[0]))(params))
+        lambda p: pipeline.one_device_loss(p, x, y, key, fp32)[0]))(params))
     ref_leaves = jax.tree_util.tree_leaves_with_path(reference)
 
     def errors(grads):
@@ -251,19 +253,21 @@ def grad_error(cfg, tokens="zipf"):
                    for (path, r), g in zip(ref_leaves, jax.tree.leaves(grads))}
         return by_leaf, max(by_leaf, key=by_leaf.get)
 
-    def on_mesh(shape):
+    def on_mesh(shape, mc=m):
         mesh = sharding.make_mesh(shape)
-        grad = jax.jit(jax.grad(lambda p: pipeline.loss_and_metrics(p, x, y, key, m, mesh, M)[0]))
-        return errors(grad(jax.device_put(params, model.param_shardings(params, mesh, m.expert_parallel))))
+        grad = jax.jit(jax.grad(lambda p: pipeline.loss_and_metrics(p, x, y, key, mc, mesh, M)[0]))
+        return errors(grad(jax.device_put(params, sharding.param_shardings(params, mesh, mc.expert_parallel))))
 
+    other_engine = dataclasses.replace(m, engine="reference" if m.engine == "fast" else "fast")
     runs = {"mesh": on_mesh(cfg.run.n_device_axis), "one_device": on_mesh((1, 1, 1)),
+            f"{other_engine.engine}_engine": on_mesh((1, 1, 1), other_engine),
             "rounding": errors(jax.tree.map(lambda r: r.astype(m.model_dtype), reference))}
     worst = {name: by_leaf[leaf] for name, (by_leaf, leaf) in runs.items()}
     # leaf by leaf, the mesh's error over one device's: where a mesh's own rounding would show
     leaf_ratios = {leaf: runs["mesh"][0][leaf] / e for leaf, e in runs["one_device"][0].items()}
     worst_ratio_leaf = max(leaf_ratios, key=leaf_ratios.get)
     return {"mode": "grad_error", "tokens": tokens, "mesh": list(cfg.run.n_device_axis), "micro_batches": M,
-            "global_batch": len(x), "model_dtype": m.model_dtype,
+            "global_batch": len(x), "model_dtype": m.model_dtype, "engine": m.engine,
             **{f"{name}_error": worst[name] for name in runs}, **{f"{name}_worst_leaf": runs[name][1] for name in runs},
             "ratio": worst["mesh"] / worst["one_device"], "bound": GRAD_ERROR_SLACK,
             "leaf_ratio": {"median": float(np.median(list(leaf_ratios.values()))), "max": leaf_ratios[worst_ratio_leaf],
@@ -347,10 +351,10 @@ def run_benchmark(args, cfg):
     median = statistics.median(times)
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     tok_s = tokens_per_step / median
-    fpt = model.flops_per_token(cfg.model)
+    fpt = sharding.flops_per_token(cfg.model)
     spec_peak = utils.peak_flops(device_kind)
     measured_peak, matmul_shape = matmul_peak(jax.devices()[0], args.matmul_size)
-    counts = model.count_params(cfg.model)
+    counts = sharding.count_params(cfg.model)
     return {
         "preset": args.preset, "mesh": [dp, pp, tp], "devices": n_mesh, "device_kind": device_kind,
         "backend": jax.default_backend(), "jax_version": jax.__version__,

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import model
+import sharding
 from multihost import log
 from rundir import RunRefused, is_url, move_aside, os_error
 
@@ -264,22 +264,22 @@ def _check_checksums(state, saved):
 def _in_layout(target, saved_repeats, repeats):
     """target (abstract state, stored for --pipeline_repeats `repeats`) with every stacked block leaf
     (under a "blocks" key: params and optimizer moments) shaped as `saved_repeats` stores it
-    (pipeline.pipeline_layout) and replicated over pp, which need not split that layout's stacked axis;
+    (sharding.Layout) and replicated over pp, which need not split that layout's stacked axis;
     target itself when nothing differs."""
     changed = []
-    lead = 1 if repeats == 1 else 2                 # target's stacked dims: [blocks] or [R, blocks/R]
+    lead = sharding.Layout(repeats).stacked_dims     # target's stacked dims: [blocks] or [P, G]
 
     def one(path, t):
         if not any(getattr(k, "key", None) == "blocks" for k in path):
             return t
         blocks, rest = math.prod(t.shape[:lead]), t.shape[lead:]
-        shape = (blocks, *rest) if saved_repeats == 1 else (saved_repeats, blocks // saved_repeats, *rest)
+        shape = sharding.Layout(saved_repeats).stored_shape((blocks, *rest))
         if shape == t.shape:
             return t
         changed.append(path)
         spec = (*t.sharding.spec, *(None,) * len(t.shape))[lead:len(t.shape)]
-        sharding = NamedSharding(t.sharding.mesh, P(*(None,) * (len(shape) - len(rest)), *spec))
-        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=sharding)
+        placement = NamedSharding(t.sharding.mesh, P(*(None,) * (len(shape) - len(rest)), *spec))
+        return jax.ShapeDtypeStruct(shape, t.dtype, sharding=placement)
     read = jax.tree_util.tree_map_with_path(one, target)
     return read if changed else target
 
@@ -304,5 +304,5 @@ def check_model(saved, mc, where):
 
 def _param_shapes(mc):
 
-    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda k: model.init_params(mc, k), jax.random.key(0)))
+    leaves, tree = jax.tree.flatten(jax.eval_shape(lambda k: sharding.init_params(mc, k), jax.random.key(0)))
     return str(tree), [leaf.shape for leaf in leaves]

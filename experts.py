@@ -1,10 +1,10 @@
-"""The routed experts' compute, four ways: over per-expert capacity buffers [B, E, C, D]
-(`experts_in_buffers`) or a sorted grouped matmul (`experts_ragged`, lax.ragged_dot), each also with
-the experts split over dp and the tokens sent to them by all-to-all (`experts_over_dp`,
-`experts_over_dp_ragged`: --expert_parallel). Every way gives each kept choice its expert's output
-[B, T, k, D] in the matmul dtype (what the remat keeps of them); `model.MoE` routes, keeps or drops,
-and gates. Selected by --moe_impl (MOE_IMPLS, EXPERT_PARALLEL_IMPLS). Shape suffixes as in model.py;
-N = B T k choices, M rows received.
+"""Engine: the routed-experts seam (engine.Reference/Fast.routed_experts). model.MoE routes, decides what
+is kept and gates; here each kept choice gets its expert's output [B, T, k, D] in the matmul dtype, four
+ways: per-expert capacity buffers [B, E, C, D] (`experts_in_buffers`, what --engine reference runs) or
+a sorted grouped matmul (`experts_ragged`, lax.ragged_dot), each also with the experts split over dp and
+the tokens sent to them by all-to-all (`experts_over_dp`, `experts_over_dp_ragged`: --expert_parallel).
+Every way computes `model.ffn`. N = B T k routed choices, U slots per expert on a dp shard, W rows a
+shard receives; e = E/dp experts on a dp shard.
 """
 from functools import partial
 
@@ -12,25 +12,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sharding import fp32_product, gelu, matmul, sum_like, vary_like
+from collectives import sum_like, vary_like
+from model import ffn
+from products import fp32_product
 
 
 def _distinct_drops(index_BTk, end):
-    """index_BTk with each dropped choice (index >= end) sent to a place of its own past the end, where
-    the scatter drops it. The kept choices' places are distinct already, so the scatter may promise
-    unique indices; without that promise JAX differentiates a scatter-set by scattering the update
-    ids too, to find which duplicate won (one H200, moe1B: three u32 [B, E, C, D] passes a MoE layer,
-    docs/performance.md)."""
+    """index_BTk with each dropped choice (index >= end) sent to a place of its own past the end, where the
+    scatter drops it. The kept choices' places are distinct already, so the scatter may promise unique
+    indices; without that promise JAX differentiates a scatter-set by scattering the update ids too, to
+    find which duplicate won (three u32 [B, E, C, D] passes a MoE layer)."""
     B, T, k = index_BTk.shape
     return jnp.where(index_BTk < end, index_BTk, end + jnp.arange(B * T * k).reshape(B, T, k))
 
 
-def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
-    """Each expert's output for each choice [B, T, k, D], computed on per-expert buffers of C slots
-    per sequence: kept choices are scattered into their slot, dropped ones (slot C) fall off
-    (mode="drop"). The buffers hold the matmul dtype, both ways, as experts_over_dp's trips do: the
-    way in is what the up-projection reads anyway; the way back rounds the expert outputs (one H200,
-    moe1B: Σ 309.6 -> 303.1 ms, the scatter and the gathers in half the bytes)."""
+def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm):
+    """Each expert's output for each choice, computed on per-expert buffers of C slots per sequence: kept
+    choices are scattered into their slot, dropped ones (slot C) fall off (mode="drop"). The buffers hold
+    the matmul dtype both ways, as experts_over_dp's trips do: the way in is what the up-projection reads
+    anyway; the way back rounds the expert outputs."""
     B, T, k = experts_BTk.shape
     dtype = w["expert_up"].dtype
     b_BTk = jnp.broadcast_to(jnp.arange(B)[:, None, None], experts_BTk.shape)
@@ -38,17 +38,42 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C):
     buffer_BECD = jnp.zeros((B, w["expert_up"].shape[0], C, x_BTD.shape[-1]), dtype)
     buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, _distinct_drops(slot_BTk, C)].set(
         x_BTkD, mode="drop", unique_indices=True)
-    h_BECF = gelu(matmul(buffer_BECD, w["expert_up"], "becd,edf->becf", dtype))
-    y_BECD = matmul(h_BECF, w["expert_down"], "becf,efd->becd", dtype)
+    y_BECD = ffn(buffer_BECD, w["expert_up"], w["expert_down"], "becd,edf->becf", mm)
     return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
 
 
+def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp):
+    """Expert parallelism: the outputs of experts_in_buffers, with the experts split over dp. This shard
+    holds experts [j e, (j+1) e) whole (w's expert_up is [e, D, f]). Its B sequences fill buffers of B C
+    slots per expert (sequence b's slots are [b C, (b+1) C): the keep/drop decisions are the per-sequence
+    ones made before, so drops do not depend on the mesh); an all-to-all over dp hands each shard its
+    experts' slots from every shard, the experts run, and a second all-to-all returns the outputs. Both
+    trips carry the matmul dtype; the way back rounds the outputs (a partial sum over tp), which fp32 leaves
+    exact."""
+    B, T, k = experts_BTk.shape
+    D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
+    E = w["expert_up"].shape[0] * lax.axis_size(dp)
+    # Kept choice (b, t, i) in slot s goes to row b C + s of its expert's buffer; a dropped one (slot C) past
+    # the end, to a row of its own (`_distinct_drops`), where the scatter drops it.
+    row_BTk = jnp.where(slot_BTk < C, jnp.arange(B)[:, None, None] * C + slot_BTk, B * C)
+    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, D)).astype(dtype)
+    send_EUD = jnp.zeros((E, B * C, D), dtype).at[experts_BTk, _distinct_drops(row_BTk, B * C)].set(
+        x_BTkD, mode="drop", unique_indices=True)
+    # all-to-all over dp: block j of the experts goes to shard j, which stacks what it receives by source
+    # shard: [E, B C, D] -> [e, dp B C, D] (U = dp B C slots per expert)
+    recv_eUD = lax.all_to_all(send_EUD, dp, split_axis=0, concat_axis=1, tiled=True)
+    y_eUD = ffn(recv_eUD, w["expert_up"], w["expert_down"], "eud,edf->euf", mm)
+    # all-to-all back over dp: slot block i returns to shard i, stacked by expert block: [e, dp B C, D] -> [E, B C, D]
+    y_EUD = lax.all_to_all(y_eUD, dp, split_axis=1, concat_axis=0, tiled=True)
+    return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)]
+
+
 def _grouped_ffn(w, x_ND, group_sizes_E):
-    """The routed experts' FFN over rows sorted by expert (group_sizes_E rows each, in expert order;
-    rows past their sum in no group): gelu(x W_up) W_down per group with lax.ragged_dot."""
-    dtype = jnp.dtype(w["expert_up"].dtype)
-    grouped = lambda x, w_EDF: _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), x, w_EDF, group_sizes_E)
-    return grouped(jax.nn.gelu(grouped(x_ND, w["expert_up"])), w["expert_down"])
+    """model.ffn over rows sorted by expert (group_sizes_E rows each, in expert order; rows past their sum
+    in no group), each product a grouped matmul (lax.ragged_dot) with the product's contract."""
+    grouped = lambda spec, x, w_EDF, dtype, out_dtype: _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), out_dtype,
+                                                                       x, w_EDF, group_sizes_E)
+    return ffn(x_ND, w["expert_up"], w["expert_down"], "nd,edf->nf", grouped)
 
 
 def _ragged32(x, w, group_sizes, dims=None):
@@ -58,25 +83,26 @@ def _ragged32(x, w, group_sizes, dims=None):
     return fp32_product(product, x, w, group_sizes)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ragged_rounded(dtype, operand_dtypes, x_ND, w_EDF, group_sizes_E):
-    """lax.ragged_dot of the operands rounded to `dtype`, in fp32, whose backward rounds the cotangent
-    to `dtype` and returns each operand's cotangent in its own dtype (as `_einsum_rounded`)."""
-    return _ragged32(x_ND.astype(dtype), w_EDF.astype(dtype), group_sizes_E)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ragged_rounded(dtype, operand_dtypes, out_dtype, x_ND, w_EDF, group_sizes_E):
+    """lax.ragged_dot of the operands rounded to `dtype`, accumulated in fp32 and returned in out_dtype,
+    whose backward rounds the cotangent to `dtype` and returns each operand's cotangent in its own dtype
+    (as products.mm)."""
+    return _ragged32(x_ND.astype(dtype), w_EDF.astype(dtype), group_sizes_E).astype(out_dtype)
 
 
-def _ragged_rounded_fwd(dtype, operand_dtypes, x_ND, w_EDF, group_sizes_E):
+def _ragged_rounded_fwd(dtype, operand_dtypes, out_dtype, x_ND, w_EDF, group_sizes_E):
     x_ND, w_EDF = x_ND.astype(dtype), w_EDF.astype(dtype)
-    return _ragged32(x_ND, w_EDF, group_sizes_E), (x_ND, w_EDF, group_sizes_E)
+    return _ragged32(x_ND, w_EDF, group_sizes_E).astype(out_dtype), (x_ND, w_EDF, group_sizes_E)
 
 
-def _ragged_rounded_bwd(dtype, operand_dtypes, residuals, g_NF):
+def _ragged_rounded_bwd(dtype, operand_dtypes, out_dtype, residuals, g_Nf):
     x_ND, w_EDF, group_sizes_E = residuals
-    g_NF = g_NF.astype(dtype)
+    g_Nf = g_Nf.astype(dtype)
     dims = lambda contract, ragged, group: lax.RaggedDotDimensionNumbers((contract, ((), ())), ragged, group)
     # d_x = g w_e^T row by row; d_w_e = x_e^T g_e over group e's rows (the rows are the ragged contraction)
-    d_x_ND = _ragged32(g_NF, w_EDF, group_sizes_E, dims(((1,), (2,)), (0,), (0,)))
-    d_w_EDF = _ragged32(x_ND, g_NF, group_sizes_E, dims(((0,), (0,)), (0,), ()))
+    d_x_ND = _ragged32(g_Nf, w_EDF, group_sizes_E, dims(((1,), (2,)), (0,), (0,)))
+    d_w_EDF = _ragged32(x_ND, g_Nf, group_sizes_E, dims(((0,), (0,)), (0,), ()))
     return (sum_like(d_x_ND, x_ND).astype(operand_dtypes[0]), sum_like(d_w_EDF, w_EDF).astype(operand_dtypes[1]),
             None)
 
@@ -84,87 +110,72 @@ def _ragged_rounded_bwd(dtype, operand_dtypes, residuals, g_NF):
 _ragged_rounded.defvjp(_ragged_rounded_fwd, _ragged_rounded_bwd)
 
 
+def _sorted_by_expert(experts_BTk, slot_BTk, C, E):
+    """(the order sorting the N = B T k choices by expert, dropped ones (slot C) last as expert E, and the
+    kept choices per expert [E])."""
+    expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)
+    return jnp.argsort(expert_N, stable=True), jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
+
+
 def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
-    """The same outputs from a grouped matmul: choices sorted by expert (dropped ones, slot C, last,
-    in no group) and multiplied by their expert's weights with lax.ragged_dot; no capacity padding."""
+    """The same outputs from a grouped matmul: choices sorted by expert (dropped ones last, in no group) and
+    multiplied by their expert's weights; no capacity padding."""
     B, T, k = experts_BTk.shape
-    E = w["expert_up"].shape[0]
-    expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                  # N = B T k choices
-    order_N = jnp.argsort(expert_N, stable=True)
-    group_sizes_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
-    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E).astype(w["expert_up"].dtype)
+    order_N, group_sizes_E = _sorted_by_expert(experts_BTk, slot_BTk, C, w["expert_up"].shape[0])
+    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E)
     # order_N is a permutation: promising unique indices keeps the scatter's gradient a gather
     return jnp.zeros_like(y_ND).at[order_N].set(y_ND, unique_indices=True).reshape(B, T, k, -1)
 
 
-def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, dp):
-    """Expert parallelism: the outputs of experts_in_buffers, with the experts split over dp. This
-    shard holds experts [j e, (j+1) e) whole, e = E/dp (w's expert_up is [e, D, F], F split over tp).
-    Its B sequences fill buffers of B C slots per expert (sequence b's slots are [b C, (b+1) C): the
-    keep/drop decisions are the per-sequence ones made before, here, so drops do not depend on the
-    mesh); an all-to-all over dp hands each shard its experts' slots from every shard, the experts
-    run, and a second all-to-all returns the outputs. Both trips carry the matmul dtype: the way
-    there is what the matmul reads anyway; the way back rounds the expert outputs (a partial sum
-    over tp) to it, which fp32 (the tests') leaves exact."""
-    B, T, k = experts_BTk.shape
-    D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
-    E = w["expert_up"].shape[0] * lax.axis_size(dp)
-    # Kept choice (b, t, i) in slot s goes to row b C + s of its expert's buffer; a dropped one (slot
-    # C) past the end, to a row of its own (`_distinct_drops`), where the scatter drops it.
-    row_BTk = jnp.where(slot_BTk < C, jnp.arange(B)[:, None, None] * C + slot_BTk, B * C)
-    x_BTkD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, k, D)).astype(dtype)
-    send_EUD = jnp.zeros((E, B * C, D), dtype).at[experts_BTk, _distinct_drops(row_BTk, B * C)].set(
-        x_BTkD, mode="drop", unique_indices=True)
-    # all-to-all over dp: block j of the experts goes to shard j, which stacks what it receives by
-    # source shard: [E, B C, D] -> [E/dp, dp B C, D] (U = dp B C slots per expert)
-    recv_eUD = lax.all_to_all(send_EUD, dp, split_axis=0, concat_axis=1, tiled=True)
-    h_eUF = gelu(matmul(recv_eUD, w["expert_up"], "eud,edf->euf", w["expert_up"].dtype))
-    y_eUD = matmul(h_eUF, w["expert_down"], "euf,efd->eud").astype(dtype)
-    # all-to-all back over dp: slot block i returns to shard i, stacked by expert block:
-    # [E/dp, dp B C, D] -> [E, B C, D]
-    y_EUD = lax.all_to_all(y_eUD, dp, split_axis=1, concat_axis=0, tiled=True)
-    return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)]
-
-
 def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     """Expert parallelism without capacity padding: the kept choices, sorted by expert, travel to their
-    experts' shard with lax.ragged_all_to_all (only the rows there are), run through a grouped matmul
-    (lax.ragged_dot) and come back the same way. XLA:CPU does not implement ragged_all_to_all: on CPU
-    this path is checked by compiling it for a TPU slice."""
+    experts' shard with lax.ragged_all_to_all (only the rows there are), run through a grouped matmul and
+    come back the same way. XLA:CPU does not implement ragged_all_to_all: on a CPU this path is checked by
+    compiling it for a TPU slice."""
     B, T, k = experts_BTk.shape
     D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
     n, e = lax.axis_size(dp), w["expert_up"].shape[0]
     E, N, me = n * e, B * T * k, lax.axis_index(dp)
-    expert_N = jnp.where(slot_BTk < C, experts_BTk, E).reshape(-1)                # dropped: expert E, last
-    order_N = jnp.argsort(expert_N, stable=True)
+    order_N, counts_E = _sorted_by_expert(experts_BTk, slot_BTk, C, E)
     send_ND = x_BTD.reshape(B * T, D)[order_N // k].astype(dtype)       # by expert: shard 0's block first
-    counts_E = jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
     # Every shard's counts, a few integers: [E] -> [dp, E] -> [sender, receiver, local expert]
     counts_nne = lax.all_gather(counts_E, dp).reshape(n, n, e)
     rows_nn = jnp.sum(counts_nne, axis=-1)                                # rows sender -> receiver
     start_send_nn = jnp.cumsum(rows_nn, axis=1) - rows_nn                 # in the sender's buffer
     start_recv_nn = jnp.cumsum(rows_nn, axis=0) - rows_nn                 # in the receiver's buffer
     # A receiver gets at most C slots per sequence per expert from each sender: B C E rows in all.
-    M = min(B * C * E, n * N)
-    recv_MD = vary_like((jnp.zeros((M, D), dtype),), (send_ND,))[0]
-    # ragged all-to-all over dp: my rows for shard j ([start_send[me, j], + rows[me, j])) land in
-    # shard j's buffer at start_recv[me, j]: [N, D] -> [M, D], ordered (sender, local expert)
-    recv_MD = lax.ragged_all_to_all(send_ND, recv_MD, start_send_nn[me], rows_nn[me], start_recv_nn[me],
+    W = min(B * C * E, n * N)
+    recv_WD = vary_like((jnp.zeros((W, D), dtype),), (send_ND,))[0]
+    # ragged all-to-all over dp: my rows for shard j ([start_send[me, j], + rows[me, j])) land in shard j's
+    # buffer at start_recv[me, j]: [N, D] -> [W, D], ordered (sender, local expert)
+    recv_WD = lax.ragged_all_to_all(send_ND, recv_WD, start_send_nn[me], rows_nn[me], start_recv_nn[me],
                                     rows_nn[:, me], axis_name=dp)
     # Regroup by local expert for the grouped matmul (rows past the received ones: group e, none).
     sizes_G = counts_nne[:, me, :].reshape(-1)                            # G = (sender, local expert)
-    group_M = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(M), side="right")
-    local_M = jnp.where(group_M < n * e, group_M % e, e)
-    by_expert_M = jnp.argsort(local_M, stable=True)
-    y_sorted_MD = _grouped_ffn(w, recv_MD[by_expert_M], jnp.sum(counts_nne[:, me, :], axis=0))
-    y_MD = jnp.zeros_like(y_sorted_MD).at[by_expert_M].set(y_sorted_MD, unique_indices=True).astype(dtype)
-    # And back over dp, the inverse exchange: [M, D] -> [N, D] in this shard's sorted order
-    back_ND = vary_like((jnp.zeros((N, D), dtype),), (y_MD,))[0]
-    back_ND = lax.ragged_all_to_all(y_MD, back_ND, start_recv_nn[:, me], rows_nn[:, me], start_send_nn[:, me],
+    group_W = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(W), side="right")
+    local_W = jnp.where(group_W < n * e, group_W % e, e)
+    by_expert_W = jnp.argsort(local_W, stable=True)
+    y_sorted_WD = _grouped_ffn(w, recv_WD[by_expert_W], jnp.sum(counts_nne[:, me, :], axis=0))
+    y_WD = jnp.zeros_like(y_sorted_WD).at[by_expert_W].set(y_sorted_WD, unique_indices=True)
+    # And back over dp, the inverse exchange: [W, D] -> [N, D] in this shard's sorted order
+    back_ND = vary_like((jnp.zeros((N, D), dtype),), (y_WD,))[0]
+    back_ND = lax.ragged_all_to_all(y_WD, back_ND, start_recv_nn[:, me], rows_nn[:, me], start_send_nn[:, me],
                                     rows_nn[me], axis_name=dp)
     return jnp.zeros((N, D), dtype).at[order_N].set(back_ND, unique_indices=True).reshape(B, T, k, D)
 
 
-MOE_IMPLS = {"buffers": experts_in_buffers, "ragged": experts_ragged}
-# The same interface with the experts split over dp (`Axes.expert_parallel`), taking the dp axis too.
-EXPERT_PARALLEL_IMPLS = {"buffers": experts_over_dp, "ragged": experts_over_dp_ragged}
+def buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None):
+    """--moe_impl buffers, over dp when dp names the axis the experts are split over (--expert_parallel)."""
+    if dp is None:
+        return experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm)
+    return experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp)
+
+
+def ragged(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None):
+    """--moe_impl ragged (grouped matmuls with the product's contract of their own: mm is not used)."""
+    if dp is None:
+        return experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C)
+    return experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp)
+
+
+MOE_IMPLS = {"buffers": buffers, "ragged": ragged}

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import model
-from pipeline import model_order
-from sharding import Axes
+from collectives import Axes
+from engine import engine_for
+from model import output_logits
+from sharding import build, model_order
 
 
 def init_caches(cfg, batch, length, dtype=jnp.float32):
@@ -36,19 +37,20 @@ def _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, u
     """Fill tokens_T[n_prompt:n_total] one position at a time. Returns tokens and the fp32 logits
     (real vocab) that chose each position. The cached path feeds one token per step; the uncached
     path recomputes the whole prefix each step. Both draw position p with fold_in(key, p)."""
-    transformer = model.build(params, cfg)
+    transformer, axes = build(params, cfg), Axes(engine=engine_for(cfg))
     T = tokens_T.shape[0]
 
     def logits_at(h_D):
-        return transformer.embed.logits(h_D[None, None], Axes())[0, 0, :cfg.vocab_size]
+        table_vD = transformer.embed.gathered(axes)
+        return output_logits(h_D[None, None], table_vD, cfg, axes)[0, 0, :cfg.vocab_size]
 
     def step(carry, p):
         tokens_T, caches = carry
         if use_cache:
-            h_1TD, _, caches = transformer(tokens_T[p][None, None], positions_T=p[None], caches=caches)
+            h_1TD, _, caches = transformer(tokens_T[p][None, None], axes, positions_T=p[None], caches=caches)
             logits_V = logits_at(h_1TD[0, 0])
         else:
-            h_1TD, _, _ = transformer(tokens_T[None])
+            h_1TD, _, _ = transformer(tokens_T[None], axes)
             logits_V = logits_at(h_1TD[0, p])
         chosen = _sample(logits_V, jax.random.fold_in(key, p + 1), top_k, temperature)
         write = p + 1 >= n_prompt

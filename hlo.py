@@ -18,7 +18,7 @@ def _dims(text):
 
 def _dot_category(rhs):
     """Which part of the model a dot belongs to, from the op_name JAX writes into its metadata: the
-    output layer's dots run under the named scope "output_layer" (pipeline.cross_entropy_sum), and
+    output layer's dots run under the named scope "output_layer" (loss.chunked_cross_entropy_sum), and
     the dots of the backward pass keep the forward's name inside "transpose(...)"."""
     name = re.search(r'op_name="([^"]*)"', rhs)
     name = name.group(1) if name else ""
@@ -334,12 +334,12 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
     operands plus its result, except: a dynamic-(update-)slice moves its slice, in place; a fusion
     reads only the slice of an operand it reads only through (dynamic-)slices or gathers, does not
     read an operand it only updates in place, and writes only the update when its root is a
-    dynamic-update-slice. Σ = Σ over kernels of max(FLOPs / peak_flops, bytes / hbm_bandwidth): the
-    time at the roofline with every kernel alone. FLOPs are dots' and convolutions' (cuDNN and other
+    dynamic-update-slice. The roofline sum, over kernels of max(FLOPs / peak_flops, bytes / hbm_bandwidth):
+    the time at the roofline with every kernel alone. FLOPs are dots' and convolutions' (cuDNN and other
     custom calls count bytes only).
 
     Returns {"kinds": {kind: {"count", "bytes", "flops"}}, "by_dtype": {"bf16 x bf16": FLOPs, ...},
-    "kernels": N, "bytes": B, "flops": F, "roofline_s": Σ}; kind is the opcode, "matmul", a fusion's
+    "kernels": N, "bytes": B, "flops": F, "roofline_s": the roofline sum}; kind is the opcode, "matmul", a fusion's
     "fusion:<what it does>", "custom-call:<target>" or "collective:<op>"."""
     comps, entry = parse(hlo_text)
     by_comp, defined = _instructions(comps), _definitions(comps)

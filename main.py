@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 import dataset
 import generate
-import model
 import multihost
 import pod
 import sharding
@@ -137,7 +136,7 @@ def start_position(meta, cfg):
 def print_header(cfg):
     dp, pp, tp = cfg.run.n_device_axis
     log(utils.describe(cfg))
-    counts = model.count_params(cfg.model)
+    counts = sharding.count_params(cfg.model)
     log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
         f"(active: used per token, without the embedding)")
     log(f"mesh: dp={dp} pp={pp} tp={tp} over {dp * pp * tp} of {jax.device_count()} "
@@ -219,7 +218,7 @@ def sample_text(state, cfg, ids, step):
     bias, decoded; the key depends on the seed and the step only, never on the training key."""
     ic, enc = cfg.inference, get_tokenizer()
     key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), step)
-    params = model.with_router_bias(state["params"], state["router_bias"])
+    params = sharding.with_router_bias(state["params"], state["router_bias"])
     new = generate.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
     return enc.decode([t for t in new if t < enc.n_vocab])
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import psutil
 
-import model
+import sharding
 import spikes
 import utils
 
@@ -248,7 +248,7 @@ def log_interval(run, meter, state, step):
     experts = expert_stats(device)
     spread, idle = load_spread(np.asarray(experts["expert_load"]))
     peak = utils.peak_flops(jax.devices()[0].device_kind)
-    util = utils.mfu(tok_s, model.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
+    util = utils.mfu(tok_s, sharding.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
     rec = utils.metrics_record(
         "interval", step, val_loss=val_ce, val_balance=val_bal, train_loss=float(np.mean([r["loss"] for r in recs])),
         lr=recs[-1]["lr"], grad_norm=recs[-1]["grad_norm"], tokens_per_s=tok_s, step_time_s=step_time, mfu=util,

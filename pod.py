@@ -28,7 +28,6 @@ import jax
 from jax.experimental import topologies
 
 import hlo
-import model
 import sharding
 import utils
 from trainer import abstract_step_args, build_trainer
@@ -192,7 +191,7 @@ class Report:
         self.gpu = isinstance(target, utils.GpuTarget)
         self.peak = utils.peak_flops(mesh.devices.flat[0].device_kind)
         self.tokens = utils.sequences_per_step(cfg) * cfg.model.T
-        self.model_flops = model.flops_per_token(cfg.model) * self.tokens / target.chips    # per chip
+        self.model_flops = sharding.flops_per_token(cfg.model) * self.tokens / target.chips    # per chip
 
     def header(self):
         target, mesh = self.target, self.mesh
@@ -282,10 +281,10 @@ class Report:
                   f"{100 * k['bytes'] / census['bytes']:5.1f}%" + (f" {k['flops']:.2e} FLOPs" if k["flops"] else ""))
         sigma = census["roofline_s"]
         seconds = STEP_PER_ROOFLINE * sigma + LAUNCH_SECONDS * census["kernels"]
-        print(f"  roofline Σ = Σ per kernel max(FLOPs / {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s, bytes / "
+        print(f"  roofline sum over kernels of max(FLOPs / {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s, bytes / "
               f"{self.target.hbm_bandwidth / 1e12:.1f} TB/s) = {sigma * 1e3:.4g} ms (matmuls at that rate alone: "
               f"{census['flops'] / GPU_GEMM_FLOPS * 1e3:.4g} ms)")
-        self._speed(f"estimated on an H200 ({STEP_PER_ROOFLINE} Σ + {LAUNCH_SECONDS * 1e6:.1f} ms per 1,000 kernels, "
+        self._speed(f"estimated on an H200 ({STEP_PER_ROOFLINE} x the roofline sum + {LAUNCH_SECONDS * 1e6:.1f} ms per 1,000 kernels, "
                     "docs/performance.md 'The H200 estimate')", seconds, flops)
 
 

@@ -1,51 +1,49 @@
-"""The sharding rules, the mesh, the collectives and the matmul numerics: everything the modules need
-to run on one device or inside one `jax.shard_map` over ("dp", "pp", "tp").
+"""The sharded model: logical axes -> mesh axes, the params (drawn, laid out, counted), and the mesh.
 
 - One table, `AXIS_RULES` (led by `EXPERT_PARALLEL_RULE` under --expert_parallel), maps a parameter's
-  logical axes ("vocab", "embed", "heads", ...) to mesh axes: the PartitionSpecs (model.param_specs)
-  and the dim each FSDP gather runs along (`fetch`) come from it, and nothing else names a mesh axis
-  for a parameter.
-- `Axes`: the mesh axis names the layer code runs under (none on the single-device reference, where
-  every collective here is a no-op) and the platform the program is for.
-- The collectives the modules write out: `psum`, `fetch` / `gather_over_dp` (the FSDP all-gather in
-  the matmul dtype, its gradient reduce-scattered in fp32), `vary_like` (check_vma's types).
-- The matmuls: `matmul` / `einsum_fp32` multiply operands rounded to the matmul dtype and accumulate in
-  fp32, in the backward too (custom VJPs, `sum_like` for the reductions JAX's own transpose would add);
-  `fp32_product` widens bf16 operands for XLA:CPU when the step is lowered for a CPU.
-- `make_mesh`: the mesh over real devices or an ahead-of-time TPU topology, host by host.
+  logical axes ("vocab", "embed", "heads", ...) to mesh axes: the PartitionSpecs (`param_specs`) and the
+  dim FSDP gathers along (`dp_dim`) come from it, and nothing else names a mesh axis for a parameter.
+- The params are a plain nested dict of arrays (what crosses jit, shard_map, optax and orbax), keyed by
+  the modules' attribute names, each drawn by the initializer its module declared (`init_params`);
+  `build` merges them back into the modules (inside shard_map, from the local shards).
+- `Layout`: how the params store the stacked blocks for the pipeline, [blocks, ...] or [P, G, ...].
+- `make_mesh`: the ("dp", "pp", "tp") mesh over real devices or an ahead-of-time TPU topology.
 """
 import dataclasses
 import math
-from functools import partial
+from functools import cache, partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from flax.linen import logical_to_mesh_axes
-from jax import lax
-from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 
-MESH_AXES = ("dp", "pp", "tp")
+from collectives import MESH_AXES
+from model import DENSE_LAYERS, LAYERS, Transformer
 
-# The one sharding table: logical axis -> mesh axis, in order of precedence. A mesh axis shards at
-# most one dim of a parameter (flax's logical_to_mesh_axes), so dp splits D in w_dq [D, Lq] and the
-# latent in w_uq [Lq, H*K]. "dp" = FSDP shard, all-gathered just in time; "tp" = Megatron split;
-# "pp" = pipeline stage. Logical axes not listed are replicated: "dense_layers" (a block's stacked
-# dense layers), "norm", "rope", "score" (the router's column per expert), "shared" (the shared
-# experts' index) and, unless expert parallelism is on, "expert" (the routed experts' index).
+# The one sharding table: logical axis -> mesh axis, in order of precedence. A mesh axis shards at most one
+# dim of a parameter (flax's logical_to_mesh_axes), so dp splits D in w_dq [D, Lq] and the latent in w_uq
+# [Lq, H K]. "dp" = FSDP shard, all-gathered for the step (fsdp.py); "tp" = Megatron split; "pp" = pipeline
+# stage. Logical axes not listed are replicated: "dense_layers" (a block's stacked dense layers), "norm",
+# "rope", "score" (the router's column per expert), "shared" (the shared experts' index) and, unless expert
+# parallelism is on, "expert" (the routed experts' index).
 AXIS_RULES = (
     ("layers", "pp"),        # the stacked blocks: stage s holds blocks [s B/pp, (s+1) B/pp)
     ("vocab", "tp"),         # rows of the tied table
-    ("heads", "tp"),         # the H*K (and H*R) columns of the attention projections
+    ("heads", "tp"),         # the H K (and H R) columns of the attention projections
     ("mlp", "tp"),           # FFN hidden units, in the dense FFN and inside every expert
     ("embed", "dp"),         # the model width D
     ("q_latent", "dp"),      # the latent widths, in the matrices without D
     ("kv_latent", "dp"),
 )
-# With --expert_parallel the table starts with this rule: the routed experts' index goes to dp, so
-# each dp shard holds E/dp whole experts, which stay there (`fetch` gathers no "expert" dim); their
-# "embed" dim then finds dp taken and is not split, their "mlp" dim is still split over tp.
+# With --expert_parallel the table starts with this rule: the routed experts' index goes to dp, so each dp
+# shard holds E/dp whole experts, which stay there (FSDP gathers no "expert" dim); their "embed" dim then
+# finds dp taken and is not split, their "mlp" dim is still split over tp.
 EXPERT_PARALLEL_RULE = ("expert", "dp")
+# The circular pipeline's leading axis of every stacked block leaf, [P, G, ...] (`Layout`); not in
+# AXIS_RULES, so replicated: stage s holds [:, s G:(s+1) G].
+REPEATS = "repeats"
 
 
 def axis_rules(expert_parallel=False):
@@ -53,231 +51,226 @@ def axis_rules(expert_parallel=False):
     return ((EXPERT_PARALLEL_RULE,) if expert_parallel else ()) + AXIS_RULES
 
 
-LAYERS, DENSE_LAYERS = "layers", "dense_layers"     # the logical names of the two stacking axes
-# The circular pipeline's leading axis of every stacked block leaf, [R, blocks/R, ...] (`pipeline_layout`);
-# not in AXIS_RULES, so replicated: stage s holds [:, s L:(s+1) L], L = blocks/(pp R).
-REPEATS = "repeats"
-
-@dataclasses.dataclass(frozen=True)
-class Axes:
-    """Mesh axis names the layer code runs under; all None on the single-device reference path.
-    expert_parallel: the routed experts are split over dp (`axis_rules`), tokens sent to them."""
-    dp: str | None = None
-    pp: str | None = None
-    tp: str | None = None
-    expert_parallel: bool = False
-    # The platform of the devices the program is for ("cpu", "gpu", "tpu"; the mesh's, which may be an
-    # ahead-of-time topology's): it picks fused kernels (`attend`). None: the portable code.
-    platform: str | None = None
-    # True inside the pipeline's ticks: the stage's blocks were all-gathered over dp once for the step
-    # (`pipeline._gathered_over_dp`), so `fetch` only casts them.
-    dp_gathered: bool = False
-
-
-def sharded_axes(cfg, platform):
-    """The axes of the sharded path under cfg, for devices of `platform`."""
-    return Axes(*MESH_AXES, expert_parallel=cfg.expert_parallel, platform=platform)
-
-
-def psum(x, axis):
-    return x if axis is None else lax.psum(x, axis)
-
-
-BRANCH_SUM = "branch_sum"            # the checkpoint name of a branch's output summed over tp (`branch_sum`)
-
-
-def branch_sum(x, tp, dtype):
-    """A residual branch's output: the psum over tp of this rank's partial sum (Megatron's one
-    all-reduce per branch), carried in the matmul dtype (`tp_sum`). Under tp it is named so that the
-    remat policies keep it for the backward rather than replay the all-reduce there (moe1B on v4-64:
-    all-reduce bytes 15.90 -> 13.09 GiB per chip for 4.3 GiB of HBM); with no tp to sum over,
-    recomputing it is cheaper than keeping it (one H200: Σ 359 vs 366 ms, 23.5 vs 30.0 GiB)."""
-    out = tp_sum(x, (tp,) if tp else (), dtype)
-    return out if tp is None or lax.axis_size(tp) == 1 else checkpoint_name(out, BRANCH_SUM)
-
-
-def tp_sum(x, axes, dtype):
-    """The fp32 activation x (a branch's partial output, or an activation's partial gradient) summed
-    over the mesh `axes` (tp), the all-reduce carried in the matmul dtype as Megatron does: half the
-    bytes, and the tp all-reduces are most of a TPU step's collective bytes (moe1B on v4-64: 11.82 of
-    13.61 GiB per chip). The measured reason to round, which issue 24's rule asks for: `bench.py
-    --grad_error` on tp = 2 (docs/performance.md): the mesh's gradient error stays within the bar
-    bf16 sets on one device. Parameter gradients are never summed this way (`sum_like`). With nothing
-    to sum over (one device, tp = 1) nothing is rounded: the numbers of one device stay exact."""
-    if not axes:
-        return x
-    if math.prod(lax.axis_size(a) for a in axes) == 1:
-        return lax.psum(x, axes)               # no data moves: only check_vma's type changes
-    return lax.psum(x.astype(dtype), axes).astype(x.dtype)
-
-
-def axis_index(axis):
-    return 0 if axis is None else lax.axis_index(axis)
-
-
-def vary_like(arrays, others):
-    """`arrays` cast to vary over every mesh axis any of `others` varies over (inside shard_map;
-    a no-op outside it)."""
-    axes = frozenset().union(*map(varying_axes, others))
-
-    def cast(x):
-        missing = tuple(sorted(axes - varying_axes(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
-    return tuple(map(cast, arrays))
-
-
-def varying_axes(x):
-    """The mesh axes x varies over (check_vma's type)."""
-    return jax.typeof(x).manual_axis_type.varying
-
-
 def mesh_spec(logical_axes, expert_parallel=False):
     """The PartitionSpec of a parameter with these logical axes."""
     return logical_to_mesh_axes(logical_axes, axis_rules(expert_parallel))
 
 
-def fetch(param, axes, dtype):
-    """A parameter's value in dtype and, under FSDP, all-gathered over dp just in time along the dim
-    that its logical axes map to dp (`gather_over_dp`). A dim of experts split over dp (expert
-    parallelism) is not gathered: the shard keeps its own experts, and tokens come to them."""
-    dim = None if axes.dp is None or axes.dp_gathered else dp_dim(param.out_sharding, axes.expert_parallel)
-    if dim is None:
-        return param[...].astype(dtype)
-    return gather_over_dp(param[...], dtype, axes.dp, dim)
-
-
 def dp_dim(logical_axes, expert_parallel):
-    """The dim of a parameter with these logical axes that FSDP gathers over dp, or None: not split
-    over dp, or its experts split over dp (expert parallelism), which stay where they are."""
+    """The dim of a parameter with these logical axes that FSDP gathers over dp, or None: not split over
+    dp, or its experts split over dp (expert parallelism), which stay where they are."""
     spec = mesh_spec(logical_axes, expert_parallel)
     if "dp" not in spec or logical_axes[spec.index("dp")] == "expert":
         return None
     return spec.index("dp")
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather_over_dp(w, dtype, dp, axis):
-    """A weight shard cast to dtype, then all-gathered: [.., D/dp, ..] fp32 -> [.., D, ..] dtype
-    (casting first halves the bytes a bf16 gather moves). Its gradient is reduce-scattered back in
-    fp32, as Megatron does: the plain transpose would sum the dp bf16 cotangents in bf16."""
-    return lax.all_gather(w.astype(dtype), dp, axis=axis, tiled=True)
+# ----------------------------------------------------------------------------------------------
+# The params: the modules' Param attributes by name, except that the tied table sits at the top as
+# params["embed"] (not params["embed"]["table"]), as in every checkpoint.
 
 
-def _gather_over_dp_fwd(w, dtype, dp, axis):
-    return gather_over_dp(w, dtype, dp, axis), None
+def _params_path(path):
+    return ("embed",) if path == ("embed", "table") else path
 
 
-def _gather_over_dp_bwd(dtype, dp, axis, _, g):
-    # [.., D, ..] dtype -> fp32 -> summed over dp, each rank keeping its own slice: [.., D/dp, ..] fp32
-    return (lax.psum_scatter(g.astype(jnp.float32), dp, scatter_dimension=axis, tiled=True),)
+def _flat_variables(module, kind):
+    """[(path in the params, Variable)] of the `kind` Variables of module, in the params' order."""
+    return sorted((_params_path(path), v) for path, v in nnx.to_flat_state(nnx.state(module, kind)))
 
 
-gather_over_dp.defvjp(_gather_over_dp_fwd, _gather_over_dp_bwd)
+def _nested(flat):
+    """The nested dict holding each (path, value) of flat."""
+    tree = {}
+    for path, value in flat:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
 
 
-def fp32_product(product, *operands):
-    """product(*operands), a matmul of operands in the matmul dtype that accumulates and returns fp32.
-    XLA:CPU cannot run every bf16 x bf16 -> fp32 dot ("Unsupported element type for DotThunk"), so on
-    CPU alone the lowering widens bf16 operands first: the products are exact in fp32, the numbers the
-    same. The choice is made when the program is lowered for its devices (lax.platform_dependent), not
-    when it is traced: every platform traces this one program, `--compile_for` a TPU's included.
-
-    The choice sits in a checkpoint of its own that keeps nothing: differentiated under the layers'
-    remat, JAX split the conditional into a forward and a replay part and handed the replay both
-    branches' operands (the CPU's widened copies and the accelerator's bf16 ones) as residuals, which
-    the layer scans then stacked: a copy of every weight, a step (one H200, moe1B: Σ -1.0 ms, 104
-    kernels fewer). The product's backward is its caller's custom VJP: nothing is recomputed."""
-    if not any(o.dtype == jnp.bfloat16 for o in operands):
-        return product(*operands)
-    widen = lambda *ops: product(*(o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o for o in ops))
-    choose = lambda *ops: lax.platform_dependent(*ops, cpu=widen, default=product)
-    return jax.checkpoint(choose, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(*operands)
+def has_router_bias(params):
+    return "router_bias" in params["blocks"]["moe"]["moe"]
 
 
-def dot32(spec, a, b):
-    """einsum(spec, a, b) of operands already in the matmul dtype, accumulated and returned in fp32."""
-    return fp32_product(partial(jnp.einsum, spec, preferred_element_type=jnp.float32), a, b)
+@cache
+def _graphdef(cfg, router_bias):
+    """The Transformer's structure for cfg, without its values."""
+    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), router_bias)))
 
 
-UNBATCHED_DOT = "unbatched_dot"     # the checkpoint name of einsum_fp32's products without batch dims
+def build(params, cfg):
+    """The Transformer holding params (global arrays, or inside shard_map this device's shards)."""
+    return nnx.merge(_graphdef(cfg, has_router_bias(params)), params | {"embed": {"table": params["embed"]}})
 
 
-def matmul(x, w, spec, out_dtype=jnp.float32):
-    """einsum of operands rounded to the weights' dtype, accumulated in fp32 and returned in out_dtype:
-    the weights' dtype for a product whose one use rounds it to that dtype anyway (attention's q, k, v,
-    the latents): the same numbers in half the bytes, and no separate cast kernel on a GPU; and for a
-    residual branch, whose tp all-reduce carries that dtype (`tp_sum`) before the fp32 residual stream
-    adds it. fp32, the default, where the caller needs the product unrounded."""
-    return einsum_fp32(spec, w.dtype, x, w, out_dtype)
+@cache
+def _params_of(cfg):
+    """[(path in the params, abstract Param)] of the Transformer for cfg (nnx builds a module tree in about
+    half a second, and init, shapes and counts each want one)."""
+    return _flat_variables(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
 
 
-def gelu(h):
-    """GELU, computed in fp32, of an up-projection that `matmul` returned in the matmul dtype (as
-    Megatron keeps it), and returned in that dtype: the widest activation, [B, T, 4D], is written and
-    read in half the bytes. Its one use, the down-projection, rounds it so anyway (the same forward
-    numbers); its cotangent then comes back in that dtype too, rounded once more before the GELU's
-    derivative (one H200, moe1B: Σ 303.1 -> 299.8 ms; docs/performance.md)."""
-    return jax.nn.gelu(h.astype(jnp.float32)).astype(h.dtype)
+def init_params(cfg, key):
+    """fp32 parameters with global shapes in model order, each drawn by its initializer (stacked ones whole)
+    with its own key split from `key` in the params' order: the values depend only on (cfg, key), not on
+    any mesh or layout."""
+    params = _params_of(cfg)
+    keys = jax.random.split(key, len(params))
+    return _nested([(path, v.initializer(k, v.shape)) for (path, v), k in zip(params, keys)])
 
 
-def einsum_fp32(spec, dtype, a, b, out_dtype=jnp.float32):
-    """einsum(spec, a, b) of the operands rounded to `dtype`, accumulated in fp32 and returned in
-    out_dtype; in the backward the cotangent is rounded to `dtype` too (`_einsum_rounded`)."""
-    out = _einsum_rounded(spec, jnp.dtype(dtype), (a.dtype, b.dtype), jnp.dtype(out_dtype), a, b)
-    a_spec, b_spec, out_spec = _einsum_specs(spec)
-    # jax.checkpoint's policies do not see the dot inside a custom_vjp: the name lets --remat dots
-    # keep saving the products without batch dims (`REMAT_POLICIES`).
-    return out if set(a_spec) & set(b_spec) & set(out_spec) else checkpoint_name(out, UNBATCHED_DOT)
+def param_shapes(cfg):
+    """Global shape of every parameter, as a nested dict mirroring the params."""
+    return jax.tree.map(lambda p: p.shape, jax.eval_shape(partial(init_params, cfg), jax.random.key(0)))
 
 
-def _einsum_specs(spec):
-    """"btd,df->btf" -> ("btd", "df", "btf")."""
-    inputs, out_spec = spec.split("->")
-    return (*inputs.split(","), out_spec)
+class _SizeOne:
+    """A stand-in config whose every size is 1 but layers_per_block (2: a dense layer beside the MoE one):
+    the logical axes of a parameter depend on where it sits in the modules, not on any size."""
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return 2 if name == "layers_per_block" else 1
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _einsum_rounded(spec, dtype, operand_dtypes, out_dtype, a, b):
-    """The operands are rounded to `dtype` here, inside: each cotangent then comes back in its operand's
-    own dtype (operand_dtypes), so an fp32 activation's gradient is psummed over tp and added up in
-    fp32. JAX's own transpose would multiply the fp32 cotangent by the rounded operand in fp32: on GPU
-    the backward's GEMMs, two thirds of the step's, ran on fp32 operands as TF32 (H200 profile,
-    docs/performance.md). Rounding the cotangent first keeps them bf16 x bf16 -> fp32 like the forward."""
-    return dot32(spec, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
+@cache
+def logical_axes(router_bias):
+    """{path in the params: that parameter's logical axes}, read from the modules' Variables."""
+    module = nnx.eval_shape(lambda: Transformer(_SizeOne(), nnx.Rngs(0), router_bias))
+    return {path: variable.out_sharding for path, variable in _flat_variables(module, nnx.Variable)}
 
 
-def _einsum_rounded_fwd(spec, dtype, operand_dtypes, out_dtype, a, b):
-    a, b = a.astype(dtype), b.astype(dtype)
-    return dot32(spec, a, b).astype(out_dtype), (a, b)
+@cache
+def _axes_by_leaf_name():
+    """{leaf name: its logical axes less the stacking ones}: a name is one kind of parameter wherever it sits
+    (every "scale" is ("norm",)), so masks apply to any dict of such leaves."""
+    return {path[-1]: tuple(a for a in axes if a not in (LAYERS, DENSE_LAYERS))
+            for path, axes in logical_axes(True).items()}
 
 
-def _einsum_rounded_bwd(spec, dtype, operand_dtypes, out_dtype, residuals, g):
-    a, b = residuals
-    a_spec, b_spec, out_spec = _einsum_specs(spec)
-    g = g.astype(dtype)
-    d_a = dot32(f"{out_spec},{b_spec}->{a_spec}", g, b)
-    d_b = dot32(f"{a_spec},{out_spec}->{b_spec}", a, g)
-    # a is the activation (`matmul(x, w)`), b the weight: only the activation's sum is rounded (`tp_sum`)
-    return (tp_sum(d_a, extra_axes(d_a, a), dtype).astype(operand_dtypes[0]),
-            sum_like(d_b, b).astype(operand_dtypes[1]))
+def is_matrix(name):
+    """Whether leaf `name` is a weight matrix: two or more logical axes besides the stacking ones."""
+    return len(_axes_by_leaf_name()[name]) >= 2
 
 
-def extra_axes(x, like):
-    """The mesh axes x varies over and `like` does not."""
-    return tuple(sorted(varying_axes(x) - varying_axes(like)))
+def decay_mask(params):
+    """True for the leaves AdamW decays: the matrices, not norm scales and shifts."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: is_matrix(path[-1].key), params)
 
 
-def sum_like(x, like):
-    """x summed over the mesh axes it varies over and `like` does not: the transpose of the implicit
-    pcast that made `like` varying in the forward (a weight split over tp times activations
-    replicated over tp: the activations' gradient is the psum over tp), as JAX's own transpose does.
-    x is the fp32 product: the sum runs in fp32 whatever dtype the cotangent is then returned in."""
-    extra = extra_axes(x, like)
-    return lax.psum(x, extra) if extra else x
+def table_mask(params):
+    """True for the tied embedding / output table, the one leaf with its own Adam epsilon (optimizer.py)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _axes_by_leaf_name()[path[-1].key] == ("vocab", "embed"),
+                                            params)
 
 
-_einsum_rounded.defvjp(_einsum_rounded_fwd, _einsum_rounded_bwd)
+def param_specs(params, expert_parallel=False):
+    """PartitionSpec of every parameter: its logical axes through the table (`axis_rules`), stacked block
+    leaves as their `Layout` stores them. The global arrays are the same with or without expert parallelism:
+    a checkpoint restores either way."""
+    axes, layout = logical_axes(has_router_bias(params)), Layout.of(params)
 
+    def spec(path, p):
+        path = tuple(k.key for k in path)
+        return mesh_spec(layout.axes(path, axes[path]), expert_parallel)
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def param_shardings(params, mesh, expert_parallel=False):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, expert_parallel))
+
+
+def count_params(cfg):
+    """total: every real parameter (padding rows excluded); active: those one token uses, without the
+    embedding (the guide's convention); embedding: the tied table."""
+    shapes = param_shapes(cfg)
+    size = lambda tree: sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, tuple)))
+    embedding = cfg.vocab_size * cfg.model_dimension
+    body = size(shapes["blocks"]) + size(shapes["final_norm"])
+    routed = size({k: shapes["blocks"]["moe"]["moe"][k] for k in ("expert_up", "expert_down")})
+    active = body - routed + routed * cfg.k // cfg.n_experts
+    return {"total": body + embedding, "active": active, "embedding": embedding}
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token: 6 x (active params + the output projection V x D), plus causal attention
+    3 x T x H x (2K + R) per layer (QK^T over K + R channels and AV over K, forward 2 FLOPs a multiply-add,
+    backward twice the forward, half the positions masked). Bubbles and remat excluded."""
+    matmul = 6 * (count_params(cfg)["active"] + cfg.vocab_size * cfg.model_dimension)
+    n_rope = cfg.blocks * (cfg.layers_per_block - 1)
+    attn = 3 * cfg.T * cfg.n_head * (2 * cfg.head_dim * cfg.n_layers + cfg.dhR * n_rope)
+    return float(matmul + attn)
+
+
+def with_router_bias(params, router_bias):
+    """params with DeepSeek-V3's aux-loss-free routing bias (router_bias [blocks, E], in model order) beside
+    each MoE layer's router, where MoE reads it, laid out like the routers. It is routing state, not a
+    parameter: the driver keeps it out of the optimizer and differentiates the params alone."""
+    moe_layers = params["blocks"]["moe"]
+    router_bias = Layout.of(params).store_leaf(router_bias)
+    moe_layers = moe_layers | {"moe": moe_layers["moe"] | {"router_bias": router_bias}}
+    return params | {"blocks": params["blocks"] | {"moe": moe_layers}}
+
+
+# ----------------------------------------------------------------------------------------------
+# The pipeline's layout of the stacked blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the params store the stacked blocks: [blocks, ...] in model order (repeats 1: GPipe), or for the
+    circular pipeline (repeats P > 1) [P, G, ...], G = blocks/P, a pure reshape: block (r, j) is block
+    r G + j. With the second axis split over pp, stage s holds j in [s G/pp, (s+1) G/pp) of every r: the P
+    non-adjacent groups r pp + s of G/pp consecutive blocks. A checkpoint restores in either layout."""
+    repeats: int = 1
+
+    @property
+    def stacked_dims(self):
+        return 1 if self.repeats == 1 else 2
+
+    @staticmethod
+    def of(params):
+        """The layout params are in, read off the router's rank ([blocks, D, E] or [P, G, D, E])."""
+        router = params["blocks"]["moe"]["moe"]["router"]
+        return Layout(1 if len(router.shape) == 3 else router.shape[0])
+
+    def axes(self, path, names):
+        """The logical axes of the leaf at `path` stored in this layout."""
+        return (REPEATS, *names) if path[0] == "blocks" and self.repeats > 1 else names
+
+    def stored_shape(self, shape):
+        """The shape a stacked leaf of shape [blocks, ...] in model order is stored in."""
+        return tuple(shape) if self.repeats == 1 else (self.repeats, shape[0] // self.repeats, *shape[1:])
+
+    def store_leaf(self, a):
+        """A stacked leaf [blocks, ...] in model order, as this layout stores it."""
+        return a if self.repeats == 1 else a.reshape(self.stored_shape(a.shape))
+
+    def store(self, params):
+        """params (in any layout) in this one."""
+        params = model_order(params)
+        return params | {"blocks": jax.tree.map(self.store_leaf, params["blocks"])}
+
+
+def model_order(params):
+    """params with every stacked block leaf as [blocks, ...], in model order."""
+    if Layout.of(params).repeats == 1:
+        return params
+    return params | {"blocks": jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), params["blocks"])}
+
+
+def init_stored_params(cfg, key):
+    """init_params in the layout the sharded path stores (cfg.pipeline_repeats): the same numbers in any."""
+    return Layout(cfg.pipeline_repeats).store(init_params(cfg, key))
+
+
+def init_sharded_params(cfg, key, mesh):
+    """init_stored_params computed directly into the mesh layout (no host ever holds the full model)."""
+    abstract = jax.eval_shape(partial(init_stored_params, cfg), key)
+    return jax.jit(partial(init_stored_params, cfg),
+                   out_shardings=param_shardings(abstract, mesh, cfg.expert_parallel))(key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,19 +287,18 @@ def physical_order(device):
 def make_mesh(shape, devices=None):
     """The ("dp", "pp", "tp") mesh over dp*pp*tp devices, real or an ahead-of-time TPU topology's.
 
-    Devices are taken host by host, each host's in physical order, and laid out with tp fastest:
-    so a pp x tp plane whose size divides a host's device count sits on one host (on a v4 host's
-    2 x 2 chips, tp pairs along x and pp pairs along y are direct neighbours) and only dp crosses
-    hosts, as in the guide's figure. jax.make_mesh instead insists on not splitting physical axes,
-    which (8, 2, 2) on v4-64's 2 x 4 x 4 chips cannot satisfy. Auto axes: outside shard_map XLA
-    propagates shardings (optimizer, generation); inside it every collective is written out."""
+    Devices are taken host by host, each host's in physical order, and laid out with tp fastest: so a pp x
+    tp plane whose size divides a host's device count sits on one host (on a v4 host's 2 x 2 chips, tp pairs
+    along x and pp pairs along y are direct neighbours) and only dp crosses hosts, as in the guide's figure.
+    jax.make_mesh instead insists on not splitting physical axes, which (8, 2, 2) on v4-64's 2 x 4 x 4 chips
+    cannot satisfy. Auto axes: outside shard_map XLA propagates shardings (optimizer, generation); inside it
+    every collective is written out."""
     ordered = sorted(jax.devices() if devices is None else devices, key=physical_order)[:math.prod(shape)]
     if len(ordered) < math.prod(shape):
         raise ValueError(f"mesh {tuple(shape)} needs {math.prod(shape)} devices, {len(ordered)} available")
     grid = np.empty(len(ordered), dtype=object)
     grid[:] = ordered
-    return jax.sharding.Mesh(grid.reshape(tuple(shape)), MESH_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.sharding.Mesh(grid.reshape(tuple(shape)), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
 def axes_across_hosts(mesh):

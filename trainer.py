@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import model
 import pipeline
-import spikes
+import sharding
 import utils
+from model import update_router_bias
+from optimizer import lr_schedule, make_optimizer
 
 
 class Trainer(NamedTuple):
@@ -28,7 +29,7 @@ class Trainer(NamedTuple):
 
 def build_trainer(cfg, mesh):
     """The jitted training and eval steps for cfg on mesh, and the training state's layout."""
-    abstract_params = jax.eval_shape(partial(pipeline.init_pipeline_params, cfg.model), jax.random.key(0))
+    abstract_params = jax.eval_shape(partial(sharding.init_stored_params, cfg.model), jax.random.key(0))
     optimizer = make_optimizer(cfg.optim, abstract_params)
     shardings, abstract_state = state_layout(cfg, optimizer, abstract_params, mesh)
     replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp", None))
@@ -39,7 +40,7 @@ def build_trainer(cfg, mesh):
     evaluate = jax.jit(partial(eval_step, cfg=cfg, mesh=mesh),
                        in_shardings=(shardings["params"], replicated, data, data))
     return Trainer(step, evaluate, partial(init_state, cfg, optimizer, shardings, mesh), abstract_state,
-                   utils.lr_schedule(cfg.optim), data)
+                   lr_schedule(cfg.optim), data)
 
 
 def abstract_step_args(cfg, trainer):
@@ -52,23 +53,13 @@ def abstract_step_args(cfg, trainer):
     return (state, (micro_steps, micro_steps)), (state["params"], state["router_bias"], val, val)
 
 
-def make_optimizer(oc, abstract_params):
-    """Global-norm clipping, then AdamW, inside spikes.skip_spikes: it keeps the running grad-norm median
-    in the optimizer state (checkpointed with it) and, with --skip_spikes F > 0, leaves params and
-    moments untouched on a step whose norm is > F x it."""
-    # Guide: optax.adamw; here the tied embedding table has its own Adam epsilon (spikes.adamw).
-    adamw = spikes.adamw(utils.lr_schedule(oc), oc, model.decay_mask(abstract_params),
-                         model.table_mask(abstract_params))
-    return spikes.skip_spikes(optax.chain(optax.clip_by_global_norm(oc.grad_clip_norm), adamw), oc.skip_spikes)
-
-
 def state_layout(cfg, optimizer, abstract_params, mesh):
     """(shardings, abstract state) of the training state: params and their optimizer moments sharded
-    as model.param_shardings says, everything else replicated. The aux-loss-free routing bias [blocks,
+    as sharding.param_shardings says, everything else replicated. The aux-loss-free routing bias [blocks,
     E] (model.update_router_bias) is tiny, and equal on every device because every device computes its
     update from the same global counts."""
     replicated = NamedSharding(mesh, P())
-    param_shardings = model.param_shardings(abstract_params, mesh, cfg.model.expert_parallel)
+    param_shardings = sharding.param_shardings(abstract_params, mesh, cfg.model.expert_parallel)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     shardings = {"params": param_shardings, "key": replicated, "router_bias": replicated,
                  "opt_state": optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_shardings,
@@ -83,7 +74,7 @@ def state_layout(cfg, optimizer, abstract_params, mesh):
 def init_state(cfg, optimizer, shardings, mesh, seed):
     """A fresh training state, computed straight into its shardings (no host holds the whole model)."""
     init_key, train_key = jax.random.split(jax.random.key(seed))
-    params = pipeline.init_sharded_params(cfg.model, init_key, mesh)
+    params = sharding.init_sharded_params(cfg.model, init_key, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
     # The key committed to the mesh like the train step's output, so step 2 reuses step 1's executable.
     return {"params": params, "opt_state": opt_state,
@@ -102,8 +93,8 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
     metrics["grad_norm_ratio"], metrics["skipped"] = opt_state.ratio, opt_state.skipped
     # A step skipped as a spike leaves the routing bias as it was, like the parameters.
     router_bias = jnp.where(opt_state.skipped > state["opt_state"].skipped, state["router_bias"],
-                            model.update_router_bias(state["router_bias"], metrics["tokens_per_expert"],
-                                                     cfg.optim.bias_update_rate))
+                            update_router_bias(state["router_bias"], metrics["tokens_per_expert"],
+                                               cfg.optim.bias_update_rate))
     updated = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
                "router_bias": router_bias}
     # A non-finite loss or gradient leaves params, moments and routing bias as they were, so no
@@ -126,7 +117,7 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
     xs, ys = batch
     G = len(xs)
     grad_fn = jax.value_and_grad(lambda p, x, y, k: pipeline.loss_and_metrics(
-        model.with_router_bias(p, router_bias), x, y, k, cfg.model, mesh, cfg.run.micro_batch_size, True),
+        sharding.with_router_bias(p, router_bias), x, y, k, cfg.model, mesh, cfg.run.micro_batch_size, True),
         has_aux=True)
 
     def micro(sums, inputs):
@@ -146,6 +137,6 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
 
 
 def eval_step(params, router_bias, x, y, *, cfg, mesh):
-    _, metrics = pipeline.loss_and_metrics(model.with_router_bias(params, router_bias), x, y, jax.random.key(0),
+    _, metrics = pipeline.loss_and_metrics(sharding.with_router_bias(params, router_bias), x, y, jax.random.key(0),
                                         cfg.model, mesh, cfg.run.micro_batch_size, False)
     return metrics["ce"], jnp.sum(metrics["balance"])

@@ -12,7 +12,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import jax.numpy as jnp
 
 # The embedding table is padded to a multiple of this many rows, independent of the mesh, so that a
 # checkpoint written on one mesh restores on any other and the vocab splits evenly over tp.
@@ -49,7 +48,10 @@ class ModelConfig:
                               "under tp full and dots keep each branch's all-reduced output rather than "
                               "all-reduce it again")
     moe_impl: str = flag("buffers", "routed-expert compute: buffers (per-expert capacity slots) or ragged "
-                                    "(sorted tokens, lax.ragged_dot)")
+                                    "(sorted tokens, lax.ragged_dot); --engine reference always runs buffers")
+    engine: str = flag("fast", "what the model's math runs on (engine.py): fast (fused attention, custom-VJP "
+                               "products, chunked cross-entropy, named remat) or reference (the guide's plain "
+                               "math at every seam, the same numbers in fp32: for reading and debugging)")
     expert_parallel: bool = flag(False, "expert parallelism over dp: each dp shard holds E/DP whole routed experts "
                                         "(hidden units still split over tp) and tokens go to them and back by "
                                         "all-to-all over dp, instead of every expert being all-gathered over dp; "
@@ -206,9 +208,9 @@ PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice e
 TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/fineweb-edu --hf_config sample-350BT "
                     "--out gs://BUCKET/fineweb-edu --shard_size 100000000 --val_shards 1 --max_tokens 26400000000")
 
-# Flags that pick an implementation, and their values: the keys of model.REMAT_POLICIES (with none:
-# nothing recomputed) and of experts.MOE_IMPLS (tests/test_config.py checks they agree).
-CHOICES = {"remat": ("auto", "full", "dots", "none"), "moe_impl": ("buffers", "ragged")}
+# Flags that pick an implementation, and their values: the keys of engine.REMAT_POLICIES (with none:
+# nothing recomputed), of experts.MOE_IMPLS and of engine.ENGINES (tests/test_config.py checks they agree).
+CHOICES = {"remat": ("auto", "full", "dots", "none"), "moe_impl": ("buffers", "ragged"), "engine": ("fast", "reference")}
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
 
@@ -355,7 +357,7 @@ def validate(cfg, n_devices=None):
         errors.append(f"--b1 and --b2 must be in [0, 1), got {o.b1}, {o.b2}")
     if m.model_dtype not in ("bfloat16", "float32"):
         errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
-    for name, value in (("remat", m.remat), ("moe_impl", m.moe_impl)):
+    for name, value in (("remat", m.remat), ("moe_impl", m.moe_impl), ("engine", m.engine)):
         choices = CHOICES[name]
         if value not in choices:
             errors.append(f"--{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
@@ -432,18 +434,6 @@ def global_batch(cfg):
 def sequences_per_step(cfg):
     """Sequences per optimizer step: --grad_step micro-steps of the global batch."""
     return cfg.optim.grad_step * global_batch(cfg)
-
-
-def lr_schedule(o):
-    """Linear warmup min_lr -> max_lr, cosine max_lr -> end_lr at end_steps, then end_lr. Pure Python + jnp."""
-
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        warm = o.min_lr + (o.max_lr - o.min_lr) * step / max(o.warmup_steps, 1)
-        progress = jnp.clip((step - o.warmup_steps) / max(o.end_steps - o.warmup_steps, 1), 0.0, 1.0)
-        cosine = o.end_lr + 0.5 * (o.max_lr - o.end_lr) * (1 + jnp.cos(math.pi * progress))
-        return jnp.where(step < o.warmup_steps, warm, cosine)
-    return schedule
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 
+import optimizer
 import utils
 from utils import ConfigError, PRESETS, config_from_args, override, validate
 
@@ -144,15 +145,16 @@ def test_help_states_flag_meanings(capsys):
 
 def test_lr_schedule_shape():
     o = override(TINY, min_lr=0.0, max_lr=1.0, end_lr=0.1, warmup_steps=10, end_steps=110).optim
-    lr = utils.lr_schedule(o)
+    lr = optimizer.lr_schedule(o)
     assert float(lr(0)) == 0.0 and abs(float(lr(5)) - 0.5) < 1e-6 and abs(float(lr(10)) - 1.0) < 1e-6
     assert abs(float(lr(60)) - 0.55) < 1e-6 and abs(float(lr(110)) - 0.1) < 1e-6 and abs(float(lr(500)) - 0.1) < 1e-6
 
 
 def test_implementation_choices_are_the_tables_keys():
-    """utils names --remat's and --moe_impl's values without importing the model; they must be the keys
-    of the tables that implement them."""
+    """utils names --remat's, --moe_impl's and --engine's values without importing the model; they must be
+    what the engine implements."""
+    import engine
     import experts
-    import model
-    assert set(utils.CHOICES["remat"]) == {*model.REMAT_POLICIES, "none", "auto"}
-    assert set(utils.CHOICES["moe_impl"]) == set(experts.MOE_IMPLS) == set(experts.EXPERT_PARALLEL_IMPLS)
+    assert set(utils.CHOICES["remat"]) == {*engine.REMAT_POLICIES, "none", "auto"}
+    assert set(utils.CHOICES["moe_impl"]) == set(experts.MOE_IMPLS)
+    assert set(utils.CHOICES["engine"]) == set(engine.ENGINES)

@@ -11,13 +11,16 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import experts
+import attention
 import generate
 import hlo
 import model
 import pipeline
+import products
 import sharding
 import utils
+from collectives import Axes
+from engine import engine_for
 
 # MoE + RoPE + NoPE layers, 8 blocks so that pp can be 8 and 8 experts so that expert parallelism
 # (E/dp whole experts per dp shard) can run on dp 8; fp32 so the comparison is tight.
@@ -47,16 +50,21 @@ def batch(seed=1, n=BATCH, cfg=CFG):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def one_device(cfg):
+    """The axes of the one-device model: no mesh axis, cfg's engine."""
+    return Axes(engine=engine_for(cfg))
+
+
 def rel_err(a, b):
     return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    params = model.init_params(CFG, KEY)
+    params = sharding.init_params(CFG, KEY)
     x, y = batch()
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: pipeline.reference_loss_and_metrics(
-        model.with_router_bias(p, ROUTER_BIAS), x, y, KEY, CFG), has_aux=True))(params)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: pipeline.one_device_loss(
+        sharding.with_router_bias(p, ROUTER_BIAS), x, y, KEY, CFG), has_aux=True))(params)
     assert 0 < float(jnp.mean(metrics["drop_rate"])) < 1, "the test config should drop some tokens"
     return params, loss, metrics, grads
 
@@ -64,7 +72,7 @@ def reference():
 def sharded_value_and_grad(cfg, mesh, n_micro, router_bias=None):
     """value_and_grad of the sharded loss in the params (routed with router_bias when given)."""
     def loss(p, x, y):
-        p = p if router_bias is None else model.with_router_bias(p, router_bias)
+        p = p if router_bias is None else sharding.with_router_bias(p, router_bias)
         return pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro)
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
@@ -75,9 +83,9 @@ def with_model(cfg, **changes):
 
 def abstract_params(cfg, mesh):
     """Shapes, dtypes and shardings of cfg's parameters on mesh, for lowering without computing."""
-    params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
+    params = jax.eval_shape(lambda: sharding.init_params(cfg, KEY))
     return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
-                        model.param_shardings(params, mesh, cfg.expert_parallel))
+                        sharding.param_shardings(params, mesh, cfg.expert_parallel))
 
 
 @pytest.mark.parametrize("shape,n_micro,changes", CASES)
@@ -87,10 +95,10 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     params, ref_loss, ref_metrics, ref_grads = reference
     cfg = with_model(CFG, **changes)
     mesh = sharding.make_mesh(shape)
-    stored = pipeline.pipeline_layout(params, cfg.pipeline_repeats)        # as the training state holds them
-    sharded = jax.device_put(stored, model.param_shardings(stored, mesh, cfg.expert_parallel))
+    stored = sharding.Layout(cfg.pipeline_repeats).store(params)        # as the training state holds them
+    sharded = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
     (loss, metrics), grads = sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(sharded, *batch())
-    grads = pipeline.model_order(grads)
+    grads = sharding.model_order(grads)
     assert rel_err(loss, ref_loss) < 1e-5
     for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
@@ -108,25 +116,25 @@ def test_circular_layout_puts_groups_r_pp_plus_s_on_stage_s():
     """pipeline_layout is a reshape of the model order ([blocks, ...] -> [R, blocks/R, ...]) that
     model_order undoes, and sharding its second axis over pp puts on stage s the R groups r pp + s of
     L = blocks/(pp R) consecutive blocks (as the schedule assumes); R = 1 is the model order itself."""
-    params = jax.eval_shape(lambda: model.init_params(CFG, KEY))
-    assert pipeline.pipeline_layout(params, 1)["blocks"] == params["blocks"]
+    params = jax.eval_shape(lambda: sharding.init_params(CFG, KEY))
+    assert sharding.Layout(1).store(params)["blocks"] == params["blocks"]
     R, pp = 2, 2
     L = CFG.blocks // (pp * R)
     w = jnp.arange(CFG.blocks * 3.0).reshape(CFG.blocks, 3)                     # row g = block g
     tree = {"embed": jnp.zeros((1, 1)), "blocks": {"moe": {"moe": {"router": w[:, :, None]}}}}
-    stored = pipeline.pipeline_layout(tree, R)
+    stored = sharding.Layout(R).store(tree)
     router = stored["blocks"]["moe"]["moe"]["router"]
     assert router.shape == (R, CFG.blocks // R, 3, 1)
-    np.testing.assert_array_equal(pipeline.model_order(stored)["blocks"]["moe"]["moe"]["router"], w[:, :, None])
-    assert tuple(model.param_specs(stored)["blocks"]["moe"]["moe"]["router"]) == (None, "pp", "dp", None)
+    np.testing.assert_array_equal(sharding.model_order(stored)["blocks"]["moe"]["moe"]["router"], w[:, :, None])
+    assert tuple(sharding.param_specs(stored)["blocks"]["moe"]["moe"]["router"]) == (None, "pp", "dp", None)
     mesh = sharding.make_mesh((1, pp, 1))
-    placed = jax.device_put(stored, model.param_shardings(stored, mesh))["blocks"]["moe"]["moe"]["router"]
+    placed = jax.device_put(stored, sharding.param_shardings(stored, mesh))["blocks"]["moe"]["moe"]["router"]
     for shard in placed.addressable_shards:
         s = mesh.devices.flatten().tolist().index(shard.device)
         blocks = np.asarray(shard.data)[:, :, 0, 0].ravel() // 3                   # the blocks this stage holds
         np.testing.assert_array_equal(blocks, [(r * pp + s) * L + j for r in range(R) for j in range(L)])
     bias = jnp.arange(CFG.blocks * 4.0).reshape(CFG.blocks, 4)
-    with_bias = model.with_router_bias(stored, bias)["blocks"]["moe"]["moe"]["router_bias"]
+    with_bias = sharding.with_router_bias(stored, bias)["blocks"]["moe"]["moe"]["router_bias"]
     np.testing.assert_array_equal(with_bias.reshape(CFG.blocks, 4), bias)
 
 
@@ -167,7 +175,7 @@ def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_gradients_in_fp32():
 
 def test_remat_dots_saves_the_matmul_products_full_recomputes():
     """--remat dots recomputes well under half of what --remat full adds to no remat: it keeps the
-    products without batch dims, which einsum_fp32 names for the policy (a checkpoint policy does not
+    products without batch dims, which products.mm names for the policy (a checkpoint policy does not
     see the dot inside its custom_vjp; without the name, dots recomputed ~all that full does)."""
     mesh = sharding.make_mesh((1, 1, 1))
 
@@ -206,9 +214,9 @@ def test_bfloat16_matmuls_track_the_fp32_reference(reference):
     params, ref_loss, _, _ = reference
     mesh = sharding.make_mesh((2, 2, 2))
     cfg = with_model(CFG, model_dtype="bfloat16")
-    sharded = jax.device_put(params, model.param_shardings(params, mesh))
+    sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
     loss, _ = jax.jit(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 4))(sharded, *batch())
-    bf16_ref, _ = jax.jit(lambda p: pipeline.reference_loss_and_metrics(p, *batch(), KEY, cfg))(params)
+    bf16_ref, _ = jax.jit(lambda p: pipeline.one_device_loss(p, *batch(), KEY, cfg))(params)
     assert rel_err(loss, ref_loss) < 1e-2 and rel_err(loss, bf16_ref) < 1e-3
 
 
@@ -217,9 +225,9 @@ def test_causal_attention_in_query_chunks_equals_one_masked_softmax(T):
     """attend runs a causal attention in chunks of queries (T = 256: 2, T = 1024: 8), each against the
     keys up to its end; in fp32 its values and gradients equal one masked softmax over all T x T."""
     q, k, v = (jax.random.normal(jax.random.key(i), (2, T, 3, 24 if i < 2 else 16)) for i in range(3))
-    chunked = lambda q, k, v: model.attend(q, k, v, None, jnp.float32, None)
-    whole = lambda q, k, v: model.masked_attention(q, k, v, jnp.tril(jnp.ones((T, T), bool)), jnp.float32)
-    assert model.CAUSAL_MIN_CHUNK * 2 <= T          # more than one chunk
+    chunked = lambda q, k, v: attention.attention(q, k, v, None, jnp.float32, None)
+    whole = lambda q, k, v: model.masked_attention(q, k, v, jnp.tril(jnp.ones((T, T), bool)), jnp.float32, products.mm)
+    assert attention.CAUSAL_MIN_CHUNK * 2 <= T          # more than one chunk
     np.testing.assert_allclose(chunked(q, k, v), whole(q, k, v), rtol=1e-5, atol=1e-6)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     for g, g_ref in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(whole), (0, 1, 2))(q, k, v)):
@@ -233,7 +241,8 @@ def test_the_narrow_v_check_compares_with_the_padded_kernel_while_a_step_is_trac
     of v, fails it."""
     Q, K, T = 192, 64, 256
     causal = jnp.tril(jnp.ones((T, T), bool))
-    narrow = lambda q, k, v, mask: model.masked_attention(q, k, v, causal if mask is None else mask, jnp.bfloat16)
+    narrow = lambda q, k, v, mask: model.masked_attention(q, k, v, causal if mask is None else mask, jnp.bfloat16,
+                                                          products.mm)
     padded = lambda q, k, v, mask: narrow(q, k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, Q - K))), mask)[..., :K]
     always_causal = lambda q, k, v, mask: narrow(q, k, v, None)
     lossy = lambda q, k, v, mask: narrow(q, k, v.at[..., -1].set(0), mask)
@@ -242,7 +251,7 @@ def test_the_narrow_v_check_compares_with_the_padded_kernel_while_a_step_is_trac
 
     def body(x):                                 # where attend runs: inside shard_map, under jit
         with jax.ensure_compile_time_eval():
-            verdicts.extend(model.narrow_v_matches_padded(Q, K, kernel, padded, T=T)
+            verdicts.extend(attention.narrow_v_matches_padded(Q, K, kernel, padded, T=T)
                             for kernel in (narrow, always_causal, lossy))
         return x + 1
     mesh = sharding.make_mesh((2, 2, 2))
@@ -265,7 +274,7 @@ def test_cross_entropy_equals_log_softmax(n_seq, T):
         log_p = jax.nn.log_softmax(h_BTD @ table_VD[:cfg.vocab_size].T, axis=-1)
         return -jnp.sum(jnp.take_along_axis(log_p, y_BT[..., None], axis=-1))
 
-    fused = lambda table_VD, h_BTD: pipeline.cross_entropy_sum(table_VD, h_BTD, y_BT, cfg, sharding.Axes())
+    fused = lambda table_VD, h_BTD: one_device(cfg).engine.cross_entropy_sum(table_VD, h_BTD, y_BT, cfg, one_device(cfg))
     value, grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(table_VD, h_BTD)
     ref_value, ref_grads = jax.value_and_grad(naive, argnums=(0, 1))(table_VD, h_BTD)
     assert rel_err(value, ref_value) < 1e-6
@@ -274,7 +283,7 @@ def test_cross_entropy_equals_log_softmax(n_seq, T):
 
 
 def test_the_cross_entropy_gradient_recomputes_no_logits():
-    """Its gradient products run with the loss (pipeline._chunked_ce), from the logits already there:
+    """Its gradient products run with the loss (loss._chunked_ce), from the logits already there:
     the compiled gradient's matmul FLOPs are the forward's three vocab-sized products per chunk (the
     logits, d h and d table; 4 chunks of 128 tokens here) and nothing in the backward pass, where the
     logits used to be recomputed (2 of the 4 products there)."""
@@ -283,7 +292,8 @@ def test_the_cross_entropy_gradient_recomputes_no_logits():
     table_VD = jax.random.normal(jax.random.key(1), (V, D))
     h_BTD = jax.random.normal(jax.random.key(2), (4, 128, D))
     y_BT = jax.random.randint(jax.random.key(3), (4, 128), 0, cfg.vocab_size)
-    grad = jax.jit(jax.grad(lambda t, h: pipeline.cross_entropy_sum(t, h, y_BT, cfg, sharding.Axes()), argnums=(0, 1)))
+    ce = lambda t, h: one_device(cfg).engine.cross_entropy_sum(t, h, y_BT, cfg, one_device(cfg))
+    grad = jax.jit(jax.grad(ce, argnums=(0, 1)))
     flops = hlo.matmul_flops(grad.lower(table_VD, h_BTD).compile().as_text())
     vocab_products = 3 * 2 * V * D * N
     assert flops["backward"] == 0 and flops["remat"] == 0, flops
@@ -292,12 +302,12 @@ def test_the_cross_entropy_gradient_recomputes_no_logits():
 
 def test_dropout_masks_do_not_depend_on_the_mesh():
     cfg = with_model(CFG, dropout_rate=0.2)
-    params = model.init_params(cfg, KEY)
+    params = sharding.init_params(cfg, KEY)
     x, y = batch()
-    train, evaluation = (jax.jit(lambda p: pipeline.reference_loss_and_metrics(p, x, y, KEY, cfg, train=t)[0])(params)
+    train, evaluation = (jax.jit(lambda p: pipeline.one_device_loss(p, x, y, KEY, cfg, train=t)[0])(params)
                          for t in (True, False))
     mesh = sharding.make_mesh((2, 2, 2))
-    sharded = jax.device_put(params, model.param_shardings(params, mesh))
+    sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
     loss, _ = jax.jit(lambda p: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 4, train=True))(sharded)
     assert rel_err(loss, train) < 1e-6 and rel_err(train, evaluation) > 1e-5   # dropout is active
 
@@ -305,7 +315,7 @@ def test_dropout_masks_do_not_depend_on_the_mesh():
 def test_init_is_mesh_independent():
     """The same global arrays on every mesh, with expert parallelism too (only the layout differs, so
     a checkpoint restores across both; main.py and test_main's (2,2,2) runs init without it)."""
-    inits = [pipeline.init_sharded_params(with_model(CFG, expert_parallel=ep), KEY, sharding.make_mesh(shape))
+    inits = [sharding.init_sharded_params(with_model(CFG, expert_parallel=ep), KEY, sharding.make_mesh(shape))
              for shape, ep in [((1, 1, 1), False), ((2, 2, 2), True)]]
     for leaves in zip(*map(jax.tree.leaves, inits)):
         for other in leaves[1:]:
@@ -314,7 +324,7 @@ def test_init_is_mesh_independent():
 
 def _optimizer():
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1,
-                                                                   mask=model.decay_mask))
+                                                                   mask=sharding.decay_mask))
 
 
 def _train(params, loss_fn, steps=3):
@@ -334,11 +344,11 @@ def _train(params, loss_fn, steps=3):
 
 
 def test_three_steps_keep_replicas_identical_and_match_reference():
-    params = model.init_params(CFG, KEY)
+    params = sharding.init_params(CFG, KEY)
     mesh = sharding.make_mesh((2, 2, 2))
-    sharded = _train(jax.device_put(params, model.param_shardings(params, mesh)),
+    sharded = _train(jax.device_put(params, sharding.param_shardings(params, mesh)),
                      lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, CFG, mesh, 4))
-    reference = _train(params, lambda p, x, y: pipeline.reference_loss_and_metrics(p, x, y, KEY, CFG))
+    reference = _train(params, lambda p, x, y: pipeline.one_device_loss(p, x, y, KEY, CFG))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sharded), jax.tree.leaves(reference)):
         copies = {}
         for shard in a.addressable_shards:   # every device holding the same slice holds the same bits
@@ -356,7 +366,7 @@ def test_three_steps_keep_replicas_identical_and_match_reference():
     meshes = [(mesh, 4, CFG), (sharding.make_mesh((1, 8, 1)), 8, CFG),
               (sharding.make_mesh((4, 1, 2)), 2, with_model(CFG, expert_parallel=True))]
     losses = [float(jax.jit(lambda p: pipeline.loss_and_metrics(p, x, y, KEY, c, m, n)[0])(
-        jax.device_put(sharded, model.param_shardings(sharded, m, c.expert_parallel)))) for m, n, c in meshes]
+        jax.device_put(sharded, sharding.param_shardings(sharded, m, c.expert_parallel)))) for m, n, c in meshes]
     np.testing.assert_allclose(losses, losses[0], rtol=1e-6)
 
 
@@ -447,7 +457,7 @@ def test_balance_loss_is_applied_in_every_moe_layer_and_summed():
     rng = np.random.default_rng(0)
     embed = rng.choice([-1.0, 1.0], size=(cfg.padded_vocab, 4)).astype(np.float32)
     routers = rng.normal(size=(2, 4, 3)).astype(np.float32)                     # [blocks, D, E]
-    params = model.init_params(cfg, KEY)
+    params = sharding.init_params(cfg, KEY)
     layers = params["blocks"]["moe"]
     params = params | {"embed": jnp.asarray(embed), "blocks": params["blocks"] | {"moe": layers | {
         "attn": layers["attn"] | {"w_o": jnp.zeros_like(layers["attn"]["w_o"])},
@@ -455,7 +465,7 @@ def test_balance_loss_is_applied_in_every_moe_layer_and_summed():
                                 "expert_down": jnp.zeros_like(layers["moe"]["expert_down"]),
                                 "shared_down": jnp.zeros_like(layers["moe"]["shared_down"])}}}}
     ids = np.array([[1, 2, 3, 4, 5, 6], [7, 7, 0, 1, 1, 2]])
-    loss, metrics = jax.jit(lambda p: pipeline.reference_loss_and_metrics(p, jnp.asarray(ids), jnp.asarray(ids), KEY,
+    loss, metrics = jax.jit(lambda p: pipeline.one_device_loss(p, jnp.asarray(ids), jnp.asarray(ids), KEY,
                                                                           cfg))(params)
 
     x = embed[ids]                                                              # [B, T, D]
@@ -487,22 +497,23 @@ def _moe_by_hand(w, capacity):
 def test_router_logits_are_fp32_at_full_precision():
     """On TPU an fp32 dot at default precision is one bf16 pass: the router's must ask for HIGHEST."""
     cfg = with_model(CFG, model_dtype="bfloat16", n_experts=4)        # E != dhR: w_kr is [D, dhR]
-    params = jax.eval_shape(lambda: model.init_params(cfg, KEY))
-    hlo = jax.jit(lambda p, x: model.build(pipeline.model_order(p), cfg)(x)[0]).lower(params, batch()[0]).as_text()
+    params = jax.eval_shape(lambda: sharding.init_params(cfg, KEY))
+    forward = lambda p, x: sharding.build(sharding.model_order(p), cfg)(x, one_device(cfg))[0]
+    hlo = jax.jit(forward).lower(params, batch()[0]).as_text()
     router_type = f"tensor<{cfg.model_dimension}x{cfg.n_experts}xf32>"   # [D, E], no other weight has it
     router_dots = [line for line in hlo.splitlines() if "dot_general" in line and f"{router_type}) ->" in line]
     assert router_dots and all("precision = [HIGHEST, HIGHEST]" in line for line in router_dots), router_dots
 
 
-@pytest.mark.parametrize("impl", sorted(experts.MOE_IMPLS))
+@pytest.mark.parametrize("impl", utils.CHOICES["moe_impl"])
 def test_moe_output_drops_and_shared_expert_by_hand(impl):
     w = _moe_weights()
     cfg = with_model(MOE_CFG, moe_impl=impl)
-    out, stats, _ = moe(w, jnp.asarray(LOGITS)[None], cfg, sharding.Axes())
+    out, stats, _ = moe(w, jnp.asarray(LOGITS)[None], cfg, one_device(cfg))
     np.testing.assert_allclose(out[0], _moe_by_hand(w, capacity=2), rtol=1e-5, atol=1e-5)
     assert float(stats["dropped"]) == 6                      # e0: t3 t4, e1: t3 t4 t5, e2: t5
     no_shared = {name: value for name, value in w.items() if not name.startswith("shared")}
-    out_routed, _, _ = moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), sharding.Axes())
+    out_routed, _, _ = moe(no_shared, jnp.asarray(LOGITS)[None], with_model(cfg, n_shared=0), one_device(cfg))
     assert not np.allclose(out, out_routed), "the shared expert's output must be added"
 
 
@@ -515,7 +526,7 @@ def test_moe_weight_gradients_with_drops_by_hand(impl):
     g_TD = jax.random.normal(jax.random.key(5), LOGITS.shape)
     by_hand = lambda w: jnp.sum(_moe_by_hand(w, capacity=2) * g_TD)        # capacity 2: 6 of the 12 choices drop
 
-    through_moe = lambda w: jnp.sum(moe(w, jnp.asarray(LOGITS)[None], cfg, sharding.Axes())[0][0] * g_TD)
+    through_moe = lambda w: jnp.sum(moe(w, jnp.asarray(LOGITS)[None], cfg, one_device(cfg))[0][0] * g_TD)
     got, want = jax.grad(through_moe)(w), jax.grad(by_hand)(w)
     for name in ("expert_up", "expert_down", "shared_up", "shared_down"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
@@ -527,8 +538,8 @@ def test_dropless_equals_capacity_mode_when_nothing_is_dropped():
     roomy = with_model(MOE_CFG, capacity_factor=1.25)   # C = 5 >= the busiest expert's 5 tokens
     dropless = with_model(MOE_CFG, capacity_factor=0.0)  # C = T = 6
     assert (model.expert_capacity(roomy), model.expert_capacity(dropless)) == (5, 6)
-    out_roomy, stats_roomy, _ = moe(w, x, roomy, sharding.Axes())
-    out_dropless, stats_dropless, _ = moe(w, x, dropless, sharding.Axes())
+    out_roomy, stats_roomy, _ = moe(w, x, roomy, one_device(roomy))
+    out_dropless, stats_dropless, _ = moe(w, x, dropless, one_device(dropless))
     assert float(stats_roomy["dropped"]) == float(stats_dropless["dropped"]) == 0
     np.testing.assert_allclose(out_roomy, out_dropless, rtol=1e-6)
     np.testing.assert_allclose(out_dropless[0], _moe_by_hand(w, capacity=6), rtol=1e-5, atol=1e-5)
@@ -553,7 +564,7 @@ def test_cached_and_uncached_generation_agree(capacity_factor):
     """Cached decode (one token per call) keeps and drops exactly what the full forward over the
     padded sequence does, so the logits agree to float noise and the samples are identical."""
     cfg = with_model(CFG, blocks=2, T=24, remat="full", capacity_factor=capacity_factor)
-    params = model.init_params(cfg, jax.random.key(3))
+    params = sharding.init_params(cfg, jax.random.key(3))
     args = (params, cfg, [5, 17, 42, 7], jax.random.key(4), 12, 20, 0.9)
     cached, cached_logits = generate.generate(*args, use_cache=True, return_logits=True)
     plain, plain_logits = generate.generate(*args, use_cache=False, return_logits=True)
@@ -579,17 +590,17 @@ def test_shape_errors_come_from_validation():
 
 
 def test_param_counts_and_flops():
-    counts = model.count_params(CFG)
+    counts = sharding.count_params(CFG)
     sizes = {jax.tree_util.keystr(p): math.prod(s) for p, s in jax.tree_util.tree_leaves_with_path(
-        model.param_shapes(CFG), is_leaf=lambda s: isinstance(s, tuple))}
+        sharding.param_shapes(CFG), is_leaf=lambda s: isinstance(s, tuple))}
     routed = sum(v for k, v in sizes.items() if "expert_" in k and "shared" not in k)
     body = sum(sizes.values()) - sizes["['embed']"]
     assert counts["embedding"] == CFG.vocab_size * CFG.model_dimension
     assert counts["total"] == body + counts["embedding"]
     assert counts["active"] == body - routed + routed * CFG.k // CFG.n_experts
-    moe1B = model.count_params(utils.PRESETS["moe1B"].model)
+    moe1B = sharding.count_params(utils.PRESETS["moe1B"].model)
     assert 0.9e9 < moe1B["total"] < 1.1e9 and 0.3e9 < moe1B["active"] < 0.45e9
-    assert model.flops_per_token(CFG) > 6 * counts["active"]
+    assert sharding.flops_per_token(CFG) > 6 * counts["active"]
 
 
 def test_the_compiled_program_does_not_grow_with_depth():

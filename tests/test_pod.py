@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+import collectives
 import hlo
-import model
 import pipeline
 import sharding
 import utils
@@ -61,7 +61,7 @@ def test_libtpu_builds_every_known_slice_with_its_chips_and_hosts(topology):
 def test_jax_make_mesh_cannot_place_the_guides_mesh_on_v4_64(topology):
     import jax
     with pytest.raises(Exception):
-        jax.make_mesh((8, 2, 2), sharding.MESH_AXES, devices=topology("v4-64"))
+        jax.make_mesh((8, 2, 2), collectives.MESH_AXES, devices=topology("v4-64"))
     assert sharding.make_mesh((8, 2, 2), topology("v4-64")).devices.shape == (8, 2, 2)
 
 
@@ -85,7 +85,7 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
     assert re.search(r"HBM per chip: state .* total +[\d.]+ GiB of 30.75 GiB", out)
     assert "fits on v4-8" in out and not os.listdir(tmp_path), "a rehearsal writes nothing"
     # The loop-aware count: each chip runs the output layer's three vocab-sized products (the logits
-    # and the two gradients, all in the forward: pipeline._chunked_ce) for its stage's half of the
+    # and the two gradients, all in the forward: loss._chunked_ce) for its stage's half of the
     # batch, over the padded vocab.
     cfg = utils.config_from_args(["--preset", "tiny"])
     tokens = cfg.run.train_batch_size * cfg.model.T // 2
@@ -250,9 +250,9 @@ def test_dropless_expert_parallel_path_compiles_for_a_tpu(topology):
                             moe_impl="ragged", expert_parallel=True)
     utils.validate(utils.override(utils.Config(model=cfg), n_device_axis=(2, 1, 2), max_tokens=0), n_devices=4)
     mesh = sharding.make_mesh((2, 1, 2), topology("v4-8"))
-    params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    params = jax.eval_shape(lambda: sharding.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
-                          model.param_shardings(params, mesh, expert_parallel=True))
+                          sharding.param_shardings(params, mesh, expert_parallel=True))
     tokens = jax.ShapeDtypeStruct((4, cfg.T), jnp.int32, sharding=NamedSharding(mesh, P("dp")))
     grad = jax.jit(jax.grad(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, jax.random.key(0), cfg, mesh, 2)[0]))
     collectives = hlo.collective_bytes(grad.lower(params, tokens, tokens).compile().as_text())

@@ -1,11 +1,13 @@
 """What the layers' remat keeps for the backward and what it replays, read off the traced gradient (no GPU
 needed): a fused kernel's outputs and the routed experts' outputs are kept, so the backward runs neither
 the kernel's forward nor the experts' down-projection again; and the matmuls' choice of operands for
-XLA:CPU (`sharding.fp32_product`) hands the backward no copies of the weights.
+XLA:CPU (`products.fp32_product`) hands the backward no copies of the weights.
 """
 import jax
 import jax.numpy as jnp
 
+import attention
+import engine
 import model
 import pipeline
 import sharding
@@ -42,10 +44,10 @@ def test_a_kept_kernels_forward_runs_once_under_the_remat():
     def layer(kernel):
         return lambda x, w: jnp.sum(jnp.sin(kernel(x * w, x + w)) ** 2)
 
-    for policy in model.REMAT_POLICIES.values():
+    for policy in engine.REMAT_POLICIES.values():
         def grad(kernel):
             return jax.grad(jax.checkpoint(layer(kernel), policy=policy), argnums=(0, 1))
-        kept = lambda q, k: model.keep_kernel_outputs(_kernel, q, k)
+        kept = lambda q, k: attention.keep_kernel_outputs(_kernel, q, k)
         tanhs = lambda kernel: sum(e.primitive.name == "tanh" for e in eqns(jax.make_jaxpr(grad(kernel))(x, w).jaxpr))
         assert (tanhs(kept), tanhs(_kernel)) == (1, 2)
         for a, b in zip(grad(kept)(x, w), grad(_kernel)(x, w)):
@@ -73,14 +75,14 @@ def test_the_experts_outputs_are_kept_not_replayed(monkeypatch):
             return (E, F, D) in shapes and any(len(s) == 4 and s[:2] == (B, E) and s[-1] == F for s in shapes)
         return sum(e.primitive.name == "dot_general" and down(e) for e in eqns(_grad_jaxpr(cfg, mesh)))
     kept = down_projections()
-    names = tuple(n for n in model._ALWAYS_KEPT if n != model.EXPERT_OUTPUTS)
-    monkeypatch.setitem(model.REMAT_POLICIES, "full", jax.checkpoint_policies.save_only_these_names(*names))
+    names = tuple(n for n in engine._ALWAYS_KEPT if n != model.EXPERT_OUTPUTS)
+    monkeypatch.setitem(engine.REMAT_POLICIES, "full", jax.checkpoint_policies.save_only_these_names(*names))
     assert (kept, down_projections()) == (1, 2)
 
 
 def test_the_products_platform_choice_hands_the_backward_no_copies():
     """bf16 under --remat full: nothing the forward scans stack for the backward comes out of a
-    conditional. `sharding.fp32_product`'s choice of operands (lax.platform_dependent) traces as one;
+    conditional. `products.fp32_product`'s choice of operands (lax.platform_dependent) traces as one;
     outside a checkpoint of its own, JAX split it and handed the replay both branches' copies of every
     weight (the CPU's widened one and the accelerator's bf16 one), which the layer scans stacked."""
     mesh = sharding.make_mesh((1, 1, 1))

@@ -11,8 +11,7 @@ import dataset
 import main
 import trainer as trainer_module
 from trainer import build_trainer
-import model
-import pipeline
+import optimizer
 import sharding
 import spikes
 import utils
@@ -23,10 +22,10 @@ def _norm_grads(norm):
 
 
 def test_skip_leaves_params_and_inner_state_untouched():
-    opt = spikes.skip_spikes(optax.adam(0.1), factor=5.0)
+    opt = optimizer.skip_spikes(optax.adam(0.1), factor=5.0)
     params = {"w": jnp.ones(2)}
     state = opt.init(params)
-    for i in range(spikes.MIN_HISTORY):          # no ratio (and so no skip) before MIN_HISTORY norms
+    for i in range(optimizer.MIN_HISTORY):          # no ratio (and so no skip) before MIN_HISTORY norms
         updates, state = opt.update(_norm_grads(1.0 + 0.01 * i), state, params)
         params = optax.apply_updates(params, updates)
         assert np.isnan(state.ratio)
@@ -42,10 +41,10 @@ def test_skip_leaves_params_and_inner_state_untouched():
 
 
 def test_factor_zero_never_skips_but_tracks_the_ratio():
-    opt = spikes.skip_spikes(optax.sgd(0.1), factor=0.0)
+    opt = optimizer.skip_spikes(optax.sgd(0.1), factor=0.0)
     params, state = {"w": jnp.ones(2)}, None
     state = opt.init(params)
-    for norm in [1.0] * spikes.MIN_HISTORY + [1000.0]:
+    for norm in [1.0] * optimizer.MIN_HISTORY + [1000.0]:
         updates, state = opt.update(_norm_grads(norm), state, params)
     assert int(state.skipped) == 0 and float(state.ratio) == pytest.approx(1000.0)
     np.testing.assert_allclose(updates["w"], [-100.0, 0.0])
@@ -73,7 +72,7 @@ def test_skip_spikes_flag_is_validated():
 TINY = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=4, blocks=2, layers_per_block=2, T=16,
                          latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1,
                          model_dtype="float32", remat="none")
-STEPS = spikes.MIN_HISTORY + 6
+STEPS = optimizer.MIN_HISTORY + 6
 
 
 def _run(shape, factor):
@@ -106,13 +105,13 @@ def test_skip_decisions_do_not_depend_on_the_mesh():
     eight, state_eight = _run((2, 2, 2), 0.9)
     assert [s for s, _, _ in one] == [s for s, _, _ in eight]
     skipped = [i for i in range(STEPS) if one[i][0] > (one[i - 1][0] if i else 0)]
-    assert 0 < len(skipped) < STEPS - spikes.MIN_HISTORY, skipped
+    assert 0 < len(skipped) < STEPS - optimizer.MIN_HISTORY, skipped
     assert [i for i, (_, _, same) in enumerate(one) if same] == skipped
     assert [i for i, (_, _, same) in enumerate(eight) if same] == skipped
     # Summation order differs between meshes and Adam amplifies it over the steps (test_model: up to
     # 4e-3 of a leaf's scale); the ratios agree to ~1e-4, far from the 1% margin a flip would need.
-    np.testing.assert_allclose([r for _, r, _ in one][spikes.MIN_HISTORY:],
-                               [r for _, r, _ in eight][spikes.MIN_HISTORY:], rtol=1e-3)
+    np.testing.assert_allclose([r for _, r, _ in one][optimizer.MIN_HISTORY:],
+                               [r for _, r, _ in eight][optimizer.MIN_HISTORY:], rtol=1e-3)
     for a, b in zip(jax.tree.leaves(state_one["params"]), jax.tree.leaves(state_eight["params"])):
         assert np.max(np.abs(a - b)) <= 1e-2 * np.max(np.abs(a)) + 1e-12
     # The aux-loss-free routing bias moves on the unskipped steps only, by the same signs on both meshes.
@@ -122,13 +121,13 @@ def test_skip_decisions_do_not_depend_on_the_mesh():
 
 
 def test_adamw_is_optax_adamw_apart_from_the_tables_epsilon():
-    """spikes.adamw with the table's epsilon at optax's 1e-8 is optax.adamw, update for update; with
+    """optimizer.adamw with the table's epsilon at optax's 1e-8 is optax.adamw, update for update; with
     embed_eps 1e-4 only the table's updates change, shrunk where its gradient is below 1e-4."""
     params = {"embed": jnp.ones((4, 3)), "w_up": jnp.ones((3, 2)), "scale": jnp.ones(2)}
     grads = {"embed": jnp.array([[1e-7, -1e-7, 1e-7]] * 3 + [[0.1, -0.2, 0.3]]),
              "w_up": jnp.full((3, 2), 1e-7), "scale": jnp.full(2, 0.5)}
     schedule = optax.constant_schedule(1e-2)
-    decay, table = model.decay_mask(params), model.table_mask(params)
+    decay, table = sharding.decay_mask(params), sharding.table_mask(params)
 
     def updates(opt):
         state = opt.init(params)
@@ -136,8 +135,8 @@ def test_adamw_is_optax_adamw_apart_from_the_tables_epsilon():
             out, state = opt.update(grads, state, params)
         return out
     plain = updates(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay))
-    same = updates(spikes.adamw(schedule, utils.OptimConfig(embed_eps=1e-8), decay, table))
-    ours = updates(spikes.adamw(schedule, utils.OptimConfig(embed_eps=1e-4), decay, table))
+    same = updates(optimizer.adamw(schedule, utils.OptimConfig(embed_eps=1e-8), decay, table))
+    ours = updates(optimizer.adamw(schedule, utils.OptimConfig(embed_eps=1e-4), decay, table))
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(same)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     np.testing.assert_allclose(ours["w_up"], plain["w_up"], rtol=1e-6)   # tiny, but not the table: a full step
@@ -189,14 +188,14 @@ def test_the_largest_finite_gradient_keeps_the_optimizer_state_finite():
     norm is), Adam's moments, its update and the new parameters stay finite, at the preset's lr and
     from a fresh state (moments 0, the table's rows with zero gradient included)."""
     cfg = utils.Config(model=TINY)
-    params = pipeline.init_pipeline_params(TINY, jax.random.key(0))
-    optimizer = trainer_module.make_optimizer(cfg.optim, params)
-    state, leaves = optimizer.init(params), jax.tree.leaves(params)
+    params = sharding.init_stored_params(TINY, jax.random.key(0))
+    opt = optimizer.make_optimizer(cfg.optim, params)
+    state, leaves = opt.init(params), jax.tree.leaves(params)
     largest = np.sqrt(np.finfo(np.float32).max / sum(leaf.size for leaf in leaves)) * 0.99
     for sign in (1.0, -1.0, 1.0, 0.0):
         grads = jax.tree.map(lambda p: jnp.full(p.shape, sign * largest, jnp.float32).at[..., 0].set(0.0), params)
         assert np.isfinite(float(optax.tree.norm(grads)))
-        updates, state = optimizer.update(grads, state, params)
+        updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         # the spike watch's window is not checked: NaN there means "no norm yet"
         assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((params, state.inner, updates))), sign

@@ -1,0 +1,138 @@
+"""Engine: the attention seam's fast implementation (engine.Fast.attention). The core's attention is
+`model.masked_attention`, softmax(q.k / sqrt(Q)) v under a mask, which is what --engine reference runs.
+
+Fast: on a GPU in bf16 with a head width cuDNN takes, cuDNN's fused kernel (`cudnn_attention`); elsewhere
+masked_attention itself, a causal one a chunk of queries at a time so that the blocks above the diagonal
+are never computed.
+"""
+import math
+from functools import cache, partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+import products
+from model import masked_attention
+from multihost import log
+
+CUDNN_MAX_HEAD_DIM = 256
+# A causal attention without cuDNN runs in up to 8 chunks of >= 128 queries: smaller chunks save few FLOPs
+# and each is more to compile (docs/performance.md).
+CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
+KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused kernel's outputs by
+
+
+def attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, platform):
+    """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype; causal (mask_TS None: query t
+    sees keys <= t) or under mask_TS."""
+    Q = q_BThQ.shape[-1]
+    if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
+        return cudnn_attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShK)), mask_TS)
+    if mask_TS is not None:
+        return masked_attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, products.mm)
+    T = q_BThQ.shape[1]
+    n = min(CAUSAL_QUERY_CHUNKS, T // CAUSAL_MIN_CHUNK)
+    if n < 1 or T % n:
+        n = 1
+    # Query chunk i sees only the keys before its end: (n + 1) / 2n of the T x T products. The chunks'
+    # slices of k and v add their gradients in another order: fp32 losses unchanged.
+    c = T // n
+    return jnp.concatenate([
+        masked_attention(q_BThQ[:, i * c:(i + 1) * c], k_BShQ[:, :(i + 1) * c], v_BShK[:, :(i + 1) * c],
+                         jnp.arange((i + 1) * c)[None, :] <= jnp.arange(i * c, (i + 1) * c)[:, None], dtype,
+                         products.mm)
+        for i in range(n)], axis=1)
+
+
+def cudnn_attention(q_BThQ, k_BShQ, v_BShK, mask_TS):
+    """cuDNN's fused attention of bf16 q, k, v, its output and softmax statistics kept for the backward
+    (`keep_kernel_outputs`). MLA's v is narrower than q and k (K = Q - R): where cuDNN takes that
+    (`cudnn_takes_narrow_v`) v goes in as it is, through jax's private entry (the public
+    jax.nn.dot_product_attention needs one width); else it is zero-padded to Q and the padding sliced off."""
+    Q, K = q_BThQ.shape[-1], v_BShK.shape[-1]
+    kernel = partial(_cudnn_narrow_v if K < Q and cudnn_takes_narrow_v(Q, K) else _cudnn_padded_v, mask_TS=mask_TS)
+    if mask_TS is not None:                 # cached decode: nothing to differentiate
+        return kernel(q_BThQ, k_BShQ, v_BShK)
+    return keep_kernel_outputs(kernel, q_BThQ, k_BShQ, v_BShK)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def keep_kernel_outputs(kernel, *operands):
+    """kernel(*operands), with what its backward needs besides its operands (a fused attention's output
+    and softmax statistics) named KERNEL_OUTPUTS, so that the remat policies keep it: the backward then
+    runs the kernel's own backward without running its forward again."""
+    return kernel(*operands)
+
+
+def _keep_kernel_outputs_fwd(kernel, *operands):
+    out, backward = jax.vjp(kernel, *operands)
+    named_out = checkpoint_name(out, KERNEL_OUTPUTS)
+
+    def kept(residual):
+        """The operands are left to the remat to recompute, as every layer input is; the rest is kept."""
+        if residual is out:
+            return named_out
+        return residual if any(residual is o for o in operands) else checkpoint_name(residual, KERNEL_OUTPUTS)
+    return named_out, jax.tree.map(kept, backward)
+
+
+def _keep_kernel_outputs_bwd(kernel, backward, g):
+    return backward(g)
+
+
+keep_kernel_outputs.defvjp(_keep_kernel_outputs_fwd, _keep_kernel_outputs_bwd)
+
+
+def _cudnn_padded_v(q_BThQ, k_BShQ, v_BShK, mask_TS):
+    Q, K = q_BThQ.shape[-1], v_BShK.shape[-1]
+    v_BShQ = jnp.pad(v_BShK, ((0, 0), (0, 0), (0, 0), (0, Q - K))) if K < Q else v_BShK
+    out_BThQ = jax.nn.dot_product_attention(q_BThQ, k_BShQ, v_BShQ, is_causal=mask_TS is None,
+                                            mask=None if mask_TS is None else mask_TS[None, None],
+                                            implementation="cudnn")
+    return out_BThQ[..., :K] if K < Q else out_BThQ
+
+
+def _cudnn_narrow_v(q_BThQ, k_BShQ, v_BShK, mask_TS):
+    from jax._src.cudnn import fused_attention_stablehlo as fused      # private: another jax may lack it
+    return fused.dot_product_attention(
+        q_BThQ, k_BShQ, v_BShK, mask=None if mask_TS is None else mask_TS[None, None],
+        scale=1 / math.sqrt(q_BThQ.shape[-1]),
+        mask_type=fused.MaskType.CAUSAL if mask_TS is None else fused.MaskType.NO_MASK)
+
+
+@cache
+def cudnn_takes_narrow_v(Q, K):
+    """Whether cuDNN runs attention with v of width K < Q as it is. jax lets it through from cuDNN 9.10 on
+    a Hopper or newer, but only cuDNN on the GPU accepts or refuses the kernel for these widths: with a GPU
+    in this process, a small attention by the narrow kernel is run once and compared with the padded one
+    (`narrow_v_matches_padded`). Compiling for a GPU that is not here (`--compile_for h200`) nothing can
+    run: jax's own checks decide."""
+    if jax.default_backend() != "gpu":
+        return True
+    try:
+        with jax.ensure_compile_time_eval():        # concrete arrays, even while a step is being traced
+            narrow = narrow_v_matches_padded(Q, K, _cudnn_narrow_v, _cudnn_padded_v)
+    except Exception:        # noqa: BLE001 - whatever refuses it (cuDNN, XLA, a jax without the entry): pad
+        narrow = False
+    log(f"attention: cuDNN's fused kernel, v {K} wide " + ("as it is" if narrow else f"zero-padded to q's {Q} "
+        "(the narrow kernel was refused or disagreed: attention.cudnn_takes_narrow_v)"))
+    return narrow
+
+
+def narrow_v_matches_padded(Q, K, narrow, padded, T=256, H=2):
+    """Whether attention `narrow`(q, k, v, mask_TS) equals `padded`'s, causal and under a mask, on random
+    bf16 q, k [1, T, H, Q] and v [1, T, H, K]: the outputs and the gradients of a random projection of
+    them, each to within 2% of its largest value (bf16 rounding, blocked differently)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k = (jax.random.normal(key, (1, T, H, Q), jnp.bfloat16) for key in keys[:2])
+    v, w = (jax.random.normal(key, (1, T, H, K), jnp.bfloat16) for key in keys[2:])
+    window_TS = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]) < T // 4
+
+    def run(attention, mask_TS):
+        out, vjp = jax.vjp(lambda *qkv: attention(*qkv, mask_TS), q, k, v)
+        return [np.asarray(a, np.float32) for a in (out, *vjp(w))]
+
+    return all(np.max(np.abs(a - b)) <= 0.02 * np.max(np.abs(b)) for mask_TS in (None, window_TS)
+               for a, b in zip(run(narrow, mask_TS), run(padded, mask_TS)))

@@ -1,0 +1,73 @@
+"""The mesh axes a layer runs under (`Axes`) and the collectives the core writes out with them. Outside
+shard_map (the one-device model) every axis is None and every collective here is the identity."""
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax import lax
+
+MESH_AXES = ("dp", "pp", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """Mesh axis names the layer code runs under; all None on one device. expert_parallel: the routed
+    experts are split over dp (sharding.axis_rules) and tokens are sent to them. engine: what the core
+    calls at its seams (engine.py), chosen by --engine for the mesh's platform."""
+    dp: str | None = None
+    pp: str | None = None
+    tp: str | None = None
+    expert_parallel: bool = False
+    engine: Any = None
+
+
+def psum(x, axis):
+    return x if axis is None else lax.psum(x, axis)
+
+
+def axis_index(axis):
+    return 0 if axis is None else lax.axis_index(axis)
+
+
+def tp_sum(x, tp, dtype):
+    """x (a branch's partial output, or an activation's partial gradient) summed over the mesh axes `tp`
+    (a name, a tuple of names or None), the all-reduce carried in the matmul dtype as Megatron does: half
+    the bytes, and the tp all-reduces are most of a TPU step's collective bytes. SPEC allows it where the
+    mesh's error stays within bf16's own (`bench.py --grad_error`); parameter gradients are never summed
+    so. With nothing to sum over (tp None or of size 1) nothing is rounded: one device stays exact."""
+    axes = () if tp is None else (tp,) if isinstance(tp, str) else tuple(tp)
+    if not axes:
+        return x
+    if math.prod(lax.axis_size(a) for a in axes) == 1:
+        return lax.psum(x, axes)               # no data moves: only check_vma's type changes
+    return lax.psum(x.astype(dtype), axes).astype(x.dtype)
+
+
+def varying_axes(x):
+    """The mesh axes x varies over (check_vma's type)."""
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def vary_like(arrays, others):
+    """`arrays` cast to vary over every mesh axis any of `others` varies over (inside shard_map; a no-op
+    outside it)."""
+    axes = frozenset().union(*map(varying_axes, others))
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+    return tuple(map(cast, arrays))
+
+
+def extra_axes(x, like):
+    """The mesh axes x varies over and `like` does not."""
+    return tuple(sorted(varying_axes(x) - varying_axes(like)))
+
+
+def sum_like(x, like):
+    """x summed over the mesh axes it varies over and `like` does not: the transpose of the implicit pcast
+    that made `like` varying in the forward (a weight split over tp times activations replicated over tp:
+    the activations' gradient is the psum over tp), as JAX's own transpose does."""
+    extra = extra_axes(x, like)
+    return lax.psum(x, extra) if extra else x

@@ -1,0 +1,136 @@
+"""The engine: what the guide's math (model.py, loss.py, pipeline.py) calls at its seams, two ways.
+
+The core reaches the engine through `axes.engine` and never looks inside. Each seam, and what each engine
+runs there (--engine; the fast one is the default, the reference one is what a reader steps through in a
+debugger and the oracle the tests hold the fast one to):
+
+  seam                       reference: the guide's plain math          fast
+  mm(spec, a, b, dtype)      jnp.einsum, operands rounded to dtype,     products.mm: a custom VJP whose backward
+                             products in fp32                           products are bf16 x bf16 -> fp32 too
+  attention(q, k, v, mask)   model.masked_attention, a causal mask      attention.py: cuDNN's fused kernel on a
+                                                                        GPU, else causal chunks
+  routed_experts(...)        experts.experts_in_buffers (over dp with   the same, or --moe_impl ragged
+                             --expert_parallel)                         (grouped matmuls)
+  cross_entropy_sum(...)     loss.plain_cross_entropy_sum               loss.chunked_cross_entropy_sum
+  keep(x, name),             nothing named; --remat's plain jax         named values kept (all-reduced branches,
+  layer_remat(cfg)           policies                                   kernel and expert outputs); per platform
+  gathered, gather_stage,    fsdp.py, the fp32 shards gathered          fsdp.py, gathered in the matmul dtype
+  read_weights
+Both engines give the same numbers in fp32 (tests/test_engine.py); in bf16 the fast one is no further from
+fp32 than the reference (bench.py --grad_error --engine).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+import attention
+import experts
+import fsdp
+import loss
+import products
+from model import BRANCH_SUM, EXPERT_OUTPUTS, FFN_HIDDEN, masked_attention
+
+# What a fast engine's layer remat keeps besides what its policy keeps: each branch's tp all-reduce, a fused
+# kernel's outputs and the routed experts' outputs.
+_ALWAYS_KEPT = (BRANCH_SUM, attention.KERNEL_OUTPUTS, EXPERT_OUTPUTS)
+REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT),
+                  "dots": jax.checkpoint_policies.save_from_both_policies(
+                      jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                      jax.checkpoint_policies.save_only_these_names(products.UNBATCHED_DOT, *_ALWAYS_KEPT))}
+# Where a step's cross-entropy chunk holds at least this many tokens: below ~128 XLA:CPU's vocab-sized
+# products lose speed, above it memory grows for none; a GPU runs the same kernels a chunk whatever its
+# size, so fewer, larger chunks launch fewer. A TPU keeps the CPU's: its plan is set by HBM.
+CPU_CHUNK_TOKENS, GPU_CHUNK_TOKENS = 128, 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """--engine reference: every seam the guide's plain math, no custom VJP and no named remat."""
+    platform: str | None = None      # the mesh's ("cpu", "gpu", "tpu"; None: portable code)
+
+    def mm(self, spec, a, b, dtype, out_dtype=jnp.float32):
+        """einsum of the operands rounded to dtype, multiplied and accumulated in fp32 (HIGHEST: exact
+        products of the rounded operands on every backend), returned in out_dtype."""
+        widened = (x.astype(dtype).astype(jnp.float32) for x in (a, b))
+        return jnp.einsum(spec, *widened, precision=lax.Precision.HIGHEST).astype(out_dtype)
+
+    def attention(self, q_BThQ, k_BShQ, v_BShK, mask_TS, dtype):
+        """mask_TS None: causal."""
+        if mask_TS is None:
+            mask_TS = jnp.arange(k_BShQ.shape[1])[None, :] <= jnp.arange(q_BThQ.shape[1])[:, None]
+        return masked_attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, self.mm)
+
+    def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
+        dp = axes.dp if axes.expert_parallel else None
+        return experts.buffers(w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp)
+
+    def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
+        return loss.plain_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes)
+
+    def keep(self, x, name):
+        return x
+
+    def layer_remat(self, cfg):
+        """(each layer's remat policy or None, the dense layers' scan unroll)."""
+        plain = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+        return plain.get(cfg.remat, jax.checkpoint_policies.nothing_saveable), 1
+
+    def gathered(self, param, axes, dtype):
+        return fsdp.gathered(param, axes, dtype, fsdp.plain_gather)
+
+    def gather_stage(self, blocks, names, cfg, axes):
+        return fsdp.gather_stage(blocks, names, cfg, axes, fsdp.plain_gather)
+
+    def read_weights(self, stack, cfg):
+        return fsdp.read_dtypes(stack, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fast(Reference):
+    """--engine fast: the same seams as the kernels and numerics that make a step fast."""
+
+    def mm(self, spec, a, b, dtype, out_dtype=jnp.float32):
+        return products.mm(spec, a, b, dtype, out_dtype)
+
+    def attention(self, q_BThQ, k_BShQ, v_BShK, mask_TS, dtype):
+        return attention.attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, self.platform)
+
+    def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
+        dp = axes.dp if axes.expert_parallel else None
+        return experts.MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp)
+
+    def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
+        chunk = GPU_CHUNK_TOKENS if self.platform == "gpu" else CPU_CHUNK_TOKENS
+        return loss.chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, chunk)
+
+    def keep(self, x, name):
+        return checkpoint_name(x, name)
+
+    def layer_remat(self, cfg):
+        """--remat auto: dots on a TPU, whose step is bound by matmul FLOPs; on a GPU, whose step is bound
+        by memory traffic, full and each dense FFN's up-projection, whose replay costs more than keeping
+        it; full on a CPU. On a GPU the dense layers' scan is unrolled: as a loop inside the blocks' scan
+        it stacked each layer's residuals twice and launched thousands of slicing kernels a step (a TPU
+        keeps the loop, which compiles faster). docs/performance.md has the measurements."""
+        unroll = self.platform == "gpu"
+        if cfg.remat == "auto" and self.platform == "gpu":
+            return jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT, FFN_HIDDEN), unroll
+        remat = ("dots" if self.platform == "tpu" else "full") if cfg.remat == "auto" else cfg.remat
+        return (None if remat == "none" else REMAT_POLICIES[remat]), unroll
+
+    def gathered(self, param, axes, dtype):
+        return fsdp.gathered(param, axes, dtype)
+
+    def gather_stage(self, blocks, names, cfg, axes):
+        return fsdp.gather_stage(blocks, names, cfg, axes)
+
+
+ENGINES = {"fast": Fast, "reference": Reference}
+
+
+def engine_for(cfg, platform=None):
+    """The engine --engine names, for devices of `platform` (the mesh's; None: portable code)."""
+    return ENGINES[cfg.engine](platform)

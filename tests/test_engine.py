@@ -1,0 +1,54 @@
+"""The two engines (engine.py) compute the same model: in fp32 the reference engine (the guide's plain math
+at every seam) gives the fast engine's loss, metrics and every gradient on each mesh, expert parallelism and
+the circular pipeline included. tests/test_model.py holds the fast engine on every mesh to its one-device
+run; this holds the reference engine on the meshes to that same run, so each engine equals the other."""
+import jax
+import numpy as np
+import pytest
+
+import pipeline
+import sharding
+from test_model import CFG, CIRCULAR, EP, KEY, ROUTER_BIAS, batch, rel_err, sharded_value_and_grad, with_model
+
+REFERENCE = with_model(CFG, engine="reference")
+CASES = [((1, 1, 1), 2, {}), ((2, 2, 2), 4, {}), ((1, 2, 4), 4, {}), ((4, 1, 2), 2, EP), ((2, 2, 2), 4, EP | CIRCULAR)]
+
+
+@pytest.fixture(scope="module")
+def fast_one_device():
+    params = sharding.init_params(CFG, KEY)
+    loss = lambda p: pipeline.one_device_loss(sharding.with_router_bias(p, ROUTER_BIAS), *batch(), KEY, CFG)
+    (value, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return params, value, metrics, grads
+
+
+@pytest.mark.parametrize("shape,n_micro,changes", CASES)
+def test_the_reference_engine_equals_the_fast_one_in_fp32(fast_one_device, shape, n_micro, changes):
+    params, fast_loss, fast_metrics, fast_grads = fast_one_device
+    cfg = with_model(REFERENCE, **changes)
+    mesh = sharding.make_mesh(shape)
+    stored = sharding.Layout(cfg.pipeline_repeats).store(params)
+    placed = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
+    (loss, metrics), grads = sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(placed, *batch())
+    assert rel_err(loss, fast_loss) < 1e-5
+    for name in ("ce", "balance", "drop_rate"):
+        assert rel_err(metrics[name], fast_metrics[name]) < 1e-5, name
+    np.testing.assert_array_equal(metrics["tokens_per_expert"], fast_metrics["tokens_per_expert"])
+    grads = sharding.model_order(grads)
+    for (path, g_fast), g in zip(jax.tree_util.tree_leaves_with_path(fast_grads), jax.tree.leaves(grads)):
+        assert rel_err(g, g_fast) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_the_reference_engine_runs_none_of_the_fast_ones_kernels():
+    """What a reader steps through: the reference engine's training step has no custom VJP, no value named
+    for the remat and no platform choice, where the fast engine's has each."""
+    mesh = sharding.make_mesh((1, 1, 1))
+
+    def step_jaxpr(engine):
+        cfg = with_model(CFG, engine=engine, model_dtype="bfloat16", remat="full")
+        grad = jax.grad(lambda p, x, y: pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, 1)[0])
+        return str(jax.make_jaxpr(grad)(jax.eval_shape(lambda: sharding.init_params(cfg, KEY)), *batch()))
+    fast, reference = step_jaxpr("fast"), step_jaxpr("reference")
+    for kernel in ("custom_vjp_call", " name[", "platform_index"):
+        assert kernel in fast and kernel not in reference, kernel
+    assert "dot_general" in reference and ("checkpoint" in reference or "remat" in reference)
