@@ -3,6 +3,7 @@
 layer's cross-entropy (loss.py); and the one-device loss every mesh is checked against.
 """
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +46,8 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     """On one device with its shards: x_bT is this dp replica's b = B/dp sequences (the same on its pp and tp
     ranks); params["blocks"] this stage's P groups of G blocks (P = cfg.pipeline_repeats, G = blocks/(pp P),
     `sharding.Layout`), group r being blocks [(r pp + s) G, (r pp + s + 1) G) of stage s; GPipe is P = 1.
-    The P M items are the M micro-batches in each repeat (item i = r M + m). At tick t stage s works on item
-    t - s with its blocks of repeat r and passes the result to stage s + 1; the last stage files repeat
-    P - 1's outputs and sends the others back to stage 0, which keeps them until their next turn, M - pp
-    ticks later (hence M >= pp). P M + pp - 1 ticks: the bubble is (pp - 1)/(P M + pp - 1)."""
+    The schedule (`schedule`) runs P M + pp - 1 ticks, each stage one item a tick: the bubble is
+    (pp - 1)/(P M + pp - 1)."""
     axes = Axes(*MESH_AXES, expert_parallel=cfg.expert_parallel, engine=engine_for(cfg, platform))
     P = cfg.pipeline_repeats
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
@@ -74,28 +73,20 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
 
     # Guide: one block group per device per tick (the guide vmaps over every layer a device holds, each tick).
     def tick(carry, t):
-        """Every stage works on one item: stage s on item t - s (a bubble when outside [0, P M): computed on
-        stale data and masked out of every sum)."""
+        """Every stage works on its item of the schedule (`schedule`): a bubble is computed on stale data and
+        masked out of every sum."""
         received_bTD, waiting_MbTD, outputs_MbTD, stats_sum = carry
-        i = t - stage
-        valid = (i >= 0) & (i < n_items)
-        i_clipped = jnp.clip(i, 0, n_items - 1)
-        r, m = (0, i_clipped) if P == 1 else (i_clipped // M, i_clipped % M)
+        plan = schedule(t, stage, n_stages, M, P)
         # Stage 0's inputs wait in a buffer of M micro-batches, the embeddings at first: it files what the last
-        # stage sent last tick (its item t - pp) when that has a repeat to go (none when P = 1), then reads
-        # micro-batch m (filed >= 0 ticks ago).
-        back = t - n_stages
-        slot = jnp.clip(back, 0, n_items - 1) % M
-        file_it = (stage == 0) & (back >= 0) & (back < n_items - M)
-        waiting_MbTD = waiting_MbTD.at[slot].set(jnp.where(file_it, received_bTD, waiting_MbTD[slot]))
-        x_bTD = jnp.where(stage == 0, waiting_MbTD[m], received_bTD)
-        ctx = {"train": train, "key": key, "seq_ids": seq_base + m * mb + jnp.arange(mb)}
-        y_bTD, stats, _ = build(params | {"blocks": blocks_of(r)}, cfg).run_blocks(
-            x_bTD, positions_T, axes, ctx, first_block=(r * n_stages + stage) * G)
-        stats_sum = jax.tree.map(lambda acc, s: acc.at[r].add(jnp.where(valid, s, 0)), stats_sum, stats)
-        # The last stage files the last repeat's outputs; other stages keep their buffer at zero.
-        keep = (stage == n_stages - 1) & valid & (r == P - 1)
-        outputs_MbTD = outputs_MbTD.at[m].set(jnp.where(keep, y_bTD, outputs_MbTD[m]))
+        # stage sent last tick, then reads its micro-batch (filed >= 0 ticks ago).
+        waiting_MbTD = waiting_MbTD.at[plan.slot].set(
+            jnp.where(plan.file, received_bTD, waiting_MbTD[plan.slot]))
+        x_bTD = jnp.where(stage == 0, waiting_MbTD[plan.micro], received_bTD)
+        ctx = {"train": train, "key": key, "seq_ids": seq_base + plan.micro * mb + jnp.arange(mb)}
+        y_bTD, stats, _ = build(params | {"blocks": blocks_of(plan.repeat)}, cfg).run_blocks(
+            x_bTD, positions_T, axes, ctx, first_block=(plan.repeat * n_stages + stage) * G)
+        stats_sum = jax.tree.map(lambda acc, s: acc.at[plan.repeat].add(jnp.where(plan.valid, s, 0)), stats_sum, stats)
+        outputs_MbTD = outputs_MbTD.at[plan.micro].set(jnp.where(plan.output, y_bTD, outputs_MbTD[plan.micro]))
         return (lax.ppermute(y_bTD, "pp", ring), waiting_MbTD, outputs_MbTD, stats_sum), None
 
     init = _initial_carry(emb_MbTD, P, G, cfg.n_experts)
@@ -103,6 +94,36 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     ce_sum = _output_layer_ce(transformer, table_vD, outputs_MbTD, y_MbT, cfg, axes)
     n_dp = lax.axis_size("dp")
     return summarise(ce_sum, _stats_in_model_order(stats), x_bT.size * n_dp, b * n_dp, cfg)
+
+
+class Tick(NamedTuple):
+    """What one stage does at one tick: its item is micro-batch `micro` of repeat `repeat` (a bubble when
+    not `valid`); stage 0 first files what the last stage sent it into buffer slot `slot` when `file`; the
+    last stage files the item's output when `output` (the last repeat's)."""
+    valid: jax.Array
+    repeat: jax.Array
+    micro: jax.Array
+    slot: jax.Array
+    file: jax.Array
+    output: jax.Array
+
+
+def schedule(t, stage, n_stages, M, P):
+    """The pipeline schedule, a pure function of the tick t and the stage (traced or concrete). The P M items
+    are the M micro-batches of each repeat, item i = r M + m; at tick t stage s works on item t - s with its
+    blocks of repeat r, so items flow down the stages one tick apart. With P > 1 the last stage sends repeat
+    r < P - 1's outputs back to stage 0, which receives item t - pp at tick t and files it until its next turn,
+    M - pp ticks later (hence M >= pp). P M + pp - 1 ticks."""
+    n_items = P * M
+    i = t - stage
+    valid = (i >= 0) & (i < n_items)
+    i_clipped = jnp.clip(i, 0, n_items - 1)
+    r, m = (0, i_clipped) if P == 1 else (i_clipped // M, i_clipped % M)
+    back = t - n_stages
+    slot = jnp.clip(back, 0, n_items - 1) % M
+    file = (stage == 0) & (back >= 0) & (back < n_items - M)
+    output = (stage == n_stages - 1) & valid & (r == P - 1)
+    return Tick(valid, r, m, slot, file, output)
 
 
 def _initial_carry(emb_MbTD, P, G, E):
