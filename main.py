@@ -28,11 +28,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from tqdm import tqdm
 
 import dataset
 import generate
-import multihost
 import pod
 import sharding
 import utils
@@ -40,9 +38,10 @@ from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_man
                          discard_failed_saves, newest_meta, quiet_failed_saves, restore_latest, save, wait_for_save)
 from data.shards import OutputError
 from data.tokenizer import get_tokenizer
-from metrics import Diverged, Goodput, Meter, earlier_sessions, log_interval, process_start, say
-from multihost import StopSignals, log, set_up_devices
-from rundir import Logger, RunRefused, lock_run_dir, metrics_records, os_error, run_dir_of, set_aside_previous_run
+from metrics import Diverged, log_interval
+from multihost import log, set_up_devices
+from progress import Progress
+from rundir import Logger, RunRefused, lock_run_dir, os_error, run_dir_of, set_aside_previous_run
 from trainer import Trainer, build_trainer
 
 
@@ -231,11 +230,11 @@ def close_run(run):
     run.loader.close()
 
 
-def stopped(run, step, signal_name, goodput, watchdog):
+def stopped(run, step, progress):
     """After a stop (SIGTERM, Ctrl-C, or another host's): wait for the step's checkpoint, say where."""
-    report_goodput(run, step, goodput, watchdog, final=True)
+    progress.report(step, final=True)
     close_run(run)
-    log(f"{signal_name or 'stop requested on another host'}: checkpoint of step {step} written to "
+    log(f"{progress.signals.signal or 'stop requested on another host'}: checkpoint of step {step} written to "
         f"{run.mngr.directory}/{step}; exiting (the same command resumes it)")
     return 0
 
@@ -256,40 +255,17 @@ def nothing_to_do(run):
     return 0
 
 
-def report_goodput(run, step, goodput, watchdog, write=True, final=False):
-    """Where this process's and the run's time went so far: into the heartbeat file, metrics.jsonl (`write`:
-    with each checkpoint, so an interrupted session's time is known to its last one) and, at the end of
-    the process (once its last checkpoint is written), the log."""
-    if final:
-        wait_for_save(run.mngr)
-        goodput.mark("checkpoint")
-    record, run_record, line, run_line = goodput.records(step)
-    for rec in (record, run_record):
-        if rec is not None and write:
-            run.logger.metrics(rec)
-    watchdog.note(goodput=line, run_goodput=run_line or "")
-    if final:
-        log(line + (f"\n{run_line}" if run_line else ""))
-
-
-def earlier(run):
-    """The run's earlier sessions, from metrics.jsonl (process 0; the others write no metrics: None)."""
-    if jax.process_index() != 0:
-        return None
-    return earlier_sessions(metrics_records(run_dir_of(run.cfg.run)), run.start_step)
-
-
-def finish(run, state, step, val_ce, saved, t0, goodput, watchdog):
+def finish(run, state, step, val_ce, saved, progress):
     """The end of the run (the last step or --stop_at_val_loss): its checkpoint, and the final val
     cross-entropy against the unigram entropy of the training tokens."""
     if not saved:
         save_checkpoint(run, step, state, val_ce)
-    report_goodput(run, step, goodput, watchdog, final=True)   # the final lines once its checkpoint is written
+    progress.report(step, final=True)             # the final lines once its checkpoint is written
     entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
     log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
         f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
         if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
-        + f" | {time.perf_counter() - t0:.0f} s")
+        + f" | {time.perf_counter() - progress.meter.t0:.0f} s")
     run.logger.metrics(utils.metrics_record("final", step, final_val_loss=val_ce, unigram_entropy=entropy))
     close_run(run)
     return 0
@@ -302,77 +278,57 @@ def finish(run, state, step, val_ce, saved, t0, goodput, watchdog):
 def train(cfg, mesh):
     """Train the run in OUTPUT_DIR/NAME from its newest checkpoint (or from scratch) to --training_steps
     or --stop_at_val_loss; SIGTERM or Ctrl-C saves and stops early."""
-    oc, rc = cfg.optim, cfg.run
     run = open_run(cfg, mesh)
     if finished(run):
         return nothing_to_do(run)
-    goodput = Goodput(process_start(), run.start_step, earlier(run))
-    goodput.mark("startup")
-    run.logger.metrics(utils.metrics_record("event", run.start_step, event="start" if run.meta is None else "resume",
-                                            process_start=goodput.started))
-    state, step = run.state, run.start_step
-    stop = StopSignals()            # first: it guards sys.stdout, which the progress bar writes to
-    # A progress bar on a terminal; a log file (launcher.sh's) gets the interval lines alone, not redraws.
-    bar = tqdm(total=oc.training_steps, initial=step, disable=jax.process_index() != 0 or not sys.stdout.isatty(),
-               dynamic_ncols=True, desc="train", unit="step", file=sys.stdout, mininterval=0.5)
-    meter = Meter(run, bar)
-    # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
-    stop_agreed = multihost.StopAgreement(lambda: stop.requested)
-    watchdog = multihost.Watchdog(rc.hang_timeout, rc.heartbeat_file)
-    batches = run.loader.iterate(0)
-    say(bar, "compiling the training step (the first step waits for it)")
-    val_ce, stopping, reached, last_saved = None, False, False, None
+    progress = Progress(run)
+    state, step, batches = run.state, run.start_step, run.loader.iterate(0)
+    val_ce, reached, last_saved = None, False, None
     try:
-        while step < oc.training_steps and not reached:
-            state, metrics = run.trainer.step(state, next_batch(batches, oc.grad_step))
+        while step < cfg.optim.training_steps and not reached and not progress.stopping:
+            state, metrics = run.trainer.step(state, next_batch(batches, cfg.optim.grad_step))
             step += 1
-            meter.dispatched(step, metrics)
-            if step == run.start_step + 1:        # every process; launcher.sh waits for this line
-                print(multihost.started_line(jax.process_index(), jax.process_count()), flush=True)
-            meter.fetch(everything=False)
-            goodput.mark("compile" if step == run.start_step + 1 else "train")
-            watchdog.progress(f"training step {step} (dispatched; the steps before it done)", meter.recorded)
-            check_saves(run.mngr)
-            interval_ends = step % rc.checkpoint_steps == 0 or step == oc.training_steps
-            stopping = stop_agreed(step, synced=interval_ends)
-            if interval_ends or stopping:
-                meter.fetch()
-                watchdog.progress(f"the evaluation, checkpoint and sample after step {step}", meter.recorded)
-                goodput.mark("train")
-                val_ce = log_interval(run, meter, state, step)
-                goodput.mark("eval")
-                reached = val_target_reached(val_ce, rc)
-                if reached:
-                    log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: "
-                        f"stopping here, as at the last step")
-                if step % (10 * rc.checkpoint_steps) == 0 or step == oc.training_steps or stopping or reached:
-                    save_checkpoint(run, step, state, val_ce, force=stopping)
-                    last_saved = step
-                    goodput.mark("checkpoint")
-                sample(run, state, step)
-                goodput.mark("sample")
-                report_goodput(run, step, goodput, watchdog, write=last_saved == step)
-                watchdog.progress(f"the interval after step {step}")
-                meter.restart_timer()
-            if stopping:
-                break
-        meter.fetch()
-        goodput.mark("train")
-        watchdog.progress(f"the last step ({step}); then its checkpoint", meter.recorded)
+            check_saves(run.mngr)                 # a save in flight that failed stops the run here
+            if progress.stepped(step, metrics):
+                val_ce, reached, saved = end_interval(run, progress, state, step)
+                last_saved = step if saved else last_saved
+        progress.fetch_all(f"the last step ({step}); then its checkpoint")
     except (Diverged, dataset.DataError):       # the state is sound: the checkpoint in flight completes
-        bar.close()
+        progress.close()
         close_run(run)
         raise
     except SaveFailed:
-        bar.close()
+        progress.close()
         discard_failed_saves(run.mngr)
         run.logger.close()
         run.loader.close()
         raise
-    bar.close()
-    if stopping and step < oc.training_steps:
-        return stopped(run, step, stop.signal, goodput, watchdog)
-    return finish(run, state, step, val_ce, last_saved == step, meter.t0, goodput, watchdog)
+    progress.close()
+    if progress.stopping and step < cfg.optim.training_steps:
+        return stopped(run, step, progress)
+    return finish(run, state, step, val_ce, last_saved == step, progress)
+
+
+def end_interval(run, progress, state, step):
+    """After step `step`: evaluate and log, save every tenth interval (and at the end, a stop or the val
+    target), sample. Returns (val CE, whether it reached --stop_at_val_loss, whether it saved)."""
+    rc = run.cfg.run
+    progress.fetch_all(f"the evaluation, checkpoint and sample after step {step}")
+    val_ce = log_interval(run, progress.meter, state, step)
+    progress.done("eval")
+    reached = val_target_reached(val_ce, rc)
+    if reached:
+        log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: stopping here, "
+            f"as at the last step")
+    save = (step % (10 * rc.checkpoint_steps) == 0 or step == run.cfg.optim.training_steps or progress.stopping
+            or reached)
+    if save:
+        save_checkpoint(run, step, state, val_ce, force=progress.stopping)
+        progress.done("checkpoint")
+    sample(run, state, step)
+    progress.done("sample")
+    progress.interval_done(step, save)
+    return val_ce, reached, save
 
 
 def sample_from_checkpoint(cfg):

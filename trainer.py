@@ -101,8 +101,8 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
     # checkpoint ever holds a NaN. That suffices: a finite global norm means every g^2 is finite, so
     # Adam's moments stay finite and its update divides by at least eps (--b2 < 1). Parameters that an
     # absurd finite --max_lr overflows make the next loss non-finite, and save_checkpoint refuses such
-    # a state. Testing the updated state itself was a reduction and a select over all of it (one H200:
-    # ~10 ms a step). The test reads replicated scalars: every device takes the same decision.
+    # a state. (Testing the updated state itself would be a pass over all of it.) The test reads
+    # replicated scalars: every device takes the same decision.
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     metrics["nonfinite"] = ~finite
     kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,

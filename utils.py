@@ -58,11 +58,11 @@ class ModelConfig:
                                         "routing and drops are unchanged; needs --n_experts divisible by DP. With "
                                         "--moe_impl ragged only kept tokens travel, by ragged all-to-all, which "
                                         "XLA:CPU does not implement (TPU only; --compile_for checks it)")
-    pipeline_repeats: int = flag(1, "circular pipeline: R > 1 gives each pp stage R non-adjacent groups of blocks "
-                                    "and sends the micro-batches R times around the stages, so the bubble is "
-                                    "(PP - 1)/(R M + PP - 1) instead of GPipe's (PP - 1)/(M + PP - 1); 1 = GPipe. "
-                                    "--blocks must be divisible by PP x R. The state stores the blocks as [R, blocks/R, "
-                                    "...] (a reshape: a checkpoint restores with any R)")
+    pipeline_repeats: int = flag(1, "circular pipeline: P > 1 gives each pp stage P non-adjacent groups of blocks "
+                                    "and sends the micro-batches P times around the stages, so the bubble is "
+                                    "(PP - 1)/(P M + PP - 1) instead of GPipe's (PP - 1)/(M + PP - 1); 1 = GPipe. "
+                                    "--blocks must be divisible by PP x P. The state stores the blocks as [P, blocks/P, "
+                                    "...] (a reshape: a checkpoint restores with any P)")
 
     @property
     def head_dim(self):
@@ -593,7 +593,8 @@ def compile_target(name):
     return tpu_slice(name) or next((g for g in gpu_targets() if g.name == name.strip().lower()), None)
 
 
-# Dense bf16 peaks per chip, for MFU when the device kind is known (bench.py also measures one).
+# Dense bf16 peaks per chip from the vendors' datasheets: what MFU is of, as MaxText, Megatron and NeMo report
+# it (bench.py and --compile_for h200 give MFU of a measured GEMM rate beside it).
 PEAK_BF16_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12,
                    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
 
@@ -606,7 +607,8 @@ def peak_flops(device_kind):
     return None
 
 
-MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x peak FLOP/s); model FLOPs per token = "
+MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x the datasheet's dense bf16 FLOP/s: H100 and H200 "
+               "989e12, A100 312e12, TPU v4 275e12, v5e 197e12, v5p 459e12, v6e 918e12); model FLOPs per token = "
                "6 x (active params + output projection) + 3 x T x heads x (2 x head_dim + dhR) per layer "
                "(causal attention; dhR only in RoPE layers); pipeline bubbles and remat are not counted")
 
