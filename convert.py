@@ -1,0 +1,708 @@
+"""Hugging Face DeepSeek-V3 export and import, with numpy and safetensors only (no torch).
+
+    python convert.py to-hf RUN_DIR HF_DIR [--step N] [--max_shard_size 5GB]
+    python convert.py from-hf HF_DIR RUN_DIR
+
+to-hf writes a run's checkpoint (the newest, or step N) as a transformers `deepseek_v3` directory:
+config.json, model.safetensors (model-0000i-of-0000n.safetensors and model.safetensors.index.json past
+--max_shard_size), tokenizer.json and tokenizer_config.json (cl100k_base, encoding text as
+data/tokenizer.py does). A model without a DeepSeek-V3 equivalent is refused with one line naming each
+differing flag. from-hf writes RUN_DIR (= OUTPUT_DIR/NAME) holding a step-0 checkpoint with a fresh
+optimizer state, which `python main.py --output_dir OUTPUT_DIR --name NAME` plus the flags it prints
+restores on any mesh and fine-tunes; a config.json field this model cannot express is refused by name.
+
+The layouts (transformers' modeling_deepseek_v3, 5.24; torch Linear weights are [out, in], ours [in, out]
+as x @ W, so every matrix is transposed):
+- q_b_proj rows are per head [content K | rotary R] (our w_uq, w_qr); kv_a_proj_with_mqa rows are
+  [KV latent | the one shared rotary key] (w_dkv, w_kr); kv_b_proj rows per head [key K | value V]
+  (w_uk, w_uv); head-major on both sides.
+- RoPE: with rope_interleave (DeepSeek-V3's checkpoints, and what to-hf writes) transformers rotates the
+  channel pairs (2i, 2i+1) of the rotary query and key by position x base^(-2i/R); ours rotates (i, i + R/2)
+  by the same frequency. The rotary columns are permuted (`ROPE_TO_HF`): the same pairs, the same angles,
+  the same products q.k. Without rope_interleave transformers rotates halves, as we do: no permutation.
+- MoE: sigmoid scores in fp32; e_score_correction_bias (our routing bias) is added for the choice of the
+  top-k only; the gates are the chosen scores, divided by their sum when norm_topk_prob
+  (--renormalize_gates), times routed_scaling_factor (--routed_scaling); the shared experts are one MLP
+  of n_shared_experts x moe_intermediate_size units, ours n_shared MLPs of that width (the same sum).
+  Transformers drops no token: our run matches it with --capacity_factor 0.
+- Experts are written one module each (mlp.experts.E.gate_proj.weight, ...), as DeepSeek-V3's own
+  checkpoints and transformers' save_pretrained do; from-hf also reads the fused mlp.experts.gate_up_proj
+  [E, 2F, D] (gate rows first) and mlp.experts.down_proj [E, D, F] that transformers holds in memory.
+- The padded embedding rows (--vocab_size rounded up to 128) are not exported; from-hf pads with zeros.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import uuid
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+EOT = "<|endoftext|>"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class ConvertError(Exception):
+    """Bad input: one line naming the flag, file or field and what would be valid; exit 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The configs. DEEPSEEK_V3: each model flag whose value DeepSeek-V3's architecture fixes, and that value
+# (the rest map to config.json fields, `hf_config` and `model_fields`).
+
+DEEPSEEK_V3 = {"ffn": "gated_silu", "norm_shift": False, "latent_norm": True, "rope_all_layers": True,
+               "layers_per_block": 1}
+
+
+def flag_value(value):
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def export_refusals(mc):
+    """The flags of ModelConfig mc without a DeepSeek-V3 equivalent, each with the value that has one."""
+    why = {"layers_per_block": " (dense layers come first instead: --first_k_dense)"}
+    wrong = [f"--{name} {flag_value(getattr(mc, name))} (needs --{name} {flag_value(want)}{why.get(name, '')})"
+             for name, want in DEEPSEEK_V3.items() if getattr(mc, name) != want]
+    if mc.n_shared < 1:
+        wrong.append(f"--n_shared {mc.n_shared} (needs --n_shared 1 or more: DeepSeek-V3's MoE layers always "
+                     f"add shared experts)")
+    return wrong
+
+
+def hf_config(mc, dims):
+    """config.json for ModelConfig mc with head and FFN widths `dims` (read off the params): every field
+    transformers' DeepseekV3Config reads, plus DeepSeek's own routing fields (scoring_func, topk_method,
+    moe_layer_freq) that other readers of the format (vLLM) go by."""
+    from data.tokenizer import EOT_ID
+    from model import NORM_EPS
+    eot = EOT_ID if EOT_ID < mc.vocab_size else None
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "dtype": "float32",
+        "vocab_size": mc.vocab_size, "hidden_size": mc.model_dimension,
+        "num_hidden_layers": mc.first_k_dense + mc.blocks, "first_k_dense_replace": mc.first_k_dense,
+        "moe_layer_freq": 1, "intermediate_size": dims["ffn"], "moe_intermediate_size": dims["moe"],
+        "num_attention_heads": mc.n_head, "num_key_value_heads": mc.n_head,
+        "q_lora_rank": mc.q_latent_dim, "kv_lora_rank": mc.latent_dim,
+        "qk_nope_head_dim": dims["qk"], "qk_rope_head_dim": mc.dhR, "v_head_dim": dims["v"],
+        "head_dim": mc.dhR, "qk_head_dim": dims["qk"] + mc.dhR,
+        "n_routed_experts": mc.n_experts, "num_experts_per_tok": mc.k, "n_shared_experts": mc.n_shared,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": mc.renormalize_gates,
+        "routed_scaling_factor": mc.routed_scaling, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "hidden_act": "silu", "rms_norm_eps": NORM_EPS, "attention_bias": False, "attention_dropout": 0.0,
+        "rope_interleave": True, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_base},
+        "max_position_embeddings": mc.T, "tie_word_embeddings": mc.tied_embeddings,
+        "num_nextn_predict_layers": 0, "bos_token_id": eot, "eos_token_id": eot, "pad_token_id": None,
+        "initializer_range": 0.02, "use_cache": True, "pretraining_tp": 1, "output_router_logits": False,
+    }
+
+
+def _rope(hf):
+    """(rope type, theta) from transformers 5's rope_parameters or 4's rope_theta and rope_scaling."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return kind, float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def import_refusals(hf):
+    """The config.json fields of `hf` this model has no equivalent for, each with its value."""
+    from model import NORM_EPS
+    kind, _ = _rope(hf)
+    n_heads = hf.get("num_attention_heads")
+    checks = [
+        (hf.get("model_type") != "deepseek_v3", f"model_type {hf.get('model_type')!r} (needs 'deepseek_v3')"),
+        ("quantization_config" in hf, "quantization_config (quantized weights: dequantize them first)"),
+        (kind != "default", f"rope type {kind!r} (only the default RoPE: no yarn or other rope scaling)"),
+        (hf.get("n_group", 1) != hf.get("topk_group", 1),
+         f"n_group {hf.get('n_group')} with topk_group {hf.get('topk_group')} (group-limited routing; only "
+         f"topk_group = n_group, which limits nothing)"),
+        (hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {hf.get('scoring_func')!r} (needs sigmoid)"),
+        (hf.get("q_lora_rank") is None, "q_lora_rank null (queries without a latent; needs a q_lora_rank)"),
+        (hf.get("num_key_value_heads", n_heads) != n_heads,
+         f"num_key_value_heads {hf.get('num_key_value_heads')} (needs num_attention_heads, {n_heads})"),
+        (hf.get("attention_bias", False), "attention_bias true (no biases here)"),
+        (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (needs silu)"),
+        (hf.get("rms_norm_eps", 1e-6) != NORM_EPS, f"rms_norm_eps {hf.get('rms_norm_eps')} (needs {NORM_EPS})"),
+        (hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq {hf.get('moe_layer_freq')} (needs 1)"),
+        (hf.get("first_k_dense_replace", 0) >= hf.get("num_hidden_layers", 0),
+         f"first_k_dense_replace {hf.get('first_k_dense_replace')} of num_hidden_layers "
+         f"{hf.get('num_hidden_layers')} (needs at least one MoE layer)"),
+        (hf.get("n_shared_experts", 1) < 1, f"n_shared_experts {hf.get('n_shared_experts')} (needs 1 or more)"),
+    ]
+    return [text for bad, text in checks if bad]
+
+
+def model_fields(hf):
+    """The ModelConfig fields of a DeepSeek-V3 config.json (dropless: transformers drops no token)."""
+    _, theta = _rope(hf)
+    return dict(DEEPSEEK_V3, vocab_size=hf["vocab_size"], model_dimension=hf["hidden_size"],
+                n_head=hf["num_attention_heads"], first_k_dense=hf["first_k_dense_replace"],
+                blocks=hf["num_hidden_layers"] - hf["first_k_dense_replace"], T=hf["max_position_embeddings"],
+                latent_dim=hf["kv_lora_rank"], q_latent_dim=hf["q_lora_rank"], dhR=hf["qk_rope_head_dim"],
+                qk_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
+                ffn_hidden_dim=hf["intermediate_size"], moe_hidden_dim=hf["moe_intermediate_size"],
+                n_experts=hf["n_routed_experts"], k=hf["num_experts_per_tok"], n_shared=hf["n_shared_experts"],
+                routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                renormalize_gates=bool(hf.get("norm_topk_prob", True)), rope_base=theta,
+                tied_embeddings=bool(hf.get("tie_word_embeddings", False)), capacity_factor=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The tensors: our params (nested dict of numpy arrays, stacked layers) <-> transformers' names.
+
+# Our leaf inside one layer -> its tensor inside model.layers.N.: transposed when a matrix, else copied.
+LAYER_NAMES = {
+    ("attn_norm", "scale"): "input_layernorm.weight",
+    ("ffn_norm", "scale"): "post_attention_layernorm.weight",
+    ("attn", "w_dq"): "self_attn.q_a_proj.weight",
+    ("attn", "q_norm", "scale"): "self_attn.q_a_layernorm.weight",
+    ("attn", "kv_norm", "scale"): "self_attn.kv_a_layernorm.weight",
+    ("attn", "w_o"): "self_attn.o_proj.weight",
+    ("ffn", "w_gate"): "mlp.gate_proj.weight",
+    ("ffn", "w_up"): "mlp.up_proj.weight",
+    ("ffn", "w_down"): "mlp.down_proj.weight",
+    ("moe", "router"): "mlp.gate.weight",
+}
+# Tensors whose rows are our matrices' columns side by side, per head (per_head) or whole: (name, parts,
+# per_head); the rotary parts (w_qr, w_kr) are permuted to transformers' interleaved pairs.
+FUSED = (
+    ("self_attn.q_b_proj.weight", ("w_uq", "w_qr"), True),
+    ("self_attn.kv_a_proj_with_mqa.weight", ("w_dkv", "w_kr"), False),
+    ("self_attn.kv_b_proj.weight", ("w_uk", "w_uv"), True),
+)
+ROTARY = ("w_qr", "w_kr")
+EXPERTS = (("expert_gate", "gate_proj"), ("expert_up", "up_proj"), ("expert_down", "down_proj"))
+SHARED = (("shared_gate", "gate_proj"), ("shared_up", "up_proj"), ("shared_down", "down_proj"))
+
+
+def rope_to_hf(R):
+    """Column order of a rotary block for transformers' interleaved RoPE: theirs[2i] = ours[i] and
+    theirs[2i + 1] = ours[i + R/2], the pair (i, i + R/2) that we rotate by base^(-i/(R/2))."""
+    return np.stack([np.arange(R // 2), np.arange(R // 2) + R // 2], axis=1).reshape(-1)
+
+
+def _leaf(tree, path):
+    """tree[path[0]][path[1]]...; None where the path is not in the tree."""
+    for key in path:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def layer_to_hf(layer, H):
+    """{name inside model.layers.N.: array} of one layer of our params (a nested dict of numpy arrays,
+    an MoE layer's router_bias beside its router), H heads."""
+    out = {name: _leaf(layer, path).T for path, name in LAYER_NAMES.items() if _leaf(layer, path) is not None}
+    attn = layer["attn"]
+    R = attn["w_kr"].shape[-1]
+    for name, parts, per_head in FUSED:
+        blocks = []
+        for part in parts:
+            w = attn[part].reshape(attn[part].shape[0], H, -1) if per_head else attn[part][:, None, :]
+            blocks.append(w[..., rope_to_hf(R)] if part in ROTARY else w)
+        fused = np.concatenate(blocks, axis=-1)
+        out[name] = fused.reshape(fused.shape[0], -1).T
+    if "moe" in layer:
+        moe = layer["moe"]
+        out["mlp.gate.e_score_correction_bias"] = moe["router_bias"]
+        for ours, theirs in EXPERTS:
+            out |= {f"mlp.experts.{e}.{theirs}.weight": w.T for e, w in enumerate(moe[ours])}
+        n, D, F = moe["shared_gate"].shape
+        for ours, theirs in SHARED:
+            w = moe[ours]   # [n, D, F] up, [n, F, D] down: one MLP of n F units, expert s's units s F + j
+            w = np.moveaxis(w, 0, 1).reshape(D, n * F) if theirs != "down_proj" else w.reshape(n * F, D)
+            out[f"mlp.shared_experts.{theirs}.weight"] = w.T
+    return out
+
+
+def layer_from_hf(get, hf, moe):
+    """One layer of our params from get(name inside model.layers.N.) -> array (fp32 numpy)."""
+    H, K, R, V = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    interleave = hf.get("rope_interleave", True)
+    layer = {}
+    other_ffn = "ffn" if moe else "moe"
+    for path, name in LAYER_NAMES.items():
+        if path[0] == other_ffn:
+            continue
+        node = layer
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = np.ascontiguousarray(get(name).T)
+    widths = {"w_uq": K, "w_qr": R, "w_dkv": hf["kv_lora_rank"], "w_kr": R, "w_uk": K, "w_uv": V}
+    for name, parts, per_head in FUSED:
+        w = get(name).T
+        w = w.reshape(w.shape[0], H if per_head else 1, -1)
+        for part, piece in zip(parts, np.split(w, np.cumsum([widths[p] for p in parts])[:-1], axis=-1)):
+            if part in ROTARY and interleave:
+                piece = piece[..., np.argsort(rope_to_hf(R))]
+            layer["attn"][part] = np.ascontiguousarray(piece.reshape(w.shape[0], -1))
+    if moe:
+        E, F = hf["n_routed_experts"], hf["moe_intermediate_size"]
+        layer["moe"]["router_bias"] = get("mlp.gate.e_score_correction_bias")
+        layer["moe"].update(_experts(get, E, F))
+        n = hf["n_shared_experts"]
+        for ours, theirs in SHARED:
+            w = get(f"mlp.shared_experts.{theirs}.weight").T       # [D, n F] or [n F, D]
+            w = np.moveaxis(w.reshape(w.shape[0], n, F), 1, 0) if theirs != "down_proj" else w.reshape(n, F, -1)
+            layer["moe"][ours] = np.ascontiguousarray(w)
+    return layer
+
+
+def _experts(get, E, F):
+    """expert_gate, expert_up [E, D, F] and expert_down [E, F, D] from one module per expert or from
+    transformers' fused gate_up_proj [E, 2F, D] (gate rows first) and down_proj [E, D, F]."""
+    fused = get("mlp.experts.gate_up_proj", optional=True)
+    if fused is not None:
+        gate_up = fused.transpose(0, 2, 1)
+        down = get("mlp.experts.down_proj").transpose(0, 2, 1)
+        return {"expert_gate": np.ascontiguousarray(gate_up[..., :F]),
+                "expert_up": np.ascontiguousarray(gate_up[..., F:]), "expert_down": np.ascontiguousarray(down)}
+    return {ours: np.stack([get(f"mlp.experts.{e}.{theirs}.weight").T for e in range(E)]) for ours, theirs in EXPERTS}
+
+
+def params_to_hf(params, router_bias, mc):
+    """{transformers name: fp32 array} of our params (model order, numpy) and routing bias [blocks, E]."""
+    V, H = mc.vocab_size, mc.n_head
+    out = {"model.embed_tokens.weight": params["embed"][:V]}
+    layers = [layer_of(params["prologue"], i) for i in range(mc.first_k_dense)] if mc.first_k_dense else []
+    moe = params["blocks"]["moe"]
+    for b in range(mc.blocks):
+        layer = layer_of(moe, b)
+        layer["moe"] = layer["moe"] | {"router_bias": router_bias[b]}
+        layers.append(layer)
+    for i, layer in enumerate(layers):
+        out |= {f"model.layers.{i}.{name}": w for name, w in layer_to_hf(layer, H).items()}
+    out["model.norm.weight"] = params["final_norm"]["scale"]
+    if not mc.tied_embeddings:
+        out["lm_head.weight"] = params["unembed"][:V]
+    return {name: np.ascontiguousarray(w, np.float32) for name, w in out.items()}
+
+
+def layer_of(stacked, i):
+    """Layer i of a tree of stacked arrays."""
+    return {k: layer_of(v, i) if isinstance(v, dict) else v[i] for k, v in stacked.items()}
+
+
+def hf_shapes(hf, fused_experts=False):
+    """{transformers name: shape} of the model config.json `hf` describes, its experts one module each or
+    (fused_experts) as transformers holds them in memory."""
+    D, H, V, L, k = (hf[f] for f in ("hidden_size", "num_attention_heads", "vocab_size", "num_hidden_layers",
+                                      "first_k_dense_replace"))
+    K, R, Vh, Lq, Lkv = (hf[f] for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank",
+                                          "kv_lora_rank"))
+    F, Fm, E, n = (hf[f] for f in ("intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                                   "n_shared_experts"))
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not hf.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(L):
+        layer = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+                 "self_attn.q_a_proj.weight": (Lq, D), "self_attn.q_a_layernorm.weight": (Lq,),
+                 "self_attn.q_b_proj.weight": (H * (K + R), Lq), "self_attn.kv_a_proj_with_mqa.weight": (Lkv + R, D),
+                 "self_attn.kv_a_layernorm.weight": (Lkv,), "self_attn.kv_b_proj.weight": (H * (K + Vh), Lkv),
+                 "self_attn.o_proj.weight": (D, H * Vh)}
+        if i < k:
+            layer |= {"mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+        else:
+            layer |= {"mlp.gate.weight": (E, D), "mlp.gate.e_score_correction_bias": (E,),
+                      "mlp.shared_experts.gate_proj.weight": (n * Fm, D), "mlp.shared_experts.up_proj.weight": (n * Fm, D),
+                      "mlp.shared_experts.down_proj.weight": (D, n * Fm)}
+            layer |= ({"mlp.experts.gate_up_proj": (E, 2 * Fm, D), "mlp.experts.down_proj": (E, D, Fm)} if fused_experts
+                      else {f"mlp.experts.{e}.{name}.weight": shape for e in range(E)
+                            for name, shape in (("gate_proj", (Fm, D)), ("up_proj", (Fm, D)), ("down_proj", (D, Fm)))})
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def params_from_hf(tensors, hf, padded_vocab):
+    """(our params in model order, routing bias [blocks, E]) from {transformers name: array}: consumes the
+    names it uses from `tensors`; ConvertError naming a missing one or one whose shape is not config.json's."""
+    shapes = hf_shapes(hf) | hf_shapes(hf, fused_experts=True)
+
+    def getter(prefix):
+        def get(name, optional=False):
+            full = prefix + name
+            if full not in tensors:
+                if optional:
+                    return None
+                raise ConvertError(f"tensor {full} is missing (config.json's model has it)")
+            if tuple(tensors[full].shape) != shapes[full]:
+                raise ConvertError(f"tensor {full} has shape {tuple(tensors[full].shape)}; config.json's model "
+                                   f"gives it {shapes[full]}")
+            return np.asarray(tensors.pop(full), np.float32)
+        return get
+
+    def padded(w):
+        return np.concatenate([w, np.zeros((padded_vocab - w.shape[0], w.shape[1]), np.float32)])
+
+    def stack(trees):
+        return {key: stack([t[key] for t in trees]) if isinstance(trees[0][key], dict)
+                else np.stack([t[key] for t in trees]) for key in trees[0]}
+
+    top = getter("")
+    k, L = hf["first_k_dense_replace"], hf["num_hidden_layers"]
+    layers = [layer_from_hf(getter(f"model.layers.{i}."), hf, moe=i >= k) for i in range(L)]
+    moe = stack(layers[k:])
+    router_bias = moe["moe"].pop("router_bias")
+    params = {"embed": padded(top("model.embed_tokens.weight")), "blocks": {"moe": moe},
+              "final_norm": {"scale": top("model.norm.weight")}}
+    if k:
+        params["prologue"] = stack(layers[:k])
+    if not hf.get("tie_word_embeddings", False):
+        params["unembed"] = padded(top("lm_head.weight"))
+    return params, router_bias
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files: safetensors (sharded with an index past a size), config.json, the tokenizer.
+
+
+def parse_size(text):
+    """'5GB', '200MB', '10KB' or a number of bytes (decimal units, as transformers' max_shard_size)."""
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    upper = text.strip().upper()
+    unit = next((u for u in units if upper.endswith(u)), "B")
+    try:
+        size = float(upper[:len(upper) - len(unit)] if upper.endswith(unit) else upper) * units[unit]
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ConvertError(f"--max_shard_size {text!r}: give a size such as 5GB, 200MB or a number of bytes")
+    return int(size)
+
+
+def write_safetensors(directory, tensors, max_shard_bytes):
+    """tensors into model.safetensors, or, past max_shard_bytes, into model-0000i-of-0000n.safetensors
+    files of at most that many bytes each (one bigger tensor alone in its file) and the index transformers
+    reads: {"metadata": {"total_size"}, "weight_map": {name: file}}. Returns the file names."""
+    shards, size = [[]], 0
+    for name, w in tensors.items():
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += w.nbytes
+    if len(shards) == 1:
+        save_file(tensors, os.path.join(directory, SINGLE), metadata={"format": "pt"})
+        return [SINGLE]
+    files = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for file, names in zip(files, shards):
+        save_file({name: tensors[name] for name in names}, os.path.join(directory, file), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())},
+             "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
+    _write_json(os.path.join(directory, INDEX), index)
+    return files + [INDEX]
+
+
+def read_safetensors(directory):
+    """{name: numpy array} of an HF directory's model.safetensors or the files its index names."""
+    index_path, single = os.path.join(directory, INDEX), os.path.join(directory, SINGLE)
+    if os.path.exists(index_path):
+        weight_map = _read_json(index_path).get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(single):
+        weight_map, files = None, [SINGLE]
+    else:
+        raise ConvertError(f"{directory} has neither {SINGLE} nor {INDEX}; save the model with safetensors "
+                           f"(transformers' save_pretrained does by default)")
+    tensors = {}
+    for file in files:
+        path = os.path.join(directory, file)
+        try:
+            with safe_open(path, framework="np") as f:
+                tensors |= {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as e:
+            raise ConvertError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})") from None
+    missing = sorted(set(weight_map or {}) - set(tensors))
+    if missing:
+        raise ConvertError(f"{index_path} lists {missing[0]} in {weight_map[missing[0]]}, which does not hold it"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return tensors
+
+
+def tokenizer_files(T):
+    """{file name: JSON} for transformers' tokenizer: cl100k_base as data/tokenizer.py builds it, such that
+    AutoTokenizer encodes text exactly as tiktoken's encode_ordinary (the special tokens in text are plain
+    text, split_special_tokens) and tokenizer(text) prefixes <|endoftext|>, as every document here is."""
+    from data.tokenizer import _PATTERN, get_tokenizer
+    enc = get_tokenizer()
+    specials = sorted((enc.encode_single_token(s), s) for s in enc.special_tokens_set)
+    special_ids = {i for i, _ in specials}
+    ranks = {}
+    for i in range(enc.n_vocab):
+        if i not in special_ids:
+            try:
+                ranks[enc.decode_single_token_bytes(i)] = i
+            except KeyError:        # the unused ids between the BPE ranks and the special tokens
+                continue
+    char = _byte_chars()
+    text = lambda token: "".join(char[b] for b in token)
+    # tokenizers' regex engine (Oniguruma, Ruby syntax) reads tiktoken's possessive `{1,3}+` as "one or more
+    # runs of 1-3 digits" (a 7-digit number would be one piece); the plain greedy {1,3} splits digits as
+    # tiktoken does, since nothing follows it in its alternative to backtrack into it.
+    digits = r"\p{N}{1,3}+"
+    assert digits in _PATTERN, "data/tokenizer.py's pattern changed: check tokenizer_files' translation of it"
+    eot = enc.encode_single_token(EOT)
+    template = lambda *parts: [{"SpecialToken": {"id": EOT, "type_id": 0}} if p == EOT
+                               else {"Sequence": {"id": p, "type_id": 0}} for p in parts]
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, s in specials],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _PATTERN.replace(digits, r"\p{N}{1,3}")}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {"type": "TemplateProcessing", "single": template(EOT, "A"),
+                           "pair": template(EOT, "A", EOT, "B"),
+                           "special_tokens": {EOT: {"id": EOT, "ids": [eot], "tokens": [EOT]}}},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  # tiktoken takes a piece that is a token whole, before any merge
+                  "ignore_merges": True,
+                  "vocab": {text(token): rank for token, rank in ranks.items()},
+                  "merges": [[text(a), text(b)] for a, b in bpe_merges(ranks)]},
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT,
+              "split_special_tokens": True, "clean_up_tokenization_spaces": False, "model_max_length": T}
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
+
+
+def bpe_merges(ranks):
+    """The merges, in rank order, that rebuild tiktoken's BPE: for each token of two or more bytes, the pair
+    its bytes reach by merging, lowest rank first (tiktoken's order), every pair ranked below it. Tiktoken's
+    merges inside any token's bytes run the same way, so one merge per token reproduces it."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        parts = [token[i:i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
+            best, i = min(pairs)
+            if best >= rank:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _byte_chars():
+    """GPT-2's printable stand-in for each byte, as tokenizers' ByteLevel pre-tokenizer maps them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(others)) for b in range(256)}
+
+
+def _write_json(path, value):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConvertError(f"{path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path} cannot be read as JSON ({e})") from None
+
+
+def _fresh_dir(path, what):
+    """ConvertError unless `path` is free for a new directory (missing or empty)."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConvertError(f"{what} {path} exists and is not an empty directory; give a new path")
+
+
+def _write_atomically(path, fill):
+    """fill(tmp) builds the directory in a temporary sibling, renamed to `path` once complete: a failure
+    leaves nothing behind."""
+    tmp = f"{path.rstrip('/')}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        result = fill(tmp)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The two commands.
+
+
+def _model_config(meta, where):
+    import utils
+    fields = {f.name for f in dataclasses.fields(utils.ModelConfig)}
+    saved = meta.get("model") or {}
+    if not saved:
+        raise ConvertError(f"{where} records no model config (a checkpoint from before configs were saved)")
+    return utils.ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+
+
+def read_checkpoint(run_dir, step=None, check=lambda mc, where: None):
+    """(ModelConfig, params in model order and routing bias [blocks, E] as numpy, where) of checkpoint
+    `step` (None: the newest) of run_dir, restored on one device whatever mesh and layout saved it.
+    check(mc, where) runs on the recorded config before any array is read."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import sharding
+    import utils
+    from checkpoints import _restore, checkpoint_manager
+    from rundir import is_url
+    from trainer import build_trainer
+    if not is_url(run_dir) and not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        raise ConvertError(f"RUN_DIR {run_dir} holds no checkpoints directory; give a run's OUTPUT_DIR/NAME")
+    mngr = checkpoint_manager(run_dir, read_only=True)
+    steps = sorted(mngr.all_steps())
+    if not steps or (step is not None and step not in steps):
+        raise ConvertError(f"--step {step}: {mngr.directory} holds steps {', '.join(map(str, steps))}" if steps
+                           else f"RUN_DIR {run_dir} holds no checkpoint (in {mngr.directory})")
+    step = steps[-1] if step is None else step
+    where = f"{mngr.directory}/{step}"
+    mc = _model_config(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"], where)
+    check(mc, where)
+    # Read in model order (pipeline_repeats 1) on one device, whatever layout and mesh saved it.
+    cfg = utils.Config(model=dataclasses.replace(mc, pipeline_repeats=1))
+    trainer = build_trainer(cfg, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+    state, _ = _restore(mngr, step, trainer.abstract_state, 1)
+    mngr.close()
+    params, bias = jax.device_get((state["params"], state["router_bias"]))
+    return mc, params, bias, where
+
+
+def _exportable(mc, where):
+    wrong = export_refusals(mc)
+    if wrong:
+        raise ConvertError(f"{where} holds a model with no DeepSeek-V3 equivalent: {'; '.join(wrong)}")
+
+
+def to_hf(run_dir, hf_dir, step=None, max_shard_bytes=5 * 10**9, say=print):
+    """Export checkpoint `step` (newest: None) of run_dir into hf_dir. Returns the files written."""
+    from data.tokenizer import VOCAB_SIZE
+    _fresh_dir(hf_dir, "HF_DIR")
+    mc, params, bias, where = read_checkpoint(run_dir, step, _exportable)
+    if mc.capacity_factor:
+        say(f"note: the run drops tokens over --capacity_factor {mc.capacity_factor}; transformers drops none, as "
+            f"this model does with --capacity_factor 0")
+    tensors = params_to_hf(params, bias, mc)
+    attn = params["blocks"]["moe"]["attn"]
+    dims = {"qk": attn["w_uk"].shape[-1] // mc.n_head, "v": attn["w_uv"].shape[-1] // mc.n_head,
+            "moe": params["blocks"]["moe"]["moe"]["expert_up"].shape[-1], "ffn": mc.ffn_dim}
+    config = hf_config(mc, dims)
+    tokenizer = tokenizer_files(mc.T) if mc.vocab_size == VOCAB_SIZE else {}
+    if not tokenizer:
+        say(f"note: no tokenizer files: --vocab_size {mc.vocab_size} is not cl100k_base's {VOCAB_SIZE}")
+
+    def fill(tmp):
+        files = write_safetensors(tmp, tensors, max_shard_bytes)
+        for name, value in {"config.json": config, **tokenizer}.items():
+            _write_json(os.path.join(tmp, name), value)
+        return files + ["config.json", *tokenizer]
+    files = _write_atomically(hf_dir, fill)
+    say(f"wrote {hf_dir} from {where}: {len(tensors)} tensors, "
+        f"{sum(w.size for w in tensors.values()):,} parameters, {', '.join(files)}")
+    return files
+
+
+def from_hf(hf_dir, run_dir, say=print):
+    """Import the deepseek_v3 directory hf_dir as a run directory run_dir with a step-0 checkpoint. Returns
+    the ModelConfig and the main.py flags that restore it."""
+    import jax
+    import sharding
+    import utils
+    from checkpoints import checkpoint_manager, checksums_and_finite, save, wait_for_save
+    from trainer import build_trainer
+    _fresh_dir(run_dir, "RUN_DIR")
+    hf = _read_json(os.path.join(hf_dir, "config.json"))
+    wrong = import_refusals(hf)
+    if wrong:
+        raise ConvertError(f"{hf_dir}/config.json has no equivalent here: {'; '.join(wrong)}")
+    mc = utils.ModelConfig(**model_fields(hf))
+    cfg = utils.Config(model=mc)
+    try:
+        utils.validate(cfg, 1)
+    except utils.ConfigError as e:
+        raise ConvertError(f"{hf_dir}/config.json gives an invalid model here: "
+                           + "; ".join(line.strip(" -") for line in str(e).splitlines()[1:])) from None
+    tensors = read_safetensors(hf_dir)
+    params, bias = params_from_hf(tensors, hf, mc.padded_vocab)
+    # transformers' model ignores the multi-token-prediction modules past num_hidden_layers: so do we
+    mtp = [n for n in tensors if n.startswith("model.layers.") and int(n.split(".")[2]) >= hf["num_hidden_layers"]]
+    unused = sorted(set(tensors) - set(mtp))
+    if unused:
+        raise ConvertError(f"{hf_dir} holds tensors config.json has no place for: {', '.join(unused[:3])}"
+                           + (f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""))
+    if mtp:
+        say(f"note: {len(mtp)} multi-token-prediction tensors (layers from {hf['num_hidden_layers']} on) are not "
+            f"imported; transformers' DeepseekV3ForCausalLM does not use them either")
+    expected = jax.eval_shape(lambda key: sharding.init_params(mc, key), jax.random.key(0))
+    got = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params)
+    if jax.tree.structure(got) != jax.tree.structure(expected) or jax.tree.leaves(got) != jax.tree.leaves(expected):
+        raise ConvertError(f"{hf_dir}: the tensors' shapes do not match config.json's model "
+                           f"(expected {expected}, got {got})")
+    trainer = build_trainer(cfg, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+    fresh = trainer.fresh_state(cfg.run.seed)
+    state = fresh | jax.device_put({"params": params, "router_bias": bias},
+                                   {"params": jax.tree.map(lambda a: a.sharding, fresh["params"]),
+                                    "router_bias": fresh["router_bias"].sharding})
+
+    def fill(tmp):
+        mngr = checkpoint_manager(tmp)
+        sums, _ = jax.device_get(checksums_and_finite(state))
+        meta = {"step": 0, "sequences": 0, "run_id": uuid.uuid4().hex[:8], "model": dataclasses.asdict(mc),
+                "val_loss": None, "checksums": {path: int(value) for path, value in sums.items()}}
+        save(mngr, 0, state, meta)
+        wait_for_save(mngr)
+        mngr.close()
+    _write_atomically(run_dir, fill)
+    flags = main_flags(mc)
+    output_dir, name = os.path.split(os.path.abspath(run_dir))
+    say(f"wrote {run_dir}: step 0 of a {len(jax.tree.leaves(params))}-array model from {hf_dir}; fine-tune it with\n"
+        f"  python main.py --output_dir {output_dir} --name {name} {' '.join(flags)}")
+    return mc, flags
+
+
+def main_flags(mc):
+    """The main.py flags that give ModelConfig mc: --preset dsv3-tiny and each model field it differs in."""
+    import utils
+    base = utils.PRESETS["dsv3-tiny"].model
+    return ["--preset", "dsv3-tiny"] + [
+        part for f in dataclasses.fields(mc) if getattr(mc, f.name) != getattr(base, f.name)
+        for part in (f"--{f.name}", flag_value(getattr(mc, f.name)))]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    out = commands.add_parser("to-hf", help="a run's checkpoint -> a transformers deepseek_v3 directory")
+    out.add_argument("run_dir", metavar="RUN_DIR", help="OUTPUT_DIR/NAME of the run")
+    out.add_argument("hf_dir", metavar="HF_DIR", help="the new directory to write (missing or empty)")
+    out.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    out.add_argument("--max_shard_size", default="5GB",
+                     help="safetensors files of at most this size, with an index past one (default 5GB)")
+    back = commands.add_parser("from-hf", help="a transformers deepseek_v3 directory -> a run main.py fine-tunes")
+    back.add_argument("hf_dir", metavar="HF_DIR", help="a directory with config.json and safetensors weights")
+    back.add_argument("run_dir", metavar="RUN_DIR", help="the new run directory, OUTPUT_DIR/NAME (missing or empty)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-hf":
+            to_hf(args.run_dir, args.hf_dir, args.step, parse_size(args.max_shard_size))
+        else:
+            from_hf(args.hf_dir, args.run_dir)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

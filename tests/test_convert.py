@@ -1,0 +1,319 @@
+"""convert.py: the Hugging Face DeepSeek-V3 export and import. The mapping between our params and
+transformers' tensors (both ways, bitwise, the rotary permutation against transformers' interleaved
+rotation), the safetensors files (one, or shards with an index), the tokenizer files (their merges
+rebuild tiktoken's encoding), the configs and their refusals, and the two commands end to end. The
+comparison with transformers itself is opt-in (JAXFORMER_SLOW_TESTS=1 and a virtualenv from
+requirements-hf.txt): it runs scripts/verification_card.py's checks in .venv-hf.
+"""
+import gzip
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import regex
+
+import convert
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")
+
+# A small DeepSeek-V3 config.json: 2 dense layers, then 3 MoE layers; every width distinct, so that a
+# transposed or misplaced block cannot pass.
+HF = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 24, "num_attention_heads": 3,
+      "num_key_value_heads": 3, "num_hidden_layers": 5, "first_k_dense_replace": 2, "q_lora_rank": 20,
+      "kv_lora_rank": 12, "qk_nope_head_dim": 10, "qk_rope_head_dim": 6, "v_head_dim": 7, "intermediate_size": 40,
+      "moe_intermediate_size": 9, "n_routed_experts": 5, "num_experts_per_tok": 2, "n_shared_experts": 2,
+      "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "hidden_act": "silu",
+      "rms_norm_eps": 1e-6, "rope_interleave": True, "rope_parameters": {"rope_type": "default", "rope_theta": 5e4},
+      "max_position_embeddings": 64, "tie_word_embeddings": False}
+
+
+def random_tensors(hf, seed=0, fused_experts=False):
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape, np.float32) for name, shape in convert.hf_shapes(hf, fused_experts).items()}
+
+
+def fused(tensors, hf):
+    """The per-expert tensors as transformers holds them in memory: gate_up_proj [E, 2F, D] (gate rows
+    first), down_proj [E, D, F] (its conversion_mapping: MergeModulelist then Concatenate on dim 1)."""
+    out = dict(tensors)
+    for i in range(hf["first_k_dense_replace"], hf["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        take = lambda name: np.stack([out.pop(f"{p}{e}.{name}.weight") for e in range(hf["n_routed_experts"])])
+        out[p + "gate_up_proj"] = np.concatenate([take("gate_proj"), take("up_proj")], axis=1)
+        out[p + "down_proj"] = take("down_proj")
+    return out
+
+
+class Shape:
+    """The ModelConfig fields params_to_hf reads."""
+
+    def __init__(self, hf):
+        self.vocab_size, self.n_head = hf["vocab_size"], hf["num_attention_heads"]
+        self.first_k_dense = hf["first_k_dense_replace"]
+        self.blocks = hf["num_hidden_layers"] - self.first_k_dense
+        self.tied_embeddings = hf["tie_word_embeddings"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The mapping
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_tensors_round_trip_bitwise(tied):
+    hf = HF | {"tie_word_embeddings": tied}
+    tensors = random_tensors(hf)
+    params, bias = convert.params_from_hf(dict(tensors), hf, padded_vocab=384)
+    assert params["embed"].shape == (384, 24) and not params["embed"][300:].any()
+    assert ("unembed" in params) == (not tied)
+    assert params["prologue"]["ffn"]["w_gate"].shape == (2, 24, 40)
+    assert params["blocks"]["moe"]["moe"]["expert_up"].shape == (3, 5, 24, 9)
+    assert params["blocks"]["moe"]["moe"]["shared_down"].shape == (3, 2, 9, 24)
+    assert bias.shape == (3, 5)
+    back = convert.params_to_hf(params, bias, Shape(hf))
+    assert sorted(back) == sorted(tensors) and len(back) == 2 * (9 + 3) + 3 * (9 + 2 + 5 * 3 + 3) + 2 + (not tied)
+    for name, w in tensors.items():
+        assert back[name].dtype == np.float32 and back[name].flags.c_contiguous
+        np.testing.assert_array_equal(back[name], w, err_msg=name)
+
+
+def leaves(tree, prefix=""):
+    """[(path, array)] of a nested dict, depth first in key order."""
+    return [item for key, value in sorted(tree.items()) for item in
+            (leaves(value, f"{prefix}{key}/") if isinstance(value, dict) else [(prefix + key, value)])]
+
+
+def test_fused_experts_read_as_per_expert():
+    tensors = random_tensors(HF)
+    params, bias = convert.params_from_hf(dict(tensors), HF, 384)
+    params_fused, bias_fused = convert.params_from_hf(fused(tensors, HF), HF, 384)
+    assert [name for name, _ in leaves(params)] == [name for name, _ in leaves(params_fused)]
+    for (name, a), (_, b) in zip(leaves(params), leaves(params_fused)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    np.testing.assert_array_equal(bias, bias_fused)
+
+
+def test_layout_by_hand():
+    """The transformers rows of each fused tensor, written out for one head and one expert."""
+    tensors = random_tensors(HF)
+    params, bias = convert.params_from_hf(dict(tensors), HF, 384)
+    K, R, V, H = 10, 6, 7, 3
+    perm = [0, 3, 1, 4, 2, 5]                    # theirs[2i] = ours[i], theirs[2i + 1] = ours[i + R/2]
+    assert list(convert.rope_to_hf(R)) == perm
+    layer = convert.layer_of(params["blocks"]["moe"], 1)                           # layer 3 = block 1
+    attn, moe = layer["attn"], layer["moe"]
+    q_b = tensors["model.layers.3.self_attn.q_b_proj.weight"].reshape(H, K + R, -1)
+    h = 2
+    np.testing.assert_array_equal(q_b[h, :K], attn["w_uq"][:, h * K:(h + 1) * K].T)
+    np.testing.assert_array_equal(q_b[h, K:], attn["w_qr"][:, h * R:(h + 1) * R][:, perm].T)
+    kv_a = tensors["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"]
+    np.testing.assert_array_equal(kv_a[:12], attn["w_dkv"].T)
+    np.testing.assert_array_equal(kv_a[12:], attn["w_kr"][:, perm].T)
+    kv_b = tensors["model.layers.3.self_attn.kv_b_proj.weight"].reshape(H, K + V, -1)
+    np.testing.assert_array_equal(kv_b[h, :K], attn["w_uk"][:, h * K:(h + 1) * K].T)
+    np.testing.assert_array_equal(kv_b[h, K:], attn["w_uv"][:, h * V:(h + 1) * V].T)
+    np.testing.assert_array_equal(tensors["model.layers.3.self_attn.o_proj.weight"], attn["w_o"].T)
+    np.testing.assert_array_equal(tensors["model.layers.3.mlp.experts.4.up_proj.weight"], moe["expert_up"][4].T)
+    np.testing.assert_array_equal(tensors["model.layers.3.mlp.experts.4.down_proj.weight"], moe["expert_down"][4].T)
+    np.testing.assert_array_equal(tensors["model.layers.3.mlp.gate.weight"], moe["router"].T)
+    np.testing.assert_array_equal(tensors["model.layers.3.mlp.gate.e_score_correction_bias"], bias[1])
+    np.testing.assert_array_equal(tensors["model.layers.0.mlp.gate_proj.weight"], params["prologue"]["ffn"]["w_gate"][0].T)
+
+
+def test_shared_experts_are_one_wider_mlp():
+    """transformers' one shared MLP of n x F units computes the sum of our n shared experts' MLPs."""
+    tensors = random_tensors(HF)
+    params, _ = convert.params_from_hf(dict(tensors), HF, 384)
+    moe = {k: v[0] for k, v in params["blocks"]["moe"]["moe"].items()}
+    x = np.random.default_rng(1).standard_normal((4, 24)).astype(np.float64)
+    silu = lambda a: a / (1 + np.exp(-a))
+    mlp = lambda x, gate, up, down: (silu(x @ gate) * (x @ up)) @ down
+    ours = sum(mlp(x, moe["shared_gate"][s], moe["shared_up"][s], moe["shared_down"][s]) for s in range(2))
+    p = "model.layers.2.mlp.shared_experts."
+    theirs = mlp(x, *(tensors[f"{p}{n}_proj.weight"].T for n in ("gate", "up", "down")))
+    np.testing.assert_allclose(theirs, ours, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_permutation_is_transformers_interleaved_rotation():
+    """Our rotation of the pairs (i, i + R/2) equals transformers' apply_rotary_pos_emb_interleave (written out
+    in numpy from its source) of the permuted channels, output for output: the same pairs, the same angles."""
+    import jax.numpy as jnp
+
+    from model import rope
+    R, T, base = 8, 11, 10_000.0
+    x = np.random.default_rng(0).standard_normal((T, R)).astype(np.float32)
+    ours = np.asarray(rope(jnp.asarray(x)[None], jnp.arange(T), base))[0]
+    inv_freq = 1.0 / (base ** (np.arange(0, R, 2, dtype=np.float32) / R))         # their default rope init
+    angle = np.arange(T, dtype=np.float32)[:, None] * inv_freq
+    cos, sin = np.cos(angle), np.sin(angle)
+    xh = x[:, convert.rope_to_hf(R)]
+    x1, x2 = xh[:, 0::2], xh[:, 1::2]
+    theirs = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=2e-6)
+
+
+def test_wrong_shapes_and_missing_or_unused_tensors_are_named():
+    tensors = random_tensors(HF)
+    bad = dict(tensors, **{"model.layers.1.self_attn.kv_b_proj.weight": np.zeros((3, 12), np.float32)})
+    with pytest.raises(convert.ConvertError, match=r"model.layers.1.self_attn.kv_b_proj.weight has shape \(3, 12\); "
+                                                   r"config.json's model gives it \(51, 12\)"):
+        convert.params_from_hf(bad, HF, 384)
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.4.mlp.experts.3.up_proj.weight"}
+    with pytest.raises(convert.ConvertError, match="model.layers.4.mlp.experts.3.up_proj.weight is missing"):
+        convert.params_from_hf(missing, HF, 384)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files
+
+
+def test_safetensors_one_file_or_shards_with_an_index(tmp_path):
+    tensors = random_tensors(HF)
+    one = tmp_path / "one"
+    one.mkdir()
+    assert convert.write_safetensors(str(one), tensors, 10**9) == ["model.safetensors"]
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    limit = 40_000
+    files = convert.write_safetensors(str(sharded), tensors, limit)
+    index = json.loads((sharded / convert.INDEX).read_text())
+    assert files[-1] == convert.INDEX and len(files) > 3
+    assert files[:-1] == [f"model-{i:05d}-of-{len(files) - 1:05d}.safetensors" for i in range(1, len(files))]
+    assert index["metadata"]["total_size"] == sum(w.nbytes for w in tensors.values())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    for file in files[:-1]:
+        names = [n for n, f in index["weight_map"].items() if f == file]
+        assert sum(tensors[n].nbytes for n in names) <= limit or len(names) == 1
+    for directory in (one, sharded):
+        back = convert.read_safetensors(str(directory))
+        assert sorted(back) == sorted(tensors)
+        for name, w in tensors.items():
+            np.testing.assert_array_equal(back[name], w)
+    os.remove(sharded / files[0])
+    with pytest.raises(convert.ConvertError, match="cannot be read as safetensors|does not hold it"):
+        convert.read_safetensors(str(sharded))
+    with pytest.raises(convert.ConvertError, match="has neither model.safetensors nor model.safetensors.index.json"):
+        convert.read_safetensors(str(tmp_path))
+
+
+def test_parse_size():
+    assert convert.parse_size("5GB") == 5 * 10**9 and convert.parse_size("200mb") == 2 * 10**8
+    assert convert.parse_size("1234") == 1234
+    for bad in ("", "GB", "-1MB", "lots"):
+        with pytest.raises(convert.ConvertError, match="--max_shard_size"):
+            convert.parse_size(bad)
+
+
+def bpe_encode(text, tokenizer):
+    """What tokenizers does with tokenizer.json (written out for the check): split with the pattern, map
+    each piece's bytes to GPT-2's stand-in characters, take a piece that is in the vocabulary whole
+    (ignore_merges), else apply the merges lowest rank first (leftmost on a tie)."""
+    model = tokenizer["model"]
+    vocab, ranks = model["vocab"], {tuple(m): i for i, m in enumerate(model["merges"])}
+    chars = convert._byte_chars()
+    pattern = tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+    ids = []
+    for piece in regex.findall(pattern, text):
+        word = "".join(chars[b] for b in piece.encode("utf-8"))
+        if word in vocab:
+            ids.append(vocab[word])
+            continue
+        parts = list(word)
+        while len(parts) > 1:
+            rank, i = min((ranks.get((parts[i], parts[i + 1]), len(ranks)), i) for i in range(len(parts) - 1))
+            if rank == len(ranks):
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        ids.extend(vocab[p] for p in parts)
+    return ids
+
+
+TRICKY = ["", " ", "\n", "\r\n", " \n\n ", "Hello  world!!", "I'M DON'T you'll we've 's 'S 'Ll", "12345 1234567",
+          "<|endoftext|>", "a<|endoftext|>b<|fim_prefix|>", "日本語のテキスト", "emoji 👍🏽 family 👨‍👩‍👧",
+          "tabs\t\tand\u00a0nbsp", "trailing   ", "   leading", "x" * 300, "é" * 50, "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "\x00\x01ctrl",
+          "def f(x):\n    return x  # comment\n\n\n", "$$$ ... ??? !!!"]
+
+
+def test_tokenizer_files_rebuild_tiktoken():
+    """tokenizer.json's vocabulary, merges and pattern rebuild encode_ordinary on the bundled corpus' first
+    100 chapters and on strings with what BPE exporters get wrong (digit runs, whitespace before a newline
+    and at the end, contractions, special tokens inside text, astral characters). transformers' own
+    AutoTokenizer is checked against the whole corpus in the opt-in test."""
+    from data import corpus
+    from data.tokenizer import EOT_ID, get_tokenizer
+    enc = get_tokenizer()
+    files = convert.tokenizer_files(64)
+    tokenizer, config = files["tokenizer.json"], files["tokenizer_config.json"]
+    assert len(tokenizer["model"]["vocab"]) == 100_256 and len(tokenizer["model"]["merges"]) == 100_000
+    assert {t["id"]: t["content"] for t in tokenizer["added_tokens"]} == {
+        100257: "<|endoftext|>", 100258: "<|fim_prefix|>", 100259: "<|fim_middle|>", 100260: "<|fim_suffix|>",
+        100276: "<|endofprompt|>"}
+    assert all(t["special"] for t in tokenizer["added_tokens"]) and config["split_special_tokens"]
+    assert tokenizer["post_processor"]["special_tokens"]["<|endoftext|>"]["ids"] == [EOT_ID]
+    with gzip.open(corpus.PATH, "rt") as f:
+        chapters = [json.loads(line)["text"] for _, line in zip(range(100), f)]
+    for text in TRICKY + chapters:
+        assert bpe_encode(text, tokenizer) == enc.encode_ordinary(text), text[:60]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs and refusals
+
+
+def test_import_refusals_name_each_field():
+    assert convert.import_refusals(HF) == []
+    bad = HF | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40}, "n_group": 8,
+                "topk_group": 4, "q_lora_rank": None, "attention_bias": True, "quantization_config": {},
+                "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "first_k_dense_replace": 5}
+    refusals = convert.import_refusals(bad)
+    for field in ("rope type 'yarn'", "n_group 8 with topk_group 4", "q_lora_rank null", "attention_bias true",
+                  "quantization_config", "num_key_value_heads 1", "rms_norm_eps 1e-05", "first_k_dense_replace 5"):
+        assert sum(r.startswith(field) for r in refusals) == 1, (field, refusals)
+    assert len(refusals) == 8
+    # transformers 4's spelling of the same RoPE
+    legacy = {k: v for k, v in HF.items() if k != "rope_parameters"} | {"rope_theta": 5e4, "rope_scaling": {
+        "type": "yarn", "factor": 40}}
+    assert convert.import_refusals(legacy) == ["rope type 'yarn' (only the default RoPE: no yarn or other rope "
+                                               "scaling)"]
+    # every group picked: no limit
+    assert convert.import_refusals(HF | {"n_group": 4, "topk_group": 4}) == []
+
+
+def test_cli_refuses_bad_paths_in_one_line(tmp_path, capsys):
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "x").write_text("x")
+    cases = [(["from-hf", str(tmp_path / "nothing"), str(tmp_path / "run")], "nothing/config.json is missing"),
+             (["from-hf", str(tmp_path), str(occupied)], "RUN_DIR .*occupied exists and is not an empty directory"),
+             (["to-hf", str(tmp_path / "norun"), str(occupied)], "HF_DIR .*occupied exists"),
+             (["to-hf", str(tmp_path / "norun"), str(tmp_path / "hf"), "--max_shard_size", "big"], "--max_shard_size")]
+    for argv, message in cases:
+        assert convert.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+        assert regex.search(message, err), (message, err)
+    (tmp_path / "config.json").write_text(json.dumps(HF | {"rope_scaling": {"type": "yarn"}, "rope_parameters": None}))
+    assert convert.main(["from-hf", str(tmp_path), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "rope type 'yarn'" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The opt-in comparison with transformers
+
+
+@pytest.mark.skipif(os.environ.get("JAXFORMER_SLOW_TESTS") != "1" or not os.path.exists(HF_PYTHON),
+                    reason="JAXFORMER_SLOW_TESTS=1 and a virtualenv from requirements-hf.txt in .venv-hf")
+def test_transformers_tokenizer_encodes_as_tiktoken(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    for name, value in convert.tokenizer_files(64).items():
+        (hf_dir / name).write_text(json.dumps(value))
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    out = subprocess.run([HF_PYTHON, os.path.join(ROOT, "scripts", "verification_card.py"), "tokenizer", str(hf_dir)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 differ" in out.stdout, out.stdout
