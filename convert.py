@@ -18,7 +18,7 @@ as x @ W, so every matrix is transposed):
   (w_uk, w_uv); head-major on both sides.
 - RoPE: with rope_interleave (DeepSeek-V3's checkpoints, and what to-hf writes) transformers rotates the
   channel pairs (2i, 2i+1) of the rotary query and key by position x base^(-2i/R); ours rotates (i, i + R/2)
-  by the same frequency. The rotary columns are permuted (`ROPE_TO_HF`): the same pairs, the same angles,
+  by the same frequency. The rotary columns are permuted (`rope_to_hf`): the same pairs, the same angles,
   the same products q.k. Without rope_interleave transformers rotates halves, as we do: no permutation.
 - MoE: sigmoid scores in fp32; e_score_correction_bias (our routing bias) is added for the choice of the
   top-k only; the gates are the chosen scores, divided by their sum when norm_topk_prob
@@ -38,9 +38,20 @@ import shutil
 import sys
 import uuid
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+import sharding
+import utils
+from checkpoints import _restore, checkpoint_manager, checksums_and_finite, save, wait_for_save
+from data.tokenizer import _PATTERN, EOT_ID, VOCAB_SIZE, get_tokenizer
+from model import NORM_EPS
+from multihost import set_up_devices
+from rundir import is_url
+from trainer import build_trainer
 
 EOT = "<|endoftext|>"
 INDEX = "model.safetensors.index.json"
@@ -60,6 +71,7 @@ DEEPSEEK_V3 = {"ffn": "gated_silu", "norm_shift": False, "latent_norm": True, "r
 
 
 def flag_value(value):
+    """A value as main.py's flags spell it."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -74,22 +86,19 @@ def export_refusals(mc):
     return wrong
 
 
-def hf_config(mc, dims):
-    """config.json for ModelConfig mc with head and FFN widths `dims` (read off the params): every field
-    transformers' DeepseekV3Config reads, plus DeepSeek's own routing fields (scoring_func, topk_method,
-    moe_layer_freq) that other readers of the format (vLLM) go by."""
-    from data.tokenizer import EOT_ID
-    from model import NORM_EPS
+def hf_config(mc):
+    """config.json for ModelConfig mc: every field transformers' DeepseekV3Config reads, plus DeepSeek's own
+    routing fields (scoring_func, topk_method, moe_layer_freq) that other readers of the format (vLLM) go by."""
     eot = EOT_ID if EOT_ID < mc.vocab_size else None
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "dtype": "float32",
         "vocab_size": mc.vocab_size, "hidden_size": mc.model_dimension,
         "num_hidden_layers": mc.first_k_dense + mc.blocks, "first_k_dense_replace": mc.first_k_dense,
-        "moe_layer_freq": 1, "intermediate_size": dims["ffn"], "moe_intermediate_size": dims["moe"],
+        "moe_layer_freq": 1, "intermediate_size": mc.ffn_dim, "moe_intermediate_size": mc.expert_dim,
         "num_attention_heads": mc.n_head, "num_key_value_heads": mc.n_head,
         "q_lora_rank": mc.q_latent_dim, "kv_lora_rank": mc.latent_dim,
-        "qk_nope_head_dim": dims["qk"], "qk_rope_head_dim": mc.dhR, "v_head_dim": dims["v"],
-        "head_dim": mc.dhR, "qk_head_dim": dims["qk"] + mc.dhR,
+        "qk_nope_head_dim": mc.head_dim, "qk_rope_head_dim": mc.dhR, "v_head_dim": mc.value_dim,
+        "head_dim": mc.dhR, "qk_head_dim": mc.head_dim + mc.dhR,
         "n_routed_experts": mc.n_experts, "num_experts_per_tok": mc.k, "n_shared_experts": mc.n_shared,
         "n_group": 1, "topk_group": 1, "norm_topk_prob": mc.renormalize_gates,
         "routed_scaling_factor": mc.routed_scaling, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
@@ -101,6 +110,27 @@ def hf_config(mc, dims):
     }
 
 
+# What transformers' DeepseekV3Config takes for each field it reads when config.json leaves it out
+# (DeepSeek-V3's own sizes): a config.json is read as transformers reads it.
+HF_DEFAULTS = {
+    "vocab_size": 129_280, "hidden_size": 7168, "intermediate_size": 18_432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_interleave": True,
+    "attention_bias": False,
+}
+
+
+def read_hf_config(hf_dir):
+    """hf_dir/config.json with transformers' defaults for the fields it leaves out."""
+    hf = HF_DEFAULTS | _read_json(os.path.join(hf_dir, "config.json"))
+    if hf["num_key_value_heads"] is None:                      # DeepseekV3Config: None means one per head
+        hf["num_key_value_heads"] = hf["num_attention_heads"]
+    return hf
+
+
 def _rope(hf):
     """(rope type, theta) from transformers 5's rope_parameters or 4's rope_theta and rope_scaling."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -109,46 +139,52 @@ def _rope(hf):
 
 
 def import_refusals(hf):
-    """The config.json fields of `hf` this model has no equivalent for, each with its value."""
-    from model import NORM_EPS
+    """The fields of config.json `hf` (read_hf_config) this model has no equivalent for, each with its value."""
     kind, _ = _rope(hf)
-    n_heads = hf.get("num_attention_heads")
     checks = [
         (hf.get("model_type") != "deepseek_v3", f"model_type {hf.get('model_type')!r} (needs 'deepseek_v3')"),
         ("quantization_config" in hf, "quantization_config (quantized weights: dequantize them first)"),
         (kind != "default", f"rope type {kind!r} (only the default RoPE: no yarn or other rope scaling)"),
-        (hf.get("n_group", 1) != hf.get("topk_group", 1),
-         f"n_group {hf.get('n_group')} with topk_group {hf.get('topk_group')} (group-limited routing; only "
-         f"topk_group = n_group, which limits nothing)"),
+        (hf["n_group"] != hf["topk_group"],
+         f"n_group {hf['n_group']} with topk_group {hf['topk_group']} (group-limited routing; only topk_group = "
+         f"n_group, which limits nothing)"),
         (hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {hf.get('scoring_func')!r} (needs sigmoid)"),
-        (hf.get("q_lora_rank") is None, "q_lora_rank null (queries without a latent; needs a q_lora_rank)"),
-        (hf.get("num_key_value_heads", n_heads) != n_heads,
-         f"num_key_value_heads {hf.get('num_key_value_heads')} (needs num_attention_heads, {n_heads})"),
-        (hf.get("attention_bias", False), "attention_bias true (no biases here)"),
-        (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (needs silu)"),
-        (hf.get("rms_norm_eps", 1e-6) != NORM_EPS, f"rms_norm_eps {hf.get('rms_norm_eps')} (needs {NORM_EPS})"),
+        (hf["q_lora_rank"] is None, "q_lora_rank null (queries without a latent; needs a q_lora_rank)"),
+        (hf["num_key_value_heads"] != hf["num_attention_heads"],
+         f"num_key_value_heads {hf['num_key_value_heads']} (needs num_attention_heads, {hf['num_attention_heads']})"),
+        (hf["attention_bias"], "attention_bias true (no biases here)"),
+        (hf["hidden_act"] != "silu", f"hidden_act {hf['hidden_act']!r} (needs silu)"),
+        (hf["rms_norm_eps"] != NORM_EPS, f"rms_norm_eps {hf['rms_norm_eps']} (needs {NORM_EPS})"),
         (hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq {hf.get('moe_layer_freq')} (needs 1)"),
-        (hf.get("first_k_dense_replace", 0) >= hf.get("num_hidden_layers", 0),
-         f"first_k_dense_replace {hf.get('first_k_dense_replace')} of num_hidden_layers "
-         f"{hf.get('num_hidden_layers')} (needs at least one MoE layer)"),
-        (hf.get("n_shared_experts", 1) < 1, f"n_shared_experts {hf.get('n_shared_experts')} (needs 1 or more)"),
+        (hf["first_k_dense_replace"] >= hf["num_hidden_layers"],
+         f"first_k_dense_replace {hf['first_k_dense_replace']} of num_hidden_layers {hf['num_hidden_layers']} "
+         f"(needs at least one MoE layer)"),
+        (hf["n_shared_experts"] < 1, f"n_shared_experts {hf['n_shared_experts']} (needs 1 or more)"),
     ]
     return [text for bad, text in checks if bad]
 
 
 def model_fields(hf):
-    """The ModelConfig fields of a DeepSeek-V3 config.json (dropless: transformers drops no token)."""
+    """The ModelConfig fields of a DeepSeek-V3 config.json (dropless: transformers drops no token). A width
+    that is its flag's derived default is left 0 (derived), as a run given no such flag records it."""
     _, theta = _rope(hf)
-    return dict(DEEPSEEK_V3, vocab_size=hf["vocab_size"], model_dimension=hf["hidden_size"],
-                n_head=hf["num_attention_heads"], first_k_dense=hf["first_k_dense_replace"],
-                blocks=hf["num_hidden_layers"] - hf["first_k_dense_replace"], T=hf["max_position_embeddings"],
-                latent_dim=hf["kv_lora_rank"], q_latent_dim=hf["q_lora_rank"], dhR=hf["qk_rope_head_dim"],
-                qk_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
-                ffn_hidden_dim=hf["intermediate_size"], moe_hidden_dim=hf["moe_intermediate_size"],
+    D, H, K, F = hf["hidden_size"], hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["intermediate_size"]
+    derived = lambda value, default: 0 if value == default else value
+    return dict(DEEPSEEK_V3, vocab_size=hf["vocab_size"], model_dimension=D, n_head=H,
+                first_k_dense=hf["first_k_dense_replace"], blocks=hf["num_hidden_layers"] - hf["first_k_dense_replace"],
+                T=hf["max_position_embeddings"], latent_dim=hf["kv_lora_rank"], q_latent_dim=hf["q_lora_rank"],
+                dhR=hf["qk_rope_head_dim"], qk_head_dim=derived(K, D // H if D % H == 0 else None),
+                v_head_dim=derived(hf["v_head_dim"], K), ffn_hidden_dim=derived(F, 4 * D),
+                moe_hidden_dim=derived(hf["moe_intermediate_size"], F),
                 n_experts=hf["n_routed_experts"], k=hf["num_experts_per_tok"], n_shared=hf["n_shared_experts"],
-                routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
-                renormalize_gates=bool(hf.get("norm_topk_prob", True)), rope_base=theta,
-                tied_embeddings=bool(hf.get("tie_word_embeddings", False)), capacity_factor=0.0)
+                routed_scaling=float(hf["routed_scaling_factor"]), renormalize_gates=bool(hf["norm_topk_prob"]),
+                rope_base=theta, tied_embeddings=bool(hf["tie_word_embeddings"]), capacity_factor=0.0)
+
+
+def model_config(hf):
+    """The ModelConfig of config.json `hf`: model_fields, and what config.json does not hold (remat, dtype,
+    balance loss, ...) as --preset dsv3-tiny has it."""
+    return dataclasses.replace(utils.PRESETS["dsv3-tiny"].model, **model_fields(hf))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -221,7 +257,7 @@ def layer_to_hf(layer, H):
 def layer_from_hf(get, hf, moe):
     """One layer of our params from get(name inside model.layers.N.) -> array (fp32 numpy)."""
     H, K, R, V = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
-    interleave = hf.get("rope_interleave", True)
+    interleave = hf["rope_interleave"]
     layer = {}
     other_ffn = "ffn" if moe else "moe"
     for path, name in LAYER_NAMES.items():
@@ -296,7 +332,7 @@ def hf_shapes(hf, fused_experts=False):
     F, Fm, E, n = (hf[f] for f in ("intermediate_size", "moe_intermediate_size", "n_routed_experts",
                                    "n_shared_experts"))
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not hf.get("tie_word_embeddings", False):
+    if not hf["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (V, D)
     for i in range(L):
         layer = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
@@ -308,8 +344,8 @@ def hf_shapes(hf, fused_experts=False):
             layer |= {"mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
         else:
             layer |= {"mlp.gate.weight": (E, D), "mlp.gate.e_score_correction_bias": (E,),
-                      "mlp.shared_experts.gate_proj.weight": (n * Fm, D), "mlp.shared_experts.up_proj.weight": (n * Fm, D),
-                      "mlp.shared_experts.down_proj.weight": (D, n * Fm)}
+                      "mlp.shared_experts.gate_proj.weight": (n * Fm, D),
+                      "mlp.shared_experts.up_proj.weight": (n * Fm, D), "mlp.shared_experts.down_proj.weight": (D, n * Fm)}
             layer |= ({"mlp.experts.gate_up_proj": (E, 2 * Fm, D), "mlp.experts.down_proj": (E, D, Fm)} if fused_experts
                       else {f"mlp.experts.{e}.{name}.weight": shape for e in range(E)
                             for name, shape in (("gate_proj", (Fm, D)), ("up_proj", (Fm, D)), ("down_proj", (D, Fm)))})
@@ -351,7 +387,7 @@ def params_from_hf(tensors, hf, padded_vocab):
               "final_norm": {"scale": top("model.norm.weight")}}
     if k:
         params["prologue"] = stack(layers[:k])
-    if not hf.get("tie_word_embeddings", False):
+    if not hf["tie_word_embeddings"]:
         params["unembed"] = padded(top("lm_head.weight"))
     return params, router_bias
 
@@ -427,7 +463,6 @@ def tokenizer_files(T):
     """{file name: JSON} for transformers' tokenizer: cl100k_base as data/tokenizer.py builds it, such that
     AutoTokenizer encodes text exactly as tiktoken's encode_ordinary (the special tokens in text are plain
     text, split_special_tokens) and tokenizer(text) prefixes <|endoftext|>, as every document here is."""
-    from data.tokenizer import _PATTERN, get_tokenizer
     enc = get_tokenizer()
     specials = sorted((enc.encode_single_token(s), s) for s in enc.special_tokens_set)
     special_ids = {i for i, _ in specials}
@@ -539,7 +574,6 @@ def _write_atomically(path, fill):
 
 
 def _model_config(meta, where):
-    import utils
     fields = {f.name for f in dataclasses.fields(utils.ModelConfig)}
     saved = meta.get("model") or {}
     if not saved:
@@ -551,14 +585,6 @@ def read_checkpoint(run_dir, step=None, check=lambda mc, where: None):
     """(ModelConfig, params in model order and routing bias [blocks, E] as numpy, where) of checkpoint
     `step` (None: the newest) of run_dir, restored on one device whatever mesh and layout saved it.
     check(mc, where) runs on the recorded config before any array is read."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    import sharding
-    import utils
-    from checkpoints import _restore, checkpoint_manager
-    from rundir import is_url
-    from trainer import build_trainer
     if not is_url(run_dir) and not os.path.isdir(os.path.join(run_dir, "checkpoints")):
         raise ConvertError(f"RUN_DIR {run_dir} holds no checkpoints directory; give a run's OUTPUT_DIR/NAME")
     mngr = checkpoint_manager(run_dir, read_only=True)
@@ -587,17 +613,13 @@ def _exportable(mc, where):
 
 def to_hf(run_dir, hf_dir, step=None, max_shard_bytes=5 * 10**9, say=print):
     """Export checkpoint `step` (newest: None) of run_dir into hf_dir. Returns the files written."""
-    from data.tokenizer import VOCAB_SIZE
     _fresh_dir(hf_dir, "HF_DIR")
     mc, params, bias, where = read_checkpoint(run_dir, step, _exportable)
     if mc.capacity_factor:
         say(f"note: the run drops tokens over --capacity_factor {mc.capacity_factor}; transformers drops none, as "
             f"this model does with --capacity_factor 0")
     tensors = params_to_hf(params, bias, mc)
-    attn = params["blocks"]["moe"]["attn"]
-    dims = {"qk": attn["w_uk"].shape[-1] // mc.n_head, "v": attn["w_uv"].shape[-1] // mc.n_head,
-            "moe": params["blocks"]["moe"]["moe"]["expert_up"].shape[-1], "ffn": mc.ffn_dim}
-    config = hf_config(mc, dims)
+    config = hf_config(mc)
     tokenizer = tokenizer_files(mc.T) if mc.vocab_size == VOCAB_SIZE else {}
     if not tokenizer:
         say(f"note: no tokenizer files: --vocab_size {mc.vocab_size} is not cl100k_base's {VOCAB_SIZE}")
@@ -616,23 +638,18 @@ def to_hf(run_dir, hf_dir, step=None, max_shard_bytes=5 * 10**9, say=print):
 def from_hf(hf_dir, run_dir, say=print):
     """Import the deepseek_v3 directory hf_dir as a run directory run_dir with a step-0 checkpoint. Returns
     the ModelConfig and the main.py flags that restore it."""
-    import jax
-    import sharding
-    import utils
-    from checkpoints import checkpoint_manager, checksums_and_finite, save, wait_for_save
-    from trainer import build_trainer
     _fresh_dir(run_dir, "RUN_DIR")
-    hf = _read_json(os.path.join(hf_dir, "config.json"))
+    hf = read_hf_config(hf_dir)
     wrong = import_refusals(hf)
     if wrong:
         raise ConvertError(f"{hf_dir}/config.json has no equivalent here: {'; '.join(wrong)}")
-    mc = utils.ModelConfig(**model_fields(hf))
+    mc = model_config(hf)
     cfg = utils.Config(model=mc)
-    try:
-        utils.validate(cfg, 1)
+    try:                # the model's rules alone: the samples' length is the fine-tune's to set
+        utils.validate(dataclasses.replace(cfg, inference=utils.InferenceConfig(max_tokens=0)), 1)
     except utils.ConfigError as e:
         raise ConvertError(f"{hf_dir}/config.json gives an invalid model here: "
-                           + "; ".join(line.strip(" -") for line in str(e).splitlines()[1:])) from None
+                           + "; ".join(line.strip().removeprefix("- ") for line in str(e).splitlines()[1:])) from None
     tensors = read_safetensors(hf_dir)
     params, bias = params_from_hf(tensors, hf, mc.padded_vocab)
     # transformers' model ignores the multi-token-prediction modules past num_hidden_layers: so do we
@@ -644,11 +661,14 @@ def from_hf(hf_dir, run_dir, say=print):
     if mtp:
         say(f"note: {len(mtp)} multi-token-prediction tensors (layers from {hf['num_hidden_layers']} on) are not "
             f"imported; transformers' DeepseekV3ForCausalLM does not use them either")
-    expected = jax.eval_shape(lambda key: sharding.init_params(mc, key), jax.random.key(0))
-    got = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), params)
-    if jax.tree.structure(got) != jax.tree.structure(expected) or jax.tree.leaves(got) != jax.tree.leaves(expected):
-        raise ConvertError(f"{hf_dir}: the tensors' shapes do not match config.json's model "
-                           f"(expected {expected}, got {got})")
+    # the model's own parameters, for the names and shapes the mapping gave
+    shapes = lambda tree: {jax.tree_util.keystr(path): tuple(w.shape)
+                           for path, w in jax.tree_util.tree_leaves_with_path(tree)}
+    want, have = shapes(jax.eval_shape(lambda key: sharding.init_params(mc, key), jax.random.key(0))), shapes(params)
+    wrong = sorted(name for name in set(want) | set(have) if want.get(name) != have.get(name))
+    if wrong:
+        raise ConvertError(f"{hf_dir}: parameter {wrong[0]} comes out as {have.get(wrong[0])}, the model here has "
+                           f"{want.get(wrong[0])} ({len(wrong)} differ)")
     trainer = build_trainer(cfg, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
     fresh = trainer.fresh_state(cfg.run.seed)
     state = fresh | jax.device_put({"params": params, "router_bias": bias},
@@ -666,14 +686,14 @@ def from_hf(hf_dir, run_dir, say=print):
     _write_atomically(run_dir, fill)
     flags = main_flags(mc)
     output_dir, name = os.path.split(os.path.abspath(run_dir))
-    say(f"wrote {run_dir}: step 0 of a {len(jax.tree.leaves(params))}-array model from {hf_dir}; fine-tune it with\n"
+    say(f"wrote {run_dir}: a step-0 checkpoint (fresh optimizer state) of {hf_dir}'s model, "
+        f"{sum(w.size for w in jax.tree.leaves(params)):,} parameters; fine-tune it with\n"
         f"  python main.py --output_dir {output_dir} --name {name} {' '.join(flags)}")
     return mc, flags
 
 
 def main_flags(mc):
     """The main.py flags that give ModelConfig mc: --preset dsv3-tiny and each model field it differs in."""
-    import utils
     base = utils.PRESETS["dsv3-tiny"].model
     return ["--preset", "dsv3-tiny"] + [
         part for f in dataclasses.fields(mc) if getattr(mc, f.name) != getattr(base, f.name)
@@ -693,6 +713,7 @@ def main(argv=None):
     back.add_argument("hf_dir", metavar="HF_DIR", help="a directory with config.json and safetensors weights")
     back.add_argument("run_dir", metavar="RUN_DIR", help="the new run directory, OUTPUT_DIR/NAME (missing or empty)")
     args = parser.parse_args(argv)
+    set_up_devices(utils.Config())          # as main.py does first: the CPU, quietly, off a TPU VM with libtpu
     try:
         if args.command == "to-hf":
             to_hf(args.run_dir, args.hf_dir, args.step, parse_size(args.max_shard_size))

@@ -41,7 +41,8 @@ RANDOM = dict(vocab_size=100_277, hidden_size=64, num_attention_heads=4, num_key
               v_head_dim=12, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
               n_shared_experts=2, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
               max_position_embeddings=64, rope_interleave=True, tie_word_embeddings=False, initializer_range=0.1,
-              bos_token_id=100_257, eos_token_id=100_257, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+              bos_token_id=100_257, eos_token_id=100_257,
+              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
 
 
 def corpus_texts(n):
@@ -126,8 +127,8 @@ def our_logits(mc, params, ids_BT):
     def logits(params, ids_BT):
         transformer, axes = build(params, mc), Axes(engine=engine_for(mc))
         h_BTD, _, _ = transformer(ids_BT, axes)
-        table = params["unembed"] if "unembed" in params else transformer.embed.gathered(axes)
-        return output_logits(h_BTD, table, mc, axes)[..., :mc.vocab_size]
+        table_vD = transformer.output_table(axes, transformer.embed.gathered(axes))
+        return output_logits(h_BTD, table_vD, mc, axes)[..., :mc.vocab_size]
     return np.asarray(logits(params, jnp.asarray(ids_BT)))
 
 
@@ -177,9 +178,9 @@ def generate_check(hf_dir, run_dir):
     with torch.no_grad():
         out = hf_model(hf_dir).generate(torch.tensor([prompt]), max_new_tokens=N_GREEDY, do_sample=False)
     theirs = out[0, len(prompt):].tolist()
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     print(f"greedy after {PROMPT!r}: ours {ours}\n  transformers' {theirs}\n  "
-          + ("identical" if ours == theirs else f"DIFFERENT from token {next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)}")
-          + f": {enc.decode(ours)!r}")
+          + ("identical" if first is None else f"DIFFERENT from token {first}") + f": {enc.decode(ours)!r}")
     return ours == theirs
 
 
@@ -243,11 +244,11 @@ CARD = f"{HF_PY} scripts/verification_card.py"
 
 def card_steps(work):
     """[(heading, [(command, lines of its output to show (0: all), its expected exit status)])]."""
-    import utils
     runs, hf = f"{work}/runs", f"{work}/hf"
-    # the flags from-hf prints for the random model, and a short fine-tune on 2 simulated devices
-    ft = " ".join(convert.main_flags(utils.ModelConfig(**convert.model_fields(RANDOM)))
-                  + "--training_steps 20 --checkpoint_steps 1 --eval_steps 1 --max_tokens 0".split())
+    # the flags from-hf prints for the random model, and a short fine-tune on a mesh of 2 simulated devices
+    ft = " ".join(convert.main_flags(convert.model_config(convert.HF_DEFAULTS | RANDOM))
+                  + "--training_steps 20 --checkpoint_steps 1 --eval_steps 1 --max_tokens 0 --n_device_axis 2 1 1 "
+                    "--cpu_devices 2".split())
     return [
         ("dsv3-tiny: trained here, exported, loaded by transformers", [
             (f"{PY} main.py --preset dsv3-tiny --output_dir {runs} --name dsv3-tiny", 3, 0),
@@ -277,40 +278,50 @@ def card_steps(work):
     ]
 
 
+# The lines of the checks' outputs that the card's summary repeats at its top.
+VERDICTS = ("max |logit difference|", "bitwise equal", "differ:", "identical", "DIFFERENT", "from tiktoken",
+            "no DeepSeek-V3 equivalent", "killed main.py")
+
+
 def run_card(work, say=print):
     """Every step's command, in order, into docs/verification.md; False as soon as one fails (the card
     is then not written)."""
     import shlex
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    lines = ["# Verification: the Hugging Face DeepSeek-V3 export and import", "",
-             f"Written by `{HF_PY} scripts/verification_card.py` at commit {commit}, "
-             f"{time.strftime('%Y-%m-%d', time.gmtime())}, on {os.cpu_count()} CPU cores: each block is a command run from the "
-             f"repository root and what it printed (long outputs: their last lines). `.venv` is requirements.txt "
-             f"(no torch: main.py and convert.py); `.venv-hf` is requirements-hf.txt (transformers "
-             f"{_version('transformers')}, torch {_version('torch')}, CPU). The checks are scripts/verification_card.py's "
-             f"subcommands; the mapping they check is described in convert.py's docstring.", ""]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    body, summary = [], []
     for heading, commands in card_steps(work):
-        lines += [f"## {heading}", ""]
+        body += [f"## {heading}", ""]
         for command, tail, expected in commands:
             say(f"$ {command}")
             t0 = time.time()
             proc = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True)
             out = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()
-                   and not line.startswith(("Loading weights", "Writing model shards"))]
+                   and not line.startswith(("Loading weights", "Writing model shards"))]   # progress bars
             shown = out[-tail:] if tail else out
-            lines += ["```", f"$ {command}"] + (
-                [f"... ({len(out) - len(shown)} lines)"] if len(shown) < len(out) else []) + shown + (
-                [f"(exit {proc.returncode})"] if proc.returncode else []) + [f"({time.time() - t0:.0f} s)", "```", ""]
+            body += ["```", f"$ {command}"] + ([f"... ({len(out) - len(shown)} lines)"] if len(shown) < len(out) else [])
+            body += shown + ([f"(exit {proc.returncode})"] if proc.returncode else []) + [
+                f"({time.time() - t0:.0f} s)", "```", ""]
+            summary += [f"- {heading}: {line.strip()}" for line in out if any(v in line for v in VERDICTS)]
             if proc.returncode != expected:
                 say("\n".join(out[-40:]))
                 say(f"exit {proc.returncode}, expected {expected}: the card is not written")
                 return False
-    with open(os.path.join(ROOT, "docs", "verification.md.tmp"), "w") as f:
-        f.write("\n".join(lines))
-    os.replace(os.path.join(ROOT, "docs", "verification.md.tmp"), os.path.join(ROOT, "docs", "verification.md"))
-    say("wrote docs/verification.md")
+    head = ["# Verification: the Hugging Face DeepSeek-V3 export and import", "",
+            f"Written by `{HF_PY} scripts/verification_card.py` at commit {commit} on "
+            f"{time.strftime('%Y-%m-%d', time.gmtime())} ({os.cpu_count()} CPU cores). Each block below is a command",
+            "run from the repository root and what it printed (long outputs: their last lines). `.venv` is",
+            "requirements.txt: main.py and convert.py, no torch. `.venv-hf` is requirements-hf.txt: transformers "
+            f"{_version('transformers')}, torch {_version('torch')} (CPU).",
+            "The checks are scripts/verification_card.py's subcommands; the layouts they check, convert.py's docstring.",
+            "", "## Summary", ""] + summary + [""]
+    path = os.path.join(ROOT, "docs", "verification.md")
+    with open(f"{path}.tmp", "w") as f:
+        f.write("\n".join(head + body))
+    os.replace(f"{path}.tmp", path)
+    say(f"wrote {path}")
     return True
 
 
@@ -339,6 +350,9 @@ def main(argv=None):
     sub.add_argument("step", type=int)
     sub.add_argument("main_command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    import utils
+    from multihost import set_up_devices
+    set_up_devices(utils.Config())          # as main.py does first: the CPU, quietly, off a TPU VM with libtpu
     checks = {"tokenizer": lambda: tokenizer_check(args.hf_dir),
               "random-hf": lambda: random_hf(args.hf_dir) or True,
               "logits": lambda: logits_check(args.hf_dir, args.run_dir),
