@@ -81,8 +81,8 @@ class Reference:
     def gathered(self, param, axes, dtype):
         return fsdp.gathered(param, axes, dtype, fsdp.plain_gather)
 
-    def gather_stage(self, blocks, names, cfg, axes):
-        return fsdp.gather_stage(blocks, names, cfg, axes, fsdp.plain_gather)
+    def gather_stage(self, layers, part, names, cfg, axes, lead=0):
+        return fsdp.gather_stage(layers, part, names, cfg, axes, lead, fsdp.plain_gather)
 
     def read_weights(self, stack, cfg):
         return fsdp.read_dtypes(stack, cfg)
@@ -124,8 +124,8 @@ class Fast(Reference):
     def gathered(self, param, axes, dtype):
         return fsdp.gathered(param, axes, dtype)
 
-    def gather_stage(self, blocks, names, cfg, axes):
-        return fsdp.gather_stage(blocks, names, cfg, axes)
+    def gather_stage(self, layers, part, names, cfg, axes, lead=0):
+        return fsdp.gather_stage(layers, part, names, cfg, axes, lead)
 
 
 ENGINES = {"fast": Fast, "reference": Reference}

@@ -38,7 +38,7 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm):
     buffer_BECD = jnp.zeros((B, w["expert_up"].shape[0], C, x_BTD.shape[-1]), dtype)
     buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, _distinct_drops(slot_BTk, C)].set(
         x_BTkD, mode="drop", unique_indices=True)
-    y_BECD = ffn(buffer_BECD, w["expert_up"], w["expert_down"], "becd,edf->becf", mm)
+    y_BECD = ffn(buffer_BECD, w["expert_up"], w["expert_down"], "becd,edf->becf", mm, w_gate=w.get("expert_gate"))
     return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
 
 
@@ -62,7 +62,7 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp):
     # all-to-all over dp: block j of the experts goes to shard j, which stacks what it receives by source
     # shard: [E, B C, D] -> [e, dp B C, D] (U = dp B C slots per expert)
     recv_eUD = lax.all_to_all(send_EUD, dp, split_axis=0, concat_axis=1, tiled=True)
-    y_eUD = ffn(recv_eUD, w["expert_up"], w["expert_down"], "eud,edf->euf", mm)
+    y_eUD = ffn(recv_eUD, w["expert_up"], w["expert_down"], "eud,edf->euf", mm, w_gate=w.get("expert_gate"))
     # all-to-all back over dp: slot block i returns to shard i, stacked by expert block: [e, dp B C, D] -> [E, B C, D]
     y_EUD = lax.all_to_all(y_eUD, dp, split_axis=1, concat_axis=0, tiled=True)
     return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)]
@@ -73,7 +73,7 @@ def _grouped_ffn(w, x_ND, group_sizes_E):
     in no group), each product a grouped matmul (lax.ragged_dot) with the product's contract."""
     grouped = lambda spec, x, w_EDF, dtype, out_dtype: _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), out_dtype,
                                                                        x, w_EDF, group_sizes_E)
-    return ffn(x_ND, w["expert_up"], w["expert_down"], "nd,edf->nf", grouped)
+    return ffn(x_ND, w["expert_up"], w["expert_down"], "nd,edf->nf", grouped, w_gate=w.get("expert_gate"))
 
 
 def _ragged32(x, w, group_sizes, dims=None):

@@ -57,17 +57,18 @@ def gathered(param, axes, dtype, gather=gather_over_dp):
     return w.astype(jnp.float32)
 
 
-def gather_stage(blocks, names, cfg, axes, gather=gather_over_dp):
-    """A stage's stacked blocks [P, G, .., D/dp, ..] all-gathered over dp once for the step, [P, G, .., D, ..],
-    in the weights' read dtypes and held in fp32. names: {path: logical axes} (sharding.logical_axes);
-    nothing to gather with one dp shard."""
+def gather_stage(layers, part, names, cfg, axes, lead=0, gather=gather_over_dp):
+    """Stacked layers, params[part] ([.., D/dp, ..], `lead` dims more than their logical axes say: a stage's
+    blocks as [P, G, ..]), all-gathered over dp once for the step, [.., D, ..], in the weights' read dtypes
+    and held in fp32. names: {path: logical axes} (sharding.logical_axes); nothing to gather with one dp
+    shard."""
     def one(path, a):
-        path = ("blocks", *(k.key for k in path))
+        path = (part, *(k.key for k in path))
         dim = sharding.dp_dim(names[path], cfg.expert_parallel)
         if dim is None or lax.axis_size(axes.dp) == 1:
             return a
-        return gather(a, weight_dtype(path[-1], cfg), axes.dp, dim + 1).astype(jnp.float32)
-    return jax.tree_util.tree_map_with_path(one, blocks)
+        return gather(a, weight_dtype(path[-1], cfg), axes.dp, dim + lead).astype(jnp.float32)
+    return jax.tree_util.tree_map_with_path(one, layers)
 
 
 def plain_gather(w, dtype, dp, axis):

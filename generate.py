@@ -15,15 +15,19 @@ from sharding import build, model_order
 
 
 def init_caches(cfg, batch, length, dtype=jnp.float32):
-    """Per layer, stacked like the params: the attention cache (the KV latent, plus the rotated
-    shared key in RoPE layers) and in MoE layers each sequence's tokens queued per expert so far."""
+    """Per layer, stacked like the params: the attention cache (the KV latent, plus the rotated shared key
+    in RoPE layers) and in MoE layers each sequence's tokens queued per expert so far."""
+    def attention(*lead, rope=True):
+        cache = {"c_kv": jnp.zeros((*lead, batch, length, cfg.latent_dim), dtype)}
+        return cache | ({"k_rope": jnp.zeros((*lead, batch, length, cfg.dhR), dtype)} if rope else {})
     n_dense = cfg.layers_per_block - 1
-    latent = lambda *lead: jnp.zeros((*lead, batch, length, cfg.latent_dim), dtype)
-    caches = {"moe": {"attn": {"c_kv": latent(cfg.blocks)},
+    blocks = {"moe": {"attn": attention(cfg.blocks, rope=cfg.rope_all_layers),
                       "expert_fill": jnp.zeros((cfg.blocks, batch, cfg.n_experts), jnp.int32)}}
     if n_dense:
-        caches["dense"] = {"attn": {"c_kv": latent(cfg.blocks, n_dense),
-                                    "k_rope": jnp.zeros((cfg.blocks, n_dense, batch, length, cfg.dhR), dtype)}}
+        blocks["dense"] = {"attn": attention(cfg.blocks, n_dense)}
+    caches = {"blocks": blocks}
+    if cfg.first_k_dense:
+        caches["prologue"] = {"attn": attention(cfg.first_k_dense)}
     return caches
 
 
@@ -41,7 +45,7 @@ def _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, u
     T = tokens_T.shape[0]
 
     def logits_at(h_D):
-        table_vD = transformer.embed.gathered(axes)
+        table_vD = transformer.output_table(axes, transformer.embed.gathered(axes))
         return output_logits(h_D[None, None], table_vD, cfg, axes)[0, 0, :cfg.vocab_size]
 
     def step(carry, p):

@@ -24,7 +24,8 @@ def one_device_loss(params, x_BT, y_BT, key, cfg, train=True):
     ctx = {"train": train, "key": key, "seq_ids": jnp.arange(x_BT.shape[0])}
     transformer = build(model_order(params), cfg)
     h_BTD, stats, _ = transformer(x_BT, axes, ctx=ctx)
-    ce_sum = axes.engine.cross_entropy_sum(transformer.embed.gathered(axes), h_BTD, y_BT, cfg, axes)
+    table_vD = transformer.output_table(axes, transformer.embed.gathered(axes))
+    ce_sum = axes.engine.cross_entropy_sum(table_vD, h_BTD, y_BT, cfg, axes)
     return summarise(ce_sum, stats, x_BT.size, x_BT.shape[0], cfg)
 
 
@@ -53,12 +54,14 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     # Normalised on entry: the stage's blocks as [P, G, ...] whatever P (GPipe stores them as [G, ...]).
     blocks_PG = params["blocks"] if P > 1 else jax.tree.map(lambda a: a[None], params["blocks"])
-    # The embedding and the output layer's modules (with any one repeat's blocks, unused).
-    transformer = build(params | {"blocks": jax.tree.map(lambda a: a[0], blocks_PG)}, cfg)
     # FSDP, [P, G, .., D/dp, ..] -> [P, G, .., D, ..] (fsdp.py).
     # Guide: each layer all-gathers its weights when called, every tick; here once a step, for all ticks.
     names = sharding.logical_axes(sharding.has_router_bias(params))
-    blocks_PG = axes.engine.gather_stage(blocks_PG, names, cfg, axes)
+    prologue = ({"prologue": axes.engine.gather_stage(params["prologue"], "prologue", names, cfg, axes)}
+                if cfg.first_k_dense else {})
+    # The embedding, the first dense layers and the output layer (with any one repeat's blocks, unused).
+    transformer = build(params | prologue | {"blocks": jax.tree.map(lambda a: a[0], blocks_PG)}, cfg)
+    blocks_PG = axes.engine.gather_stage(blocks_PG, "blocks", names, cfg, axes, lead=1)
     blocks_of = lambda r: jax.tree.map(lambda a: a[r], blocks_PG)
     b, T = x_bT.shape
     M, mb = n_micro, b // n_micro
@@ -68,6 +71,12 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     x_MbT, y_MbT = x_bT.reshape(M, mb, T), y_bT.reshape(M, mb, T)
     emb_MbTD = transformer.embed(x_MbT, axes, table_vD)                            # [M, b/M, T, D]
     seq_base = lax.axis_index("dp") * b
+    if cfg.first_k_dense:
+        # DeepSeek-V3's first dense layers, before the pipeline: every stage runs them and stage 0's output is
+        # used (a few layers of many; a stage of their own would idle the others as long).
+        ctx = {"train": train, "key": key, "seq_ids": seq_base + jnp.arange(b)}
+        emb_bTD, _ = transformer.run_prologue(emb_MbTD.reshape(b, T, -1), positions_T, axes, ctx)
+        emb_MbTD = emb_bTD.reshape(emb_MbTD.shape)
     # Stage s -> s + 1, and with P > 1 the last stage back to stage 0 for the next repeat.
     ring = [(s, (s + 1) % n_stages) for s in range(n_stages if P > 1 else n_stages - 1)]
 
@@ -91,7 +100,7 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
 
     init = _initial_carry(emb_MbTD, P, G, cfg.n_experts)
     (_, _, outputs_MbTD, stats), _ = lax.scan(tick, init, jnp.arange(n_items + n_stages - 1))
-    ce_sum = _output_layer_ce(transformer, table_vD, outputs_MbTD, y_MbT, cfg, axes)
+    ce_sum = _output_layer_ce(transformer, transformer.output_table(axes, table_vD), outputs_MbTD, y_MbT, cfg, axes)
     n_dp = lax.axis_size("dp")
     return summarise(ce_sum, _stats_in_model_order(stats), x_bT.size * n_dp, b * n_dp, cfg)
 

@@ -20,7 +20,7 @@ from flax.linen import logical_to_mesh_axes
 from jax.sharding import NamedSharding
 
 from collectives import MESH_AXES
-from model import DENSE_LAYERS, LAYERS, Transformer
+from model import DENSE_LAYERS, LAYERS, PROLOGUE, Transformer
 
 # The one sharding table: logical axis -> mesh axis, in order of precedence. A mesh axis shards at most one
 # dim of a parameter (flax's logical_to_mesh_axes), so dp splits D in w_dq [D, Lq] and the latent in w_uq
@@ -127,12 +127,15 @@ def param_shapes(cfg):
 
 
 class _SizeOne:
-    """A stand-in config whose every size is 1 but layers_per_block (2: a dense layer beside the MoE one):
-    the logical axes of a parameter depend on where it sits in the modules, not on any size."""
+    """A stand-in config whose every size is 1 and every option on, so that the modules hold every parameter
+    there can be (a dense layer beside the MoE one, gates, latent norms, the untied table, ...): the logical
+    axes of a parameter depend on where it sits in the modules, not on any size."""
+    EVERY_PARAMETER = {"layers_per_block": 2, "ffn": "gated_silu", "tied_embeddings": False}
+
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return 2 if name == "layers_per_block" else 1
+        return self.EVERY_PARAMETER.get(name, 1)
 
 
 @cache
@@ -146,7 +149,7 @@ def logical_axes(router_bias):
 def _axes_by_leaf_name():
     """{leaf name: its logical axes less the stacking ones}: a name is one kind of parameter wherever it sits
     (every "scale" is ("norm",)), so masks apply to any dict of such leaves."""
-    return {path[-1]: tuple(a for a in axes if a not in (LAYERS, DENSE_LAYERS))
+    return {path[-1]: tuple(a for a in axes if a not in (LAYERS, DENSE_LAYERS, PROLOGUE))
             for path, axes in logical_axes(True).items()}
 
 
@@ -184,23 +187,26 @@ def param_shardings(params, mesh, expert_parallel=False):
 
 def count_params(cfg):
     """total: every real parameter (padding rows excluded); active: those one token uses, without the
-    embedding (the guide's convention); embedding: the tied table."""
+    embedding and an untied output table (the guide's convention); embedding: the token table."""
     shapes = param_shapes(cfg)
     size = lambda tree: sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, tuple)))
     embedding = cfg.vocab_size * cfg.model_dimension
-    body = size(shapes["blocks"]) + size(shapes["final_norm"])
-    routed = size({k: shapes["blocks"]["moe"]["moe"][k] for k in ("expert_up", "expert_down")})
+    body = sum(size(shapes[part]) for part in ("prologue", "blocks", "final_norm") if part in shapes)
+    experts = shapes["blocks"]["moe"]["moe"]
+    routed = size({k: experts[k] for k in ("expert_gate", "expert_up", "expert_down") if k in experts})
     active = body - routed + routed * cfg.k // cfg.n_experts
-    return {"total": body + embedding, "active": active, "embedding": embedding}
+    unembed = 0 if cfg.tied_embeddings else embedding
+    return {"total": body + embedding + unembed, "active": active, "embedding": embedding}
 
 
 def flops_per_token(cfg):
     """Training FLOPs per token: 6 x (active params + the output projection V x D), plus causal attention
-    3 x T x H x (2K + R) per layer (QK^T over K + R channels and AV over K, forward 2 FLOPs a multiply-add,
-    backward twice the forward, half the positions masked). Bubbles and remat excluded."""
+    3 x T x H x (K + R + J) per layer (QK^T over K + R channels and AV over J, the value width; forward 2
+    FLOPs a multiply-add, backward twice the forward, half the positions masked). Bubbles and remat
+    excluded."""
     matmul = 6 * (count_params(cfg)["active"] + cfg.vocab_size * cfg.model_dimension)
-    n_rope = cfg.blocks * (cfg.layers_per_block - 1)
-    attn = 3 * cfg.T * cfg.n_head * (2 * cfg.head_dim * cfg.n_layers + cfg.dhR * n_rope)
+    n_rope = cfg.n_layers - (0 if cfg.rope_all_layers else cfg.blocks)       # the guide's MoE layers have none
+    attn = 3 * cfg.T * cfg.n_head * ((cfg.head_dim + cfg.value_dim) * cfg.n_layers + cfg.dhR * n_rope)
     return float(matmul + attn)
 
 

@@ -1,7 +1,10 @@
 """nnx plumbing for model.py: weights declared with their logical axes (`variable`), layers stacked on a
 leading axis (`stacked`) and run one at a time under lax.scan (`scan_stacked`), each optionally
 rematerialised (`call_module` for a single one)."""
+from functools import partial
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
@@ -45,3 +48,8 @@ def call_module(module, body, x, extra, policy=None):
     graphdef, state = nnx.split(module)
     run = lambda state, x, extra: body(nnx.merge(graphdef, state), x, extra)
     return jax.checkpoint(run, policy=policy)(state, x, extra)
+
+
+def keys_of(key, n, first=0):
+    """[fold_in(key, first), ..., fold_in(key, first + n - 1)]: one key per layer or block, drawn at once."""
+    return jax.vmap(partial(jax.random.fold_in, key))(first + jnp.arange(n))

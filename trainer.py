@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pipeline
 import sharding
 import utils
-from model import update_router_bias
 from optimizer import lr_schedule, make_optimizer
 
 
@@ -56,7 +55,7 @@ def abstract_step_args(cfg, trainer):
 def state_layout(cfg, optimizer, abstract_params, mesh):
     """(shardings, abstract state) of the training state: params and their optimizer moments sharded
     as sharding.param_shardings says, everything else replicated. The aux-loss-free routing bias [blocks,
-    E] (model.update_router_bias) is tiny, and equal on every device because every device computes its
+    E] (update_router_bias) is tiny, and equal on every device because every device computes its
     update from the same global counts."""
     replicated = NamedSharding(mesh, P())
     param_shardings = sharding.param_shardings(abstract_params, mesh, cfg.model.expert_parallel)
@@ -134,6 +133,18 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
     (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
     grads = jax.tree.map(lambda g: g / G, grads)
     return grads, {name: s if name == "tokens_per_expert" else s / G for name, s in sums.items()}
+
+
+def update_router_bias(router_bias, tokens_per_expert, rate):
+    """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each expert's bias [blocks, E] moves
+    by rate x sign(mean load of its layer's experts - its load), loads being the routed choices of the
+    step's whole global batch. The sign comes from integers, so it is exact and the same on every mesh, and
+    from no product that can overflow (E c_i does, in int32, at E = 256 and 9M choices for one expert):
+    with sum_j c_j = q E + r (0 <= r < E), mean - c_i has the sign of q - c_i, or of r when q = c_i."""
+    E = tokens_per_expert.shape[-1]
+    q, r = jnp.divmod(jnp.sum(tokens_per_expert, axis=-1, keepdims=True), E)
+    below_mean = jnp.where(q == tokens_per_expert, jnp.sign(r), jnp.sign(q - tokens_per_expert))
+    return router_bias + rate * below_mean.astype(router_bias.dtype)
 
 
 def eval_step(params, router_bias, x, y, *, cfg, mesh):

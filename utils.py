@@ -49,6 +49,27 @@ class ModelConfig:
                               "all-reduce it again")
     moe_impl: str = flag("buffers", "routed-expert compute: buffers (per-expert capacity slots) or ragged "
                                     "(sorted tokens, lax.ragged_dot); --engine reference always runs buffers")
+    # DeepSeek-V3's architecture, each option the guide's behaviour by default (docs/model.md; --preset dsv3-tiny)
+    ffn: str = flag("gelu", "feed-forward: gelu (the guide's, up -> GELU -> down) or gated_silu (DeepSeek-V3's "
+                            "SiLU(x W_gate) x (x W_up) -> down), in the dense layers and every expert")
+    ffn_hidden_dim: int = flag(0, "hidden units of the dense FFN (0: 4 x --model_dimension)")
+    moe_hidden_dim: int = flag(0, "hidden units of each routed and shared expert (0: the dense FFN's)")
+    qk_head_dim: int = flag(0, "content width per head of queries and keys, without the rotary part (0: "
+                               "--model_dimension / --n_head)")
+    v_head_dim: int = flag(0, "value width per head (0: --qk_head_dim's)")
+    norm_shift: bool = flag(True, "every RMSNorm has a learned shift besides its scale (the guide's); false: scale "
+                                  "only (DeepSeek-V3)")
+    latent_norm: bool = flag(False, "an RMSNorm on the query and the KV latent (DeepSeek-V3's q_a_layernorm and "
+                                    "kv_a_layernorm)")
+    rope_all_layers: bool = flag(False, "decoupled RoPE in every layer (DeepSeek-V3); false: the MoE layer of each "
+                                        "block has none (NoPE, the guide's)")
+    first_k_dense: int = flag(0, "dense layers before the blocks (DeepSeek-V3's first_k_dense_replace); they run "
+                                 "before the pipeline, on every pp stage")
+    tied_embeddings: bool = flag(True, "the output layer is the token table (the guide's); false: a table of its own")
+    routed_scaling: float = flag(1.0, "the routed experts' gated output scaled by this (DeepSeek-V3's "
+                                      "routed_scaling_factor)")
+    renormalize_gates: bool = flag(True, "the k chosen scores renormalised to sum to 1 as the gates (the guide's and "
+                                         "DeepSeek-V3's norm_topk_prob); false: the scores themselves")
     engine: str = flag("fast", "what the model's math runs on (engine.py): fast (fused attention, custom-VJP "
                                "products, chunked cross-entropy, named remat) or reference (the guide's plain "
                                "math at every seam, the same numbers in fp32: for reading and debugging)")
@@ -66,11 +87,19 @@ class ModelConfig:
 
     @property
     def head_dim(self):
-        return self.model_dimension // self.n_head
+        return self.qk_head_dim or self.model_dimension // self.n_head
+
+    @property
+    def value_dim(self):
+        return self.v_head_dim or self.head_dim
 
     @property
     def ffn_dim(self):
-        return 4 * self.model_dimension
+        return self.ffn_hidden_dim or 4 * self.model_dimension
+
+    @property
+    def expert_dim(self):
+        return self.moe_hidden_dim or self.ffn_dim
 
     @property
     def padded_vocab(self):
@@ -78,7 +107,7 @@ class ModelConfig:
 
     @property
     def n_layers(self):
-        return self.blocks * self.layers_per_block
+        return self.first_k_dense + self.blocks * self.layers_per_block
 
 
 @dataclass(frozen=True)
@@ -203,6 +232,18 @@ PRESETS["moe1B-v4-32"] = dataclasses.replace(
     PRESETS["moe1B"], model=dataclasses.replace(PRESETS["moe1B"].model, remat="full"),
     run=dataclasses.replace(PRESETS["moe1B"].run, name="moe1B-v4-32", n_device_axis=(4, 2, 2), train_batch_size=64,
                             val_batch_size=256, micro_batch_size=8))
+# The tiny preset in DeepSeek-V3's architecture (every option of docs/model.md's "DeepSeek-V3" on), which
+# `python convert.py to-hf` exports to Hugging Face's deepseek_v3 format: gated SiLU FFNs, RMSNorm without
+# shift and on both latents, RoPE in every layer, one dense layer before three MoE ones, an untied output
+# table, narrower experts, DeepSeek-V3's routed scaling and aux-loss-free bias, and no capacity limit
+# (transformers' model drops nothing).
+PRESETS["dsv3-tiny"] = dataclasses.replace(
+    PRESETS["tiny"], model=dataclasses.replace(
+        PRESETS["tiny"].model, ffn="gated_silu", ffn_hidden_dim=128, moe_hidden_dim=64, norm_shift=False,
+        latent_norm=True, rope_all_layers=True, first_k_dense=1, blocks=3, layers_per_block=1, n_experts=8,
+        tied_embeddings=False, routed_scaling=2.5, capacity_factor=0.0),
+    optim=dataclasses.replace(PRESETS["tiny"].optim, bias_update_rate=1e-3),
+    run=dataclasses.replace(PRESETS["tiny"].run, name="dsv3-tiny"))
 PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
 # The pod presets are the guide's run on FineWeb-Edu: they train on --data_dir, never on the bundled corpus.
 TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/fineweb-edu --hf_config sample-350BT "
@@ -210,7 +251,8 @@ TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/finewe
 
 # Flags that pick an implementation, and their values: the keys of engine.REMAT_POLICIES (with none:
 # nothing recomputed), of experts.MOE_IMPLS and of engine.ENGINES (tests/test_config.py checks they agree).
-CHOICES = {"remat": ("auto", "full", "dots", "none"), "moe_impl": ("buffers", "ragged"), "engine": ("fast", "reference")}
+CHOICES = {"remat": ("auto", "full", "dots", "none"), "moe_impl": ("buffers", "ragged"), "engine": ("fast", "reference"),
+           "ffn": ("gelu", "gated_silu")}
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
 
@@ -336,7 +378,10 @@ def validate(cfg, n_devices=None):
                              ("--stop_at_val_loss", r.stop_at_val_loss, 0),
                              ("--top_k", i.top_k, 1), ("--max_tokens", i.max_tokens, 0),
                              ("--cpu_devices", r.cpu_devices, 0), ("--pipeline_repeats", m.pipeline_repeats, 1),
-                             ("--max_bad_steps", r.max_bad_steps, 1), ("--hang_timeout", r.hang_timeout, 0)]:
+                             ("--max_bad_steps", r.max_bad_steps, 1), ("--hang_timeout", r.hang_timeout, 0),
+                             ("--first_k_dense", m.first_k_dense, 0), ("--ffn_hidden_dim", m.ffn_hidden_dim, 0),
+                             ("--moe_hidden_dim", m.moe_hidden_dim, 0), ("--qk_head_dim", m.qk_head_dim, 0),
+                             ("--v_head_dim", m.v_head_dim, 0)]:
         _at_least(errors, value, flag, low)
     if not 0 <= r.seed < SEED_LIMIT:
         errors.append(f"--seed must be in [0, {SEED_LIMIT - 1}], got {r.seed}")
@@ -346,7 +391,8 @@ def validate(cfg, n_devices=None):
     if not o.embed_eps > 0:
         errors.append(f"--embed_eps must be > 0 (the table's padding rows have zero gradient), got {o.embed_eps}")
     for flag, value in [("--max_lr", o.max_lr), ("--grad_clip_norm", o.grad_clip_norm),
-                        ("--temperature", i.temperature), ("--rope_base", m.rope_base)]:
+                        ("--temperature", i.temperature), ("--rope_base", m.rope_base),
+                        ("--routed_scaling", m.routed_scaling)]:
         if not value > 0:
             errors.append(f"{flag} must be > 0, got {value}")
     if o.skip_spikes != 0 and not o.skip_spikes > 1:
@@ -357,7 +403,7 @@ def validate(cfg, n_devices=None):
         errors.append(f"--b1 and --b2 must be in [0, 1), got {o.b1}, {o.b2}")
     if m.model_dtype not in ("bfloat16", "float32"):
         errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
-    for name, value in (("remat", m.remat), ("moe_impl", m.moe_impl), ("engine", m.engine)):
+    for name, value in (("remat", m.remat), ("moe_impl", m.moe_impl), ("engine", m.engine), ("ffn", m.ffn)):
         choices = CHOICES[name]
         if value not in choices:
             errors.append(f"--{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
@@ -365,9 +411,13 @@ def validate(cfg, n_devices=None):
         errors.append(f"--k ({m.k}) must be <= --n_experts ({m.n_experts}); valid values are 1..{m.n_experts}")
     if m.dhR % 2:
         errors.append(f"--dhR ({m.dhR}) must be even: RoPE rotates pairs of channels")
-    _divides(errors, m.model_dimension, "--model_dimension", m.n_head, "--n_head")
+    if not m.qk_head_dim:                                 # the head width is D / H
+        _divides(errors, m.model_dimension, "--model_dimension", m.n_head, "--n_head")
     _divides(errors, m.n_head, "--n_head", tp, "TP of --n_device_axis")
-    _divides(errors, m.ffn_dim, "4 x --model_dimension (FFN and expert width)", tp, "TP of --n_device_axis")
+    _divides(errors, m.ffn_dim, "--ffn_hidden_dim" if m.ffn_hidden_dim else "4 x --model_dimension (the FFN width)",
+             tp, "TP of --n_device_axis")
+    if m.moe_hidden_dim:
+        _divides(errors, m.moe_hidden_dim, "--moe_hidden_dim", tp, "TP of --n_device_axis")
     _divides(errors, m.padded_vocab, f"--vocab_size padded to a multiple of {VOCAB_PAD_MULTIPLE}", tp,
              "TP of --n_device_axis")
     _divides(errors, m.model_dimension, "--model_dimension", dp, "DP of --n_device_axis (FSDP shards)")

@@ -17,6 +17,7 @@ import hlo
 import model
 import pipeline
 import products
+import trainer
 import sharding
 import utils
 from collectives import Axes
@@ -59,14 +60,20 @@ def rel_err(a, b):
     return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
 
 
-@pytest.fixture(scope="module")
-def reference():
-    params = sharding.init_params(CFG, KEY)
+def one_device_run(cfg):
+    """(params, loss, metrics, gradients) of cfg's model on one device, routed with ROUTER_BIAS."""
+    params = sharding.init_params(cfg, KEY)
     x, y = batch()
     (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: pipeline.one_device_loss(
-        sharding.with_router_bias(p, ROUTER_BIAS), x, y, KEY, CFG), has_aux=True))(params)
-    assert 0 < float(jnp.mean(metrics["drop_rate"])) < 1, "the test config should drop some tokens"
+        sharding.with_router_bias(p, ROUTER_BIAS), x, y, KEY, cfg), has_aux=True))(params)
     return params, loss, metrics, grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    run = one_device_run(CFG)
+    assert 0 < float(jnp.mean(run[2]["drop_rate"])) < 1, "the test config should drop some tokens"
+    return run
 
 
 def sharded_value_and_grad(cfg, mesh, n_micro, router_bias=None):
@@ -81,6 +88,14 @@ def with_model(cfg, **changes):
     return utils.override(utils.Config(model=cfg), **changes).model
 
 
+# DeepSeek-V3's architecture (utils.ModelConfig's options; --preset dsv3-tiny): a dense layer before the
+# blocks, every block one MoE layer with RoPE, gated SiLU FFNs of their own widths, RMSNorms without shift and
+# on both latents, an untied output table, heads narrower than D/H, values narrower still, routed scaling.
+DSV3 = with_model(CFG, ffn="gated_silu", ffn_hidden_dim=64, moe_hidden_dim=32, norm_shift=False, latent_norm=True,
+                  rope_all_layers=True, first_k_dense=1, tied_embeddings=False, layers_per_block=1, qk_head_dim=8,
+                  v_head_dim=6, routed_scaling=2.5)
+
+
 def abstract_params(cfg, mesh):
     """Shapes, dtypes and shardings of cfg's parameters on mesh, for lowering without computing."""
     params = jax.eval_shape(lambda: sharding.init_params(cfg, KEY))
@@ -92,8 +107,21 @@ def abstract_params(cfg, mesh):
 def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     """Loss, metrics, every gradient and the routing-bias update; with expert parallelism too (routing
     and drops are decided before the all-to-all, so they are the reference's)."""
+    assert_equals_one_device(reference, with_model(CFG, **changes), shape, n_micro)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_reference():
+    return one_device_run(DSV3)
+
+
+@pytest.mark.parametrize("shape,n_micro,changes", [((2, 2, 2), 4, EP | CIRCULAR), ((1, 2, 4), 4, {})])
+def test_a_deepseek_v3_shaped_model_equals_its_one_device_run(deepseek_v3_reference, shape, n_micro, changes):
+    assert_equals_one_device(deepseek_v3_reference, with_model(DSV3, **changes), shape, n_micro)
+
+
+def assert_equals_one_device(reference, cfg, shape, n_micro):
     params, ref_loss, ref_metrics, ref_grads = reference
-    cfg = with_model(CFG, **changes)
     mesh = sharding.make_mesh(shape)
     stored = sharding.Layout(cfg.pipeline_repeats).store(params)        # as the training state holds them
     sharded = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
@@ -103,7 +131,7 @@ def test_loss_and_grads_equal_reference(reference, shape, n_micro, changes):
     for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], ref_metrics[name]) < 1e-5, name
     np.testing.assert_array_equal(metrics["tokens_per_expert"], ref_metrics["tokens_per_expert"])
-    updated, ref_updated = (model.update_router_bias(ROUTER_BIAS, m["tokens_per_expert"], BIAS_RATE)
+    updated, ref_updated = (trainer.update_router_bias(ROUTER_BIAS, m["tokens_per_expert"], BIAS_RATE)
                             for m in (metrics, ref_metrics))
     np.testing.assert_array_equal(updated, ref_updated)
     assert np.any(updated != ROUTER_BIAS)
@@ -429,9 +457,21 @@ def test_biased_routing_by_hand():
     np.testing.assert_allclose(balance[0], (3 / (2 * 6) * counts * p).sum(), rtol=1e-6)
 
 
+def test_deepseek_v3_gates_by_hand():
+    """--renormalize_gates false: the chosen scores themselves are the gates; --routed_scaling multiplies
+    them either way."""
+    x = jnp.asarray(LOGITS)[None]
+    s = 1 / (1 + np.exp(-LOGITS))
+    chosen = np.take_along_axis(s, np.array(EXPERTS), axis=1)
+    for renormalize, want in ((False, chosen), (True, chosen / chosen.sum(1, keepdims=True))):
+        cfg = with_model(MOE_CFG, renormalize_gates=renormalize, routed_scaling=2.5)
+        _, gates, *_ = model.route(jnp.eye(3), x, cfg)
+        np.testing.assert_allclose(gates[0], 2.5 * want, rtol=1e-6)
+
+
 def test_router_bias_update_by_hand():
     tokens = jnp.array([[5, 3, 4], [4, 4, 4], [2, 1, 1]])     # mean 4; balanced; mean 4/3, just above 1
-    updated = model.update_router_bias(jnp.zeros((3, 3)), tokens, 1e-3)
+    updated = trainer.update_router_bias(jnp.zeros((3, 3)), tokens, 1e-3)
     np.testing.assert_array_equal(updated, np.float32([[-1e-3, 1e-3, 0], [0, 0, 0], [-1e-3, 1e-3, 1e-3]]))
 
 
@@ -442,7 +482,7 @@ def test_router_bias_update_does_not_overflow():
     counts = np.full(E, (total - busiest) // (E - 1), np.int64)
     counts[0] = busiest
     counts[1] += total - counts.sum()
-    updated = model.update_router_bias(jnp.zeros((1, E)), jnp.asarray(counts[None], jnp.int32), 1e-3)
+    updated = trainer.update_router_bias(jnp.zeros((1, E)), jnp.asarray(counts[None], jnp.int32), 1e-3)
     np.testing.assert_array_equal(np.sign(updated[0]), np.sign(total - E * counts))      # int64: exact
     assert updated[0, 0] < 0
 
@@ -559,11 +599,12 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not np.allclose(scores(0), jnp.einsum("bthr,bsr->bhts", q, k), atol=1e-3)
 
 
-@pytest.mark.parametrize("capacity_factor", [1.0, 0.25])   # 0.25: C = 3 of 12 fair-share slots, most drop
-def test_cached_and_uncached_generation_agree(capacity_factor):
+@pytest.mark.parametrize("base,capacity_factor", [(CFG, 1.0), (CFG, 0.25), (DSV3, 0.0)])   # 0.25: most drop
+def test_cached_and_uncached_generation_agree(base, capacity_factor):
     """Cached decode (one token per call) keeps and drops exactly what the full forward over the
-    padded sequence does, so the logits agree to float noise and the samples are identical."""
-    cfg = with_model(CFG, blocks=2, T=24, remat="full", capacity_factor=capacity_factor)
+    padded sequence does, so the logits agree to float noise and the samples are identical; in
+    DeepSeek-V3's architecture too (its first dense layers, RoPE and latent norms in every layer)."""
+    cfg = with_model(base, blocks=2, T=24, remat="full", capacity_factor=capacity_factor)
     params = sharding.init_params(cfg, jax.random.key(3))
     args = (params, cfg, [5, 17, 42, 7], jax.random.key(4), 12, 20, 0.9)
     cached, cached_logits = generate.generate(*args, use_cache=True, return_logits=True)
@@ -577,10 +618,10 @@ def test_cached_and_uncached_generation_agree(capacity_factor):
 def test_cache_holds_only_latent_rotary_key_and_expert_fill():
     caches = generate.init_caches(CFG, batch=1, length=CFG.T)
     shapes = {jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(caches)}
-    assert shapes == {"['dense']['attn']['c_kv']": (CFG.blocks, 1, 1, CFG.T, CFG.latent_dim),
-                      "['dense']['attn']['k_rope']": (CFG.blocks, 1, 1, CFG.T, CFG.dhR),
-                      "['moe']['attn']['c_kv']": (CFG.blocks, 1, CFG.T, CFG.latent_dim),
-                      "['moe']['expert_fill']": (CFG.blocks, 1, CFG.n_experts)}
+    assert shapes == {"['blocks']['dense']['attn']['c_kv']": (CFG.blocks, 1, 1, CFG.T, CFG.latent_dim),
+                      "['blocks']['dense']['attn']['k_rope']": (CFG.blocks, 1, 1, CFG.T, CFG.dhR),
+                      "['blocks']['moe']['attn']['c_kv']": (CFG.blocks, 1, CFG.T, CFG.latent_dim),
+                      "['blocks']['moe']['expert_fill']": (CFG.blocks, 1, CFG.n_experts)}
 
 
 def test_shape_errors_come_from_validation():
