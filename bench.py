@@ -6,7 +6,9 @@ clipping, AdamW with weight decay on matrices only, params and optimizer state s
 and donated), feeds it random tokens, runs W warm-up steps and N timed steps, and prints ONE JSON
 line (the fields are described in docs/performance.md). In the same run it times a large matmul (bf16
 8192^3 on an accelerator, fp32 1024^3 on a CPU) so MFU is reported against the spec-sheet peak and
-against what this device actually sustains.
+against what this device actually sustains: MFU of the datasheet's bf16 peak ("mfu"), as MaxText, Megatron and
+NeMo report it, and of the measured rate beside it. `--dump_hlo PATH` writes the compiled step's optimized HLO
+(on a GPU: the kernels autotuning chose), which scripts/refit_estimate.py costs kernel by kernel.
 
 `--pipeline_flops` counts instead of timing: it compiles the step for the given mesh (pp = P,
 M micro-batches) and for the same config with pp = 1, 2, 4, ... below P (same dp and tp, same
@@ -18,7 +20,8 @@ HLO with every loop body multiplied by its trip count (`hlo_flops`); that count 
 
 `--profile DIR` traces --steps more steps after the timed ones (jax.profiler, into DIR; open it in XProf
 or TensorBoard) and prints the device's op time per step by name, largest first (GPU kernels and
-copies, TPU XLA ops; a CPU trace has no device plane), also in the JSON line ("profile").
+copies, TPU XLA ops; on a CPU, which has no device plane, the host's thunks), also in the JSON line ("profile"); every op's
+time per step, by the HLO instruction it ran for, goes to DIR/kernels.json.
 
 `--grad_error` measures instead: the largest per-leaf relative error of one batch's gradient in the
 matmul dtype, on the given mesh and on one device with the same M micro-batches, against the fp32
@@ -79,6 +82,8 @@ def parse_args(argv=None):
     own.add_argument("--profile", metavar="DIR", default="",
                      help="after the timed steps, trace --steps more with jax.profiler into DIR and print the "
                           "device's op times per step, largest first (GPU kernels and copies, TPU XLA ops)")
+    own.add_argument("--dump_hlo", metavar="PATH", default="",
+                     help="write the compiled training step's optimized HLO text to PATH")
     own.add_argument("--preset", choices=sorted(utils.PRESETS), default="tiny")
     own.add_argument("-h", "--help", action="store_true")
     args, rest = own.parse_known_args(argv)
@@ -332,6 +337,9 @@ def run_benchmark(args, cfg):
     t = time.perf_counter()
     compiled = step.lower(*abstract_args()).compile()
     compile_s = time.perf_counter() - t
+    if args.dump_hlo:
+        with open(args.dump_hlo, "w") as f:
+            f.write(compiled.as_text())
 
     state = make_state(cfg.run.seed)
     batch = make_batch(cfg.run.seed + 1)
@@ -365,9 +373,9 @@ def run_benchmark(args, cfg):
         "tokens_per_s": tok_s, "step_time_median_s": median,
         "step_time_spread": {"min": min(times), "max": max(times), "p25": q[0], "p75": q[2]},
         "compile_s": compile_s, "flops_per_token": fpt,
-        "spec_peak_flops": spec_peak, "mfu_vs_spec_peak": utils.mfu(tok_s, fpt, n_mesh, spec_peak),
-        "matmul_peak_flops": measured_peak, "matmul_shape": matmul_shape,
+        "mfu": utils.mfu(tok_s, fpt, n_mesh, spec_peak), "spec_peak_flops": spec_peak,
         "mfu_vs_measured_peak": utils.mfu(tok_s, fpt, n_mesh, measured_peak),
+        "matmul_peak_flops": measured_peak, "matmul_shape": matmul_shape,
         "peak_memory_bytes": peak_memory(mesh.devices.flat),
         "compiled_memory_bytes": compiled_memory(compiled),
         "hlo_matmul_flops_per_device_step": (hlo.matmul_flops(compiled.as_text()) or {}).get("total"),
@@ -379,34 +387,46 @@ def run_benchmark(args, cfg):
 
 def profile_steps(compiled, state, batch, steps, trace_dir):
     """`steps` more training steps under jax.profiler.trace(trace_dir), kept apart from the timed ones
-    (tracing slows the host side). Returns the trace's path and its device op times per step."""
+    (tracing slows the host side). Returns the trace's path, its largest device ops' times per step and
+    the path of trace_dir/kernels.json, which holds every op's (`kernel_times`)."""
     with jax.profiler.trace(trace_dir):
         for _ in range(steps):
             state, stats = compiled(state, batch)
         jax.block_until_ready((state, stats))
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    return {"trace": path, "steps": steps, "top_ops": op_times(path, steps)}
+    kernels = kernel_times(path, steps)
+    with open(os.path.join(trace_dir, "kernels.json"), "w") as f:
+        json.dump({"steps": steps, "kernels": kernels}, f)
+    all_ms = sum(k["ms_per_step"] for k in kernels) or 1.0
+    return {"trace": path, "steps": steps, "kernels": os.path.join(trace_dir, "kernels.json"),
+            "top_ops": [[k["name"], k["ms_per_step"], k["ms_per_step"] / all_ms] for k in kernels[:30]]}
 
 
-def op_times(xplane_path, steps, planes="/device:", top=30):
-    """[[name, ms per step, share of the planes' op time], ...] largest first, over the trace's planes
-    whose names start with `planes`: a TPU plane's "XLA Ops" line, or where a plane has none (GPU) all
-    its lines, one per stream, whose events are kernels and copies. A CPU run has no device plane."""
-    totals = collections.Counter()
-    for plane in jax.profiler.ProfileData.from_file(xplane_path).planes:
-        if plane.name.startswith(planes):
-            lines = [line for line in plane.lines if line.name == "XLA Ops"] or plane.lines
-            for line in lines:
-                for event in line.events:
-                    totals[event.name] += event.duration_ns
-    all_ns = sum(totals.values())
-    return [[name, ns / 1e6 / steps, ns / all_ns] for name, ns in totals.most_common(top)]
+def kernel_times(xplane_path, steps):
+    """[{"name", "hlo_op", "launches", "ms_per_step"}, ...], largest first: the trace's device ops summed by
+    the HLO instruction they ran for (their hlo_op, which XLA's kernels and copies carry; else their
+    name), over the device planes: a TPU plane's "XLA Ops" line, or where a plane has none (GPU) all its
+    lines, one per stream. A CPU trace has no device plane; there the host's thunks, which carry their
+    hlo_op too, stand in."""
+    totals, launches, names = collections.Counter(), collections.Counter(), {}
+    data = jax.profiler.ProfileData.from_file(xplane_path)
+    device = [plane for plane in data.planes if plane.name.startswith("/device:")]
+    lines = [line for plane in device for line in ([line for line in plane.lines if line.name == "XLA Ops"] or plane.lines)]
+    for line in lines or [line for plane in data.planes for line in plane.lines]:
+        for event in line.events:
+            hlo_op = dict(event.stats).get("hlo_op")
+            if lines or event.name == hlo_op:
+                key = hlo_op or event.name
+                totals[key] += event.duration_ns
+                launches[key] += 1
+                names.setdefault(key, (event.name, hlo_op))
+    return [{"name": names[key][0], "hlo_op": names[key][1], "launches": launches[key] / steps,
+             "ms_per_step": ns / 1e6 / steps} for key, ns in totals.most_common()]
 
 
 def print_op_times(profile, out):
-    print(f"device op time per step over {profile['steps']} traced steps ({profile['trace']}):", file=out)
-    if not profile["top_ops"]:
-        print("  no device plane in the trace (CPU): open it in XProf or TensorBoard", file=out)
+    print(f"device op time per step over {profile['steps']} traced steps ({profile['trace']}; every op's in "
+          f"{profile['kernels']}):", file=out)
     for name, ms, share in profile["top_ops"]:
         print(f"  {ms:9.3f} ms  {100 * share:5.1f}%  {name[:120]}", file=out)
 

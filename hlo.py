@@ -327,6 +327,64 @@ def _instructions(comps):
     return out
 
 
+# What a kernel is, for the estimate's per-class factors: it multiplies matrices (a dot, cuBLAS, a grouped
+# GEMM), it is a fused attention (cuDNN), it is a collective, or its time is the bytes it moves.
+KERNEL_CLASSES = ("gemm", "attention", "memory", "collective")
+
+
+def _kernel_class(kind):
+    if kind in ("matmul", "fusion:matmul") or kind.startswith("custom-call:__cublas") or kind == "custom-call:grouped-gemm":
+        return "gemm"
+    if kind.startswith("custom-call:__cudnn$fmha"):
+        return "attention"
+    return "collective" if kind.startswith("collective:") else "memory"
+
+
+def _first_array(shape_text):
+    m = _ARRAY.search(shape_text)
+    return (m.group(1), _dims(m.group(2))) if m else (None, [])
+
+
+def _cudnn_attention_flops(target, d, operand_shapes):
+    """FLOPs of a cuDNN fused attention from its operands: q [B, T, H, Dqk], k, v [B, S, H, Dv] (operands 0-2,
+    the head width last) and the [B, H, T, S] scores it never writes (its intermediate_tensor_shape). The
+    forward runs two GEMMs, q k^T and p v: 2 B H T S (Dqk + Dv); the backward five, the scores again, dp =
+    do v^T, dv = p^T do, dq = ds k and dk = ds^T q: 2 B H T S (3 Dqk + 2 Dv). A causal mask halves both (the
+    model's FLOPs count them so too)."""
+    scores = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', d["rhs"])
+    if not scores or len(operand_shapes) < 3:
+        return 0.0
+    bhts = math.prod(int(x.strip().strip('"')) for x in scores.group(1).split(",") if x.strip())
+    dqk, dv = operand_shapes[0][1][-1], operand_shapes[2][1][-1]
+    widths = 3 * dqk + 2 * dv if "Backward" in target else dqk + dv
+    causal = 0.5 if re.search(r'"mask_type":\s*"[A-Z_]*CAUSAL', d["rhs"]) else 1.0
+    return 2.0 * bhts * widths * causal
+
+
+def _cublas_flops(d, operand_shapes):
+    """FLOPs of a cuBLAS GEMM custom call: 2 x its output's elements x the contracted size of its lhs."""
+    contract = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', d["rhs"])
+    out = _first_array(d["shape"])[1]
+    if not contract or not operand_shapes:
+        return 0.0
+    lhs = operand_shapes[0][1]
+    return 2.0 * math.prod(out) * math.prod(lhs[int(i.strip().strip('"'))] for i in contract.group(1).split(",") if i.strip())
+
+
+def _grouped_gemm_flops(d, operand_shapes):
+    """FLOPs of a kernel that is a grouped GEMM by its shapes (a Pallas/Triton/Mosaic custom call): rows
+    [M, K] against G stacked matrices [G, K, N] (or [G, N, K]) into [M, N], each row multiplied by one of
+    them: 2 M K N. 0 when the shapes are not those of one."""
+    out = _first_array(d["shape"])[1]
+    rows = next((s for _, s in operand_shapes if len(s) == 2), None)
+    stack = next((s for _, s in operand_shapes if len(s) == 3), None)
+    if not (rows and stack and len(out) == 2 and out[0] == rows[0]):
+        return 0.0
+    m, k = rows
+    n = out[1]
+    return 2.0 * m * k * n if sorted(stack[1:]) == sorted((k, n)) else 0.0
+
+
 def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
     """The kernels one run of an optimized GPU HLO module launches: every instruction outside a fusion
     (a fusion is one kernel) that is not a parameter, constant, tuple, bitcast or control flow, every
@@ -334,13 +392,19 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
     operands plus its result, except: a dynamic-(update-)slice moves its slice, in place; a fusion
     reads only the slice of an operand it reads only through (dynamic-)slices or gathers, does not
     read an operand it only updates in place, and writes only the update when its root is a
-    dynamic-update-slice. The roofline sum, over kernels of max(FLOPs / peak_flops, bytes / hbm_bandwidth):
-    the time at the roofline with every kernel alone. FLOPs are dots' and convolutions' (cuDNN and other
-    custom calls count bytes only).
+    dynamic-update-slice. FLOPs: dots' and convolutions', cuBLAS custom calls' (from their dimension
+    numbers), cuDNN fused attention's (`_cudnn_attention_flops`) and a grouped GEMM's by its shapes
+    (`_grouped_gemm_flops`); any other custom call counts bytes only and is listed in "uncounted".
+    A product with an fp32 operand runs at half peak_flops (TF32 tensor cores: half the bf16 rate on
+    Hopper and Ampere). The roofline sum, over kernels of max(FLOPs / rate, bytes / hbm_bandwidth):
+    the time at the roofline with every kernel alone.
 
-    Returns {"kinds": {kind: {"count", "bytes", "flops"}}, "by_dtype": {"bf16 x bf16": FLOPs, ...},
-    "kernels": N, "bytes": B, "flops": F, "roofline_s": the roofline sum}; kind is the opcode, "matmul", a fusion's
-    "fusion:<what it does>", "custom-call:<target>" or "collective:<op>"."""
+    Returns {"kinds": {kind: {"count", "bytes", "flops"}}, "classes": {class: {"count", "bytes", "flops",
+    "roofline_s"}}, "by_name": {instruction: {"kind", "class", "count", "bytes", "flops", "roofline_s"}},
+    "by_dtype": {"bf16 x bf16": FLOPs, ...}, "uncounted": {kind: kernels}, "kernels": N, "bytes": B,
+    "flops": F, "roofline_s": the roofline sum}; kind is the opcode, "matmul", a fusion's "fusion:<what it
+    does>", "custom-call:<target>" ("custom-call:grouped-gemm" for a grouped GEMM) or "collective:<op>";
+    class one of KERNEL_CLASSES (`_kernel_class`)."""
     comps, entry = parse(hlo_text)
     by_comp, defined = _instructions(comps), _definitions(comps)
     shape_of = {d["name"]: d["shape"] for ds in by_comp.values() for d in ds}
@@ -363,6 +427,19 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
         if users and all(u["op"] == "dynamic-update-slice" and u["operands"][0] == param for u in users):
             return 0
         return full
+
+    def custom_call(d):
+        """(kind, FLOPs, operand dtypes) of a custom call."""
+        target = re.search(r'custom_call_target="([^"]+)"', d["rhs"])
+        target = target.group(1) if target else "?"
+        shapes = [_first_array(shape_of.get(o, "")) for o in d["operands"]]
+        dtypes = " x ".join(t or "?" for t, _ in shapes[:2])
+        if target.startswith("__cudnn$fmha"):
+            return "custom-call:" + target, _cudnn_attention_flops(target, d, shapes), dtypes
+        if target.startswith("__cublas"):
+            return "custom-call:" + target, _cublas_flops(d, shapes), dtypes
+        grouped = _grouped_gemm_flops(d, shapes)
+        return ("custom-call:grouped-gemm", grouped, dtypes) if grouped else ("custom-call:" + target, 0.0, None)
 
     def kernel(d):
         """(kind, bytes, FLOPs, dtypes) of one kernel."""
@@ -392,8 +469,7 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
         elif op in ("dynamic-slice", "slice"):
             operands = [result] + operands[1:]
         elif op == "custom-call":
-            target = re.search(r'custom_call_target="([^"]+)"', d["rhs"])
-            kind = "custom-call:" + (target.group(1) if target else "?")
+            kind, flops, dtypes = custom_call(d)
         elif op.removesuffix("-start") in COLLECTIVES:
             kind = "collective:" + op.removesuffix("-start")
         return kind, result + sum(operands), flops, dtypes
@@ -404,18 +480,39 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
         if d is None or d["op"] in _NOT_A_KERNEL or d["op"].endswith(("-done", "-update")):
             return {}
         kind, nbytes, flops, dtypes = kernel(d)
-        totals = {(kind, "count"): 1, (kind, "bytes"): nbytes, (kind, "flops"): flops,
-                  "roofline_s": max(flops / peak_flops, nbytes / hbm_bandwidth)}
+        kind_of[d["name"]] = kind
+        rate = peak_flops / 2 if dtypes and "f32" in dtypes.split(" x ") else peak_flops
+        seconds = max(flops / rate, nbytes / hbm_bandwidth)
+        name = d["name"]
+        totals = {(kind, "count"): 1, (kind, "bytes"): nbytes, (kind, "flops"): flops, "roofline_s": seconds,
+                  ("kernel", name, "count"): 1, ("kernel", name, "bytes"): nbytes, ("kernel", name, "flops"): flops,
+                  ("kernel", name, "roofline_s"): seconds}
+        if kind.startswith("custom-call:") and not flops and not kind.startswith("custom-call:__cudnn"):
+            totals[("uncounted", kind)] = 1
         return totals | ({("dtype", dtypes): flops} if flops else {})
 
     # kernels run where they are launched: calls and async computations are entered, fusions and
     # reducers (inside a kernel) are not
     launches = lambda rhs: re.search(r"\bcall\(", rhs) or (re.search(r"-start\(", rhs) and "calls=" in rhs)
+    kind_of = {}
     totals = loop_sum(comps, entry, count, "roofline_s", enters=launches)
-    kinds = {}
+    kinds, by_name, uncounted, by_dtype = {}, {}, {}, {}
     for key, v in totals.items():
-        if isinstance(key, tuple) and key[0] != "dtype":
+        if not isinstance(key, tuple):
+            continue
+        if key[0] == "dtype":
+            by_dtype[key[1]] = v
+        elif key[0] == "uncounted":
+            uncounted[key[1]] = int(v)
+        elif key[0] == "kernel":
+            row = by_name.setdefault(key[1], {"kind": kind_of[key[1]], "class": _kernel_class(kind_of[key[1]])})
+            row[key[2]] = v
+        else:
             kinds.setdefault(key[0], {"count": 0, "bytes": 0.0, "flops": 0.0})[key[1]] += v
-    return {"kinds": kinds, "by_dtype": {k[1]: v for k, v in totals.items() if isinstance(k, tuple) and k[0] == "dtype"},
+    classes = {c: {"count": 0, "bytes": 0.0, "flops": 0.0, "roofline_s": 0.0} for c in KERNEL_CLASSES}
+    for row in by_name.values():
+        for field in ("count", "bytes", "flops", "roofline_s"):
+            classes[row["class"]][field] += row[field]
+    return {"kinds": kinds, "classes": classes, "by_name": by_name, "by_dtype": by_dtype, "uncounted": uncounted,
             "kernels": int(sum(k["count"] for k in kinds.values())), "bytes": sum(k["bytes"] for k in kinds.values()),
             "flops": sum(k["flops"] for k in kinds.values()), "roofline_s": totals.get("roofline_s", 0.0)}

@@ -17,6 +17,7 @@ Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by 
 """
 import importlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -25,6 +26,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 from jax.experimental import topologies
 
 import hlo
@@ -36,11 +38,11 @@ PIP_COMMAND = "pip install -r requirements-tpu.txt"
 PIP_COMMAND_GPU = "python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-gpu-aot.txt"
 GiB = 2**30
 HFU_ASSUMED = 0.4                   # a good MoE run's share of the peak, for the second TPU step-time estimate
-# The H200 estimate: the roofline's rates and the fit of measured steps to it (docs/performance.md
-# 'The H200 estimate': five measured moe1B runs, within 2.3%).
-GPU_GEMM_FLOPS = 779e12             # bf16 GEMM FLOP/s measured on an H200 (8192^3; its datasheet says 989)
-STEP_PER_ROOFLINE = 1.695
-LAUNCH_SECONDS = 1.6e-6             # per kernel
+# The H200 estimate: every kernel at the roofline of these rates (hlo.kernel_census), then a factor per class
+# of kernel and a time per kernel (or per step) fitted to steps timed on an H200: the timed runs are in
+# H200_CALIBRATION, which scripts/refit_estimate.py writes (docs/performance.md 'The H200 estimate').
+GPU_GEMM_FLOPS = 779e12             # bf16 GEMM FLOP/s measured on an H200 (8192^3): the roofline's rate, not MFU's peak
+H200_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "h200_calibration.json")
 H200_COMPUTE_CAPABILITY = (9, 0)
 # XLA's H200 target description (the fields jaxlib 0.10.2 reads), so XLA:GPU compiles with no GPU present.
 H200_DESCRIPTION = """
@@ -230,13 +232,12 @@ class Report:
         if not self.gpu or self.target.chips > 1:
             self._collectives(hlo_text)
         if name == "train step":
-            flops = self._flops(hlo_text)
             if self.gpu:
-                self._gpu_step_time(hlo_text, flops)
+                self._gpu_step_time(hlo_text)
             else:
+                flops = self._flops(hlo.matmul_flops(hlo_text))
                 for hfu in (1.0, HFU_ASSUMED):
-                    self._speed(f"at HFU {100 * hfu:.0f}%",
-                                flops / (hfu * self.peak), flops)
+                    self._speed(f"at HFU {100 * hfu:.0f}%", flops / (hfu * self.peak), flops)
         return total / GiB
 
     def _collectives(self, hlo_text):
@@ -249,43 +250,167 @@ class Report:
               f"{_gib(sum(c['bytes'] for c in counted.values()))} "
               f"{_gib(sum(c['link_bytes'] for c in counted.values()))} sent")
 
-    def _flops(self, hlo_text):
-        """Print the compiled matmul FLOPs per chip against the model's; return them."""
-        counted = hlo.matmul_flops(hlo_text)
-        flops = counted["total"]
+    def _flops(self, counted, census=None):
+        """Print the compiled FLOPs per chip against the model's; return them. On a GPU they are the kernel
+        census's: the dots', cuBLAS calls' and cuDNN attention's, whose FLOPs no dot shows."""
+        flops = census["flops"] if census else counted["total"]
+        kinds = census["kinds"] if census else {}
+        attention = {k.removeprefix("custom-call:__cudnn$"): v["flops"] for k, v in kinds.items() if k.startswith("custom-call:__cudnn")}
+        cublas = sum(v["flops"] for k, v in kinds.items() if k.startswith("custom-call:__cublas"))
         print(f"  FLOPs per chip per step (compiled HLO, loops x trip counts): {flops:.3e} (output layer "
-              f"{counted['output_layer']:.2e}, blocks {counted['blocks'] + counted['unattributed']:.2e}); "
-              f"model FLOPs {self.model_flops:.3e} ({100 * self.model_flops / flops:.0f}% of the compiled work)"
-              + ("; FLOPs inside cuDNN attention are not counted" if self.gpu else ""))
+              f"{counted['output_layer']:.2e}, blocks {counted['blocks'] + counted['unattributed']:.2e}"
+              + (f", cuBLAS calls {cublas:.2e}" if cublas else "")
+              + "".join(f", cuDNN {k} {f:.2e}" for k, f in sorted(attention.items())) + "); "
+              f"model FLOPs {self.model_flops:.3e} ({100 * self.model_flops / flops:.0f}% of the compiled work)")
+        by_dtype = census["by_dtype"] if census else counted["by_dtype"]
         print("  matmul FLOPs by operand dtype: " + ", ".join(
-            f"{kind} {100 * f / flops:.2f}% ({f:.2e})" for kind, f in sorted(counted["by_dtype"].items(),
-                                                                           key=lambda kv: -kv[1])))
+            f"{kind} {100 * f / flops:.2f}% ({f:.2e})" for kind, f in sorted(by_dtype.items(), key=lambda kv: -kv[1])))
         return flops
 
-    def _speed(self, label, seconds, flops):
-        """One step-time line with tokens/s, MFU (model FLOPs) and HFU (compiled FLOPs) over the bf16 peak;
-        on a GPU over the GEMM rate measured on an H200 too, as docs/performance.md's H200 MFU is."""
-        ratio = lambda f, peak: f"{100 * f / (seconds * peak):.1f}%"
-        measured = (f" (of the measured {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s GEMM rate: MFU "
-                    f"{ratio(self.model_flops, GPU_GEMM_FLOPS)}, HFU {ratio(flops, GPU_GEMM_FLOPS)})" if self.gpu else "")
-        print(f"  {label}: step {seconds * 1e3:.4g} ms, {self.tokens / seconds:,.0f} tokens/s "
-              f"({self.tokens:,} tokens a step), MFU {ratio(self.model_flops, self.peak)}, HFU {ratio(flops, self.peak)} "
-              f"of the {self.peak / 1e12:.0f} TFLOP/s bf16 peak" + measured)
+    def _speed(self, label, seconds, flops, band=None):
+        """One step-time line with tokens/s, MFU (model FLOPs) and HFU (compiled FLOPs) of the datasheet's bf16
+        peak, as MaxText, Megatron and NeMo report them; on a GPU also of the GEMM rate measured on an H200.
+        band: (low, high) seconds, printed beside the step and as MFU and HFU ranges."""
+        ratio = lambda f, peak: f"{100 * f / (seconds * peak):.1f}%" + (
+            f" ({100 * f / (band[1] * peak):.1f}-{100 * f / (band[0] * peak):.1f}%)" if band else "")
+        measured = (f"; of the measured {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s GEMM rate: MFU "
+                    f"{ratio(self.model_flops, GPU_GEMM_FLOPS)}, HFU {ratio(flops, GPU_GEMM_FLOPS)}" if self.gpu else "")
+        print(f"  {label}: step {seconds * 1e3:.1f} ms" + (f" (band {band[0] * 1e3:.1f}-{band[1] * 1e3:.1f} ms)" if band else "")
+              + f", {self.tokens / seconds:,.0f} tokens/s ({self.tokens:,} tokens a step), MFU "
+              f"{ratio(self.model_flops, self.peak)}, HFU {ratio(flops, self.peak)} of the {self.peak / 1e12:.0f} TFLOP/s "
+              f"datasheet bf16 peak{measured}")
 
-    def _gpu_step_time(self, hlo_text, flops):
+    def _gpu_step_time(self, hlo_text):
         census = hlo.kernel_census(hlo_text, GPU_GEMM_FLOPS, self.target.hbm_bandwidth)
+        flops = self._flops(hlo.matmul_flops(hlo_text), census)
         print(f"  kernels per step {census['kernels']:,}; HBM traffic {census['bytes'] / GiB:,.1f} GiB "
               f"(operands + results of each kernel); by kernel kind:")
         for kind, k in sorted(census["kinds"].items(), key=lambda kv: -kv[1]["bytes"])[:12]:
-            print(f"    {kind:<34} {k['count']:>8,.0f} kernels {k['bytes'] / GiB:9.1f} GiB "
+            print(f"    {kind:<40} {k['count']:>8,.0f} kernels {k['bytes'] / GiB:9.1f} GiB "
                   f"{100 * k['bytes'] / census['bytes']:5.1f}%" + (f" {k['flops']:.2e} FLOPs" if k["flops"] else ""))
-        sigma = census["roofline_s"]
-        seconds = STEP_PER_ROOFLINE * sigma + LAUNCH_SECONDS * census["kernels"]
-        print(f"  roofline sum over kernels of max(FLOPs / {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s, bytes / "
-              f"{self.target.hbm_bandwidth / 1e12:.1f} TB/s) = {sigma * 1e3:.4g} ms (matmuls at that rate alone: "
-              f"{census['flops'] / GPU_GEMM_FLOPS * 1e3:.4g} ms)")
-        self._speed(f"estimated on an H200 ({STEP_PER_ROOFLINE} x the roofline sum + {LAUNCH_SECONDS * 1e6:.1f} ms per 1,000 kernels, "
-                    "docs/performance.md 'The H200 estimate')", seconds, flops)
+        if census["uncounted"]:
+            print("  FLOPs not known (bytes only): " + ", ".join(f"{n:,} {k}" for k, n in census["uncounted"].items()))
+        seconds = class_seconds(census)
+        print(f"  roofline sum over kernels of max(FLOPs / {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s (fp32 operands: half), bytes / "
+              f"{self.target.hbm_bandwidth / 1e12:.1f} TB/s) = {census['roofline_s'] * 1e3:.1f} ms: GEMMs "
+              f"{seconds['gemm'] * 1e3:.1f} ms, cuDNN attention {seconds['attention'] * 1e3:.1f} ms, memory-bound "
+              f"{seconds['memory'] * 1e3:.1f} ms" + (" (collectives counted as memory-bound: not calibrated)"
+                                                    if self.target.chips > 1 else ""))
+        try:
+            calibration = load_calibration()
+        except (OSError, ValueError) as e:
+            print(f"  no step-time estimate: the calibration {H200_CALIBRATION} is unreadable ({e})")
+            return
+        point, low, high, fit, fits = estimate(seconds, census["kernels"], calibration["runs"])
+        overhead = (f"{fit['per_kernel'] * 1e6:.2g} µs per kernel" if "per_kernel" in fit else
+                    f"{fit['per_step'] * 1e3:.3g} ms per step")
+        print(f"  calibration ({fit['form']}): GEMMs x {fit['factors']['gemm']:.3g}, attention x "
+              f"{fit['factors']['attention']:.3g}, memory-bound x {fit['factors']['memory']:.3g}, {overhead}; the band: "
+              f"{len(fits)} fits of {len({f['form'] for f in fits})} forms, each timed step held out in turn "
+              f"(docs/performance.md 'The H200 estimate')")
+        print(f"  calibrated on: {describe(calibration)}")
+        self._speed("estimated on an H200", point, flops, band=(low, high))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The H200 estimate's calibration: step = sum over classes of factor x roofline seconds + overhead
+
+# The forms fitted to timed steps: which classes of kernel share a factor, and whether the time beside the
+# kernels' grows with their number or is the same every step. The steps timed on 2026-11-30 all had about
+# 12k kernels, so their times cannot tell those two apart, and today's programs have far fewer: the band
+# spans both. A timed run's per-kernel times (scripts/gpu_bench.sh) give the factors directly ("kernel times").
+FIT_FORMS = {
+    "one factor, per kernel": ((("gemm", "attention", "memory"),), "per_kernel"),
+    "one factor, per step": ((("gemm", "attention", "memory"),), "per_step"),
+    "GEMMs apart, per kernel": ((("gemm",), ("attention", "memory")), "per_kernel"),
+    "per class, per kernel": ((("gemm",), ("attention",), ("memory",)), "per_kernel"),
+    "per class, per step": ((("gemm",), ("attention",), ("memory",)), "per_step"),
+}
+POINT_FORMS = ("kernel times", "per class, per kernel")     # the point estimate's, the first the runs allow
+CLASSES = ("gemm", "attention", "memory")
+
+
+def class_seconds(census):
+    """Roofline seconds of a census by the classes the estimate calibrates; collectives (not calibrated: no
+    timed run had any) with the memory-bound kernels."""
+    c = census["classes"]
+    return {"gemm": c["gemm"]["roofline_s"], "attention": c["attention"]["roofline_s"],
+            "memory": c["memory"]["roofline_s"] + c["collective"]["roofline_s"]}
+
+
+def load_calibration(path=H200_CALIBRATION):
+    with open(path) as f:
+        calibration = json.load(f)
+    if calibration["rates"] != {"gemm_flops": GPU_GEMM_FLOPS, "hbm_bandwidth": utils.GpuTarget("h200", 1).hbm_bandwidth}:
+        raise ValueError(f"its runs were costed at other rates ({calibration['rates']}): run scripts/refit_estimate.py")
+    return calibration
+
+
+def describe(calibration):
+    """What a calibration was fitted on, in one line."""
+    runs = calibration["runs"]
+    by_source = {}
+    for r in runs:
+        by_source.setdefault((r["tree"], r["timed"], r["source"]), []).append(r["name"])
+    return "; ".join(f"{len(names)} steps timed on an H200 on {timed} at {tree} ({', '.join(names)}), costed on "
+                     f"the {source}" for (tree, timed, source), names in by_source.items())
+
+
+def fit_form(runs, form):
+    """The factors and overhead of one of FIT_FORMS that minimise the squared relative errors of the runs'
+    step times: {"form", "factors": {class: f}, "per_kernel" or "per_step": seconds}. A factor of GEMMs
+    or attention is at least 1 (nothing multiplies faster than the measured GEMM rate); memory's and the
+    overhead at least 0 (bytes counted can be found in the L2 cache)."""
+    from scipy.optimize import lsq_linear
+    groups, overhead = FIT_FORMS[form]
+    X = np.array([[sum(r["roofline_s"][c] for c in g) for g in groups] + [r["kernels"] if overhead == "per_kernel" else 1.0]
+                  for r in runs])
+    y = np.array([r["step_s"] for r in runs])
+    lower = [1.0 if set(g) & {"gemm", "attention"} else 0.0 for g in groups] + [0.0]
+    x = lsq_linear(X / y[:, None], np.ones(len(y)), bounds=(lower, np.inf)).x
+    return {"form": form, "factors": {c: float(f) for g, f in zip(groups, x) for c in g}, overhead: float(x[-1])}
+
+
+def fit_kernel_times(runs):
+    """The factors straight from runs with per-kernel times: each class's measured time over its roofline
+    time, and the step's time outside the kernels matched to the census (launch gaps, copies, host syncs)
+    per kernel."""
+    return {"form": "kernel times",
+            "factors": {c: sum(r["kernel_s"][c] for r in runs) / sum(r["roofline_s"][c] for r in runs) for c in CLASSES},
+            "per_kernel": max(0.0, sum(r["step_s"] - sum(r["kernel_s"].values()) for r in runs) / sum(r["kernels"] for r in runs))}
+
+
+def _subsets(runs, parameters):
+    """(None, runs) where the runs are at least as many as a form's parameters, then (name, the other runs)
+    for each run while more runs than parameters remain."""
+    if len(runs) >= parameters:
+        yield None, runs
+    if len(runs) - 1 > parameters:
+        for i, r in enumerate(runs):
+            yield r["name"], runs[:i] + runs[i + 1:]
+
+
+def calibrations(runs):
+    """Every fit the band is made of: each form on all runs and with each run held out in turn, and the
+    kernel-times fit where runs have kernel times."""
+    fits = [fit_form(subset, form) | {"held_out": held_out} for form, (groups, _) in FIT_FORMS.items()
+            for held_out, subset in _subsets(runs, len(groups) + 1)]
+    timed = [r for r in runs if r.get("kernel_s") and all(r["roofline_s"][c] for c in CLASSES)]
+    return fits + [fit_kernel_times(subset) | {"held_out": held_out} for held_out, subset in _subsets(timed, 1)]
+
+
+def predict(fit, seconds, kernels):
+    return (sum(fit["factors"][c] * seconds[c] for c in CLASSES)
+            + fit.get("per_kernel", 0.0) * kernels + fit.get("per_step", 0.0))
+
+
+def estimate(seconds, kernels, runs):
+    """(point, low, high) step seconds for a program of these class roofline seconds and kernels, the fit the
+    point comes from and every fit of the band."""
+    fits = calibrations(runs)
+    point = next(f for form in POINT_FORMS for f in fits if f["form"] == form and f["held_out"] is None)
+    predictions = [predict(f, seconds, kernels) for f in fits]
+    return predict(point, seconds, kernels), min(predictions), max(predictions), point, fits
 
 
 def _shard_bytes(abstract):
