@@ -13,7 +13,7 @@ NeMo report it, and of the measured rate beside it. `--dump_hlo PATH` writes the
 `--pipeline_flops` counts instead of timing: it compiles the step for the given mesh (pp = P,
 M micro-batches) and for the same config with pp = 1, 2, 4, ... below P (same dp and tp, same
 global batch and M; a pp the config does not allow is skipped) and prints the per-device FLOPs of
-each, their ratio to pp = 1, and the pipeline's expectation (R M + pp - 1) / (R M pp) (R =
+each, their ratio to pp = 1, and the pipeline's expectation (P M + pp - 1) / (P M pp) (P =
 --pipeline_repeats; 1: GPipe), as a table on stderr and in the JSON line ("by_pp"). XLA:CPU's cost analysis does not count through loops (a `while`
 body, i.e. every lax.scan, is costed once), so the FLOPs are also counted here from the optimized
 HLO with every loop body multiplied by its trip count (`hlo_flops`); that count is the one compared.
@@ -140,10 +140,10 @@ def count_step_flops(cfg):
     return {"xla_cost_analysis": xla_flops(compiled), **hlo.matmul_flops(compiled.as_text())}
 
 
-def expected_pipeline_ratio(M, pp, R=1):
-    """Per-device block work at pp stages over the pp = 1 figure: each device runs R M + pp - 1
-    ticks of B/(R pp) blocks instead of R M ticks of B/R, i.e. (R M + pp - 1) / (R M pp)."""
-    return (R * M + pp - 1) / (R * M * pp)
+def expected_pipeline_ratio(M, pp, P=1):
+    """Per-device block work at pp stages over the pp = 1 figure: each device runs P M + pp - 1
+    ticks of B/(P pp) blocks instead of P M ticks of B/P, i.e. (P M + pp - 1) / (P M pp)."""
+    return (P * M + pp - 1) / (P * M * pp)
 
 
 def pipeline_flops(cfg):
@@ -151,12 +151,12 @@ def pipeline_flops(cfg):
     and in "by_pp" the same for every pp of 1, 2, 4, ... up to the mesh's (those the config allows).
 
     GPipe: each stage runs M + pp - 1 ticks of B/pp blocks on one micro-batch, so the blocks' work
-    per device is (M + pp - 1) / (M pp) of the pp = 1 step; a circular pipeline of R repeats,
-    (R M + pp - 1) / (R M pp). The output layer (tied embedding, large vocab) runs after the
+    per device is (M + pp - 1) / (M pp) of the pp = 1 step; a circular pipeline of P repeats,
+    (P M + pp - 1) / (P M pp). The output layer (tied embedding, large vocab) runs after the
     pipeline, split over the stages (1/pp each), so the total ratio sits below the pipeline figure
     by how much of the step the output layer is; "ratio_by_part" shows both."""
     dp, pp, tp = cfg.run.n_device_axis
-    M, R = cfg.run.micro_batch_size, cfg.model.pipeline_repeats
+    M, P = cfg.run.micro_batch_size, cfg.model.pipeline_repeats
     stages = sorted({1, pp} | {2 ** i for i in range(1, pp.bit_length()) if 2 ** i < pp})
     counts = {}
     for stage_count in stages:
@@ -170,18 +170,18 @@ def pipeline_flops(cfg):
         counts[stage_count] = count_step_flops(variant)
     with_pp, without = counts[pp], counts[1]
     ratio = lambda a, b, key: (a[key] / b[key]) if a.get(key) and b.get(key) else None
-    expected = expected_pipeline_ratio(M, pp, R)
+    expected = expected_pipeline_ratio(M, pp, P)
     parts = ("total", "blocks", "output_layer", "unattributed", "forward", "backward", "remat")
     by_pp = [{"pp": n, "per_device_flops": c["total"], "blocks": c["blocks"] + c["unattributed"],
               "output_layer": c["output_layer"], "ratio": ratio(c, without, "total"),
               "blocks_ratio": (c["blocks"] + c["unattributed"]) / (without["blocks"] + without["unattributed"])
               if without["blocks"] + without["unattributed"] else None,
-              "expected_ratio": expected_pipeline_ratio(M, n, R),
-              "expected_flops": expected_pipeline_ratio(M, n, R) * without["total"]}
+              "expected_ratio": expected_pipeline_ratio(M, n, P),
+              "expected_flops": expected_pipeline_ratio(M, n, P) * without["total"]}
              for n, c in sorted(counts.items())]
     return {
         "mode": "pipeline_flops", "mesh": [dp, pp, tp], "flat_mesh": [dp, 1, tp], "micro_batches": M,
-        "pipeline_repeats": R,
+        "pipeline_repeats": P,
         "global_batch": utils.global_batch(cfg), "T": cfg.model.T, "remat": cfg.model.remat,
         "per_device_flops_pp": with_pp["total"], "per_device_flops_pp1": without["total"],
         "ratio": ratio(with_pp, without, "total"), "gpipe_expected_ratio": expected_pipeline_ratio(M, pp),
@@ -195,14 +195,14 @@ def pipeline_flops(cfg):
         "xla_cost_analysis_ratio": ratio(with_pp, without, "xla_cost_analysis"),
         "note": "per_device_flops_*: matmul FLOPs of the optimized per-device HLO, loop bodies x trip count; "
                 "xla_cost_analysis_*: XLA's own figure, which counts each loop body once; "
-                "expected_ratio: (R M + pp - 1) / (R M pp) with R = pipeline_repeats (1: GPipe)",
+                "expected_ratio: (P M + pp - 1) / (P M pp) with P = pipeline_repeats (1: GPipe)",
     }
 
 
 def print_pipeline_table(result, out):
     """The by_pp rows as a table (to stderr: stdout stays one JSON line)."""
-    M, R = result["micro_batches"], result["pipeline_repeats"]
-    print(f"per-device matmul FLOPs of one train step, M = {M}, R = {R} (expected: (R M + pp - 1)/(R M pp) "
+    M, P = result["micro_batches"], result["pipeline_repeats"]
+    print(f"per-device matmul FLOPs of one train step, M = {M}, P = {P} (expected: (P M + pp - 1)/(P M pp) "
           f"x the pp = 1 total)", file=out)
     print(f"{'pp':>3} {'total':>11} {'blocks':>11} {'output':>11} {'ratio':>7} {'blocks':>7} {'expected':>9} "
           f"{'expected FLOPs':>14} {'total/exp':>9}", file=out)
