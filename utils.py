@@ -244,7 +244,17 @@ PRESETS["dsv3-tiny"] = dataclasses.replace(
         tied_embeddings=False, routed_scaling=2.5, capacity_factor=0.0),
     optim=dataclasses.replace(PRESETS["tiny"].optim, bias_update_rate=1e-3),
     run=dataclasses.replace(PRESETS["tiny"].run, name="dsv3-tiny"))
-PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}     # the TPU slice each pod preset's mesh fills
+# A 10B MoE (10.5B total, 2.2B active without the embedding) on the guide's v4-64 at its global batch: width
+# 2048, 32 experts, blocks of 4 layers. It fits only with the routed experts split over dp (each chip keeps
+# its 4 experts whole instead of gathering all 32 for the step) and every layer recomputed in the backward:
+# the plan is 26.5 of 30.75 GiB a chip, most of it the pipeline ticks' stacked activations
+# (docs/launch.md, "Before you rent a pod").
+PRESETS["moe10B"] = dataclasses.replace(
+    PRESETS["moe1B"], model=dataclasses.replace(
+        PRESETS["moe1B"].model, model_dimension=2048, n_head=16, n_experts=32, layers_per_block=4, latent_dim=512,
+        q_latent_dim=768, dhR=64, remat="full", expert_parallel=True),
+    run=dataclasses.replace(PRESETS["moe1B"].run, name="moe10B"))
+PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32", "moe10B": "v4-64"}     # the TPU slice each pod preset's mesh fills
 # The pod presets are the guide's run on FineWeb-Edu: they train on --data_dir, never on the bundled corpus.
 TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/fineweb-edu --hf_config sample-350BT "
                     "--out gs://BUCKET/fineweb-edu --shard_size 100000000 --val_shards 1 --max_tokens 26400000000")

@@ -147,7 +147,7 @@ def test_slice_table():
     assert (v4_64.chips, v4_64.hosts, v4_64.topology_name) == (32, 8, "v4:2x4x4")
     assert utils.tpu_slice("v5e-16") == names["v5litepod-16"] and names["v5litepod-16"].hosts == 4
     assert names["v6e-8"].hosts == 1 and math.isclose(names["v6e-8"].hbm_bytes, 31.25 * 2**30)
-    assert utils.PRESET_SLICES == {"moe1B": "v4-64", "moe1B-v4-32": "v4-32"}
+    assert utils.PRESET_SLICES == {"moe1B": "v4-64", "moe1B-v4-32": "v4-32", "moe10B": "v4-64"}
     for preset, slice_name in utils.PRESET_SLICES.items():
         cfg = utils.config_from_args(["--preset", preset])
         assert math.prod(cfg.run.n_device_axis) == names[slice_name].chips
@@ -234,6 +234,15 @@ ENTRY %main (p: f32[4]) -> f32[1] {
         "all-gather": {"count": 1, "bytes": 64, "link_bytes": 64 * 3 / 4},
         "reduce-scatter": {"count": 1, "bytes": 64, "link_bytes": 64 * 7 / 8},
         "all-reduce": {"count": 1, "bytes": 16, "link_bytes": 16 * 2 * 3 / 4}}
+
+
+@pytest.mark.skipif(not os.environ.get("JAXFORMER_SLOW_TESTS"), reason="opt-in (JAXFORMER_SLOW_TESTS=1): 6-8 min")
+def test_the_10b_preset_fits_a_v4_64(tmp_path):
+    """--preset moe10B on the guide's v4-64 at its global batch: every chip's plan within its 30.75 GiB."""
+    p = compile_for("--preset", "moe10B", "--compile_for", "v4-64", cwd=tmp_path)
+    assert p.returncode == 0 and "fits on v4-64" in p.stdout, (p.stdout[-3000:], p.stderr[-3000:])
+    counts = sharding.count_params(utils.PRESETS["moe10B"].model)
+    assert 10e9 < counts["total"] < 11e9 and 2e9 < counts["active"] < 2.5e9, counts
 
 
 @pytest.mark.skipif(not os.environ.get("JAXFORMER_SLOW_TESTS"), reason="opt-in (JAXFORMER_SLOW_TESTS=1): ~20-40 s")
