@@ -194,7 +194,8 @@ def arrays(path, whole_state):
         import orbax.checkpoint as ocp
         steps = [int(d) for d in os.listdir(os.path.join(path, "checkpoints")) if d.isdigit()]
         with ocp.StandardCheckpointer() as checkpointer:
-            state = checkpointer.restore(os.path.join(path, "checkpoints", str(max(steps)), "state"))
+            # Orbax takes absolute paths only
+            state = checkpointer.restore(os.path.abspath(os.path.join(path, "checkpoints", str(max(steps)), "state")))
     else:
         _, params, bias, _ = convert.read_checkpoint(path)
         state = {"params": params, "router_bias": bias}
@@ -301,7 +302,8 @@ def run_card(work, say=print):
             out = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()
                    and not line.startswith(("Loading weights", "Writing model shards"))]   # progress bars
             shown = out[-tail:] if tail else out
-            body += ["```", f"$ {command}"] + ([f"... ({len(out) - len(shown)} lines)"] if len(shown) < len(out) else [])
+            cut = [f"... ({len(out) - len(shown)} lines)"] if len(shown) < len(out) else []
+            body += ["```", f"$ {command}"] + cut
             body += shown + ([f"(exit {proc.returncode})"] if proc.returncode else []) + [
                 f"({time.time() - t0:.0f} s)", "```", ""]
             summary += [f"- {heading}: {line.strip()}" for line in out if any(v in line for v in VERDICTS)]
@@ -315,7 +317,8 @@ def run_card(work, say=print):
             "run from the repository root and what it printed (long outputs: their last lines). `.venv` is",
             "requirements.txt: main.py and convert.py, no torch. `.venv-hf` is requirements-hf.txt: transformers "
             f"{_version('transformers')}, torch {_version('torch')} (CPU).",
-            "The checks are scripts/verification_card.py's subcommands; the layouts they check, convert.py's docstring.",
+            "The checks are scripts/verification_card.py's subcommands; the layouts they check are described in",
+            "convert.py's docstring.",
             "", "## Summary", ""] + summary + [""]
     path = os.path.join(ROOT, "docs", "verification.md")
     with open(f"{path}.tmp", "w") as f:
