@@ -191,11 +191,19 @@ def arrays(path, whole_state):
     if os.path.exists(os.path.join(path, "config.json")):
         return convert.read_safetensors(path)
     if whole_state:
+        import logging
+
         import orbax.checkpoint as ocp
         steps = [int(d) for d in os.listdir(os.path.join(path, "checkpoints")) if d.isdigit()]
+        # Orbax takes absolute paths only; read onto this one device whatever mesh saved the state (its
+        # metadata's shapes and dtypes as the target). Orbax warns of a file its checkpoint manager does not write.
+        where = os.path.abspath(os.path.join(path, "checkpoints", str(max(steps)), "state"))
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        logging.getLogger("absl").setLevel(logging.ERROR)
         with ocp.StandardCheckpointer() as checkpointer:
-            # Orbax takes absolute paths only
-            state = checkpointer.restore(os.path.abspath(os.path.join(path, "checkpoints", str(max(steps)), "state")))
+            target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                                  checkpointer.metadata(where).item_metadata)
+            state = checkpointer.restore(where, target)
     else:
         _, params, bias, _ = convert.read_checkpoint(path)
         state = {"params": params, "router_bias": bias}
