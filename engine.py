@@ -99,8 +99,9 @@ class Fast(Reference):
         return attention.attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, self.platform)
 
     def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
+        """--moe_impl ragged's grouped matmuls are tokamax's kernel on a GPU (experts.triton_grouped)."""
         dp = axes.dp if axes.expert_parallel else None
-        return experts.MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp)
+        return experts.MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp, self.platform)
 
     def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
         chunk = GPU_CHUNK_TOKENS if self.platform == "gpu" else CPU_CHUNK_TOKENS

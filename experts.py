@@ -1,8 +1,9 @@
 """Engine: the routed-experts seam (engine.Reference/Fast.routed_experts). model.MoE routes, decides what
 is kept and gates; here each kept choice gets its expert's output [B, T, k, D] in the matmul dtype, four
 ways: per-expert capacity buffers [B, E, C, D] (`experts_in_buffers`, what --engine reference runs) or
-a sorted grouped matmul (`experts_ragged`, lax.ragged_dot), each also with the experts split over dp and
-the tokens sent to them by all-to-all (`experts_over_dp`, `experts_over_dp_ragged`: --expert_parallel).
+a sorted grouped matmul (`experts_ragged`: lax.ragged_dot, or on a GPU in bf16 tokamax's Triton kernel,
+`triton_grouped`), each also with the experts split over dp and the tokens sent to them by all-to-all
+(`experts_over_dp`, `experts_over_dp_ragged`: --expert_parallel).
 Every way computes `model.ffn`. N = B T k routed choices, U slots per expert on a dp shard, W rows a
 shard receives; e = E/dp experts on a dp shard.
 """
@@ -11,6 +12,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from collectives import sum_like, vary_like
 from model import ffn
@@ -68,46 +71,91 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp):
     return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)]
 
 
-def _grouped_ffn(w, x_ND, group_sizes_E):
+def _grouped_ffn(w, x_ND, group_sizes_E, platform):
     """model.ffn over rows sorted by expert (group_sizes_E rows each, in expert order; rows past their sum
-    in no group), each product a grouped matmul (lax.ragged_dot) with the product's contract."""
-    grouped = lambda spec, x, w_EDF, dtype, out_dtype: _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), out_dtype,
-                                                                       x, w_EDF, group_sizes_E)
+    in no group), each product a grouped matmul with the product's contract: on a GPU (`platform`, the
+    mesh's) in bf16 tokamax's Triton kernel, else lax.ragged_dot, which is also the kernel's reference."""
+    def grouped(spec, x, w_EDF, dtype, out_dtype):
+        kernel = platform == "gpu" and dtype == jnp.bfloat16
+        return _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), out_dtype, kernel, x, w_EDF, group_sizes_E)
     return ffn(x_ND, w["expert_up"], w["expert_down"], "nd,edf->nf", grouped, w_gate=w.get("expert_gate"))
 
 
-def _ragged32(x, w, group_sizes, dims=None):
-    """lax.ragged_dot (or ragged_dot_general with `dims`) accumulated and returned in fp32."""
-    product = (partial(lax.ragged_dot, preferred_element_type=jnp.float32) if dims is None else
-               partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims, preferred_element_type=jnp.float32))
-    return fp32_product(product, x, w, group_sizes)
+# A grouped matmul's three products, as lax.ragged_dot_general's dimension numbers: rows grouped by expert
+# times their group's matrix [G, K, M] (the forward), times its transpose (d_x), and the rows' outer
+# products summed per group (d_w: the rows are the ragged contraction).
+_dims = lambda contract, group: lax.RaggedDotDimensionNumbers((contract, ((), ())), (0,), group)
+ROWS, ROWS_T, PER_GROUP = _dims(((1,), (1,)), (0,)), _dims(((1,), (2,)), (0,)), _dims(((0,), (0,)), ())
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ragged_rounded(dtype, operand_dtypes, out_dtype, x_ND, w_EDF, group_sizes_E):
-    """lax.ragged_dot of the operands rounded to `dtype`, accumulated in fp32 and returned in out_dtype,
+def _grouped(a, b, group_sizes, dims, kernel, out_dtype=jnp.float32):
+    """The grouped product `dims` of operands in the matmul dtype, accumulated in fp32 and returned in
+    out_dtype: by tokamax's Triton kernel (kernel True) or lax.ragged_dot_general."""
+    if kernel:
+        return triton_grouped(a, b, group_sizes, dims, out_dtype)
+    product = partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims, preferred_element_type=jnp.float32)
+    return fp32_product(product, a, b, group_sizes).astype(out_dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ragged_rounded(dtype, operand_dtypes, out_dtype, kernel, x_ND, w_EDF, group_sizes_E):
+    """The grouped matmul of the operands rounded to `dtype`, accumulated in fp32 and returned in out_dtype,
     whose backward rounds the cotangent to `dtype` and returns each operand's cotangent in its own dtype
-    (as products.mm)."""
-    return _ragged32(x_ND.astype(dtype), w_EDF.astype(dtype), group_sizes_E).astype(out_dtype)
+    (as products.mm); kernel: tokamax's Triton kernel does all three products."""
+    return _grouped(x_ND.astype(dtype), w_EDF.astype(dtype), group_sizes_E, ROWS, kernel, out_dtype)
 
 
-def _ragged_rounded_fwd(dtype, operand_dtypes, out_dtype, x_ND, w_EDF, group_sizes_E):
+def _ragged_rounded_fwd(dtype, operand_dtypes, out_dtype, kernel, x_ND, w_EDF, group_sizes_E):
     x_ND, w_EDF = x_ND.astype(dtype), w_EDF.astype(dtype)
-    return _ragged32(x_ND, w_EDF, group_sizes_E).astype(out_dtype), (x_ND, w_EDF, group_sizes_E)
+    return _grouped(x_ND, w_EDF, group_sizes_E, ROWS, kernel, out_dtype), (x_ND, w_EDF, group_sizes_E)
 
 
-def _ragged_rounded_bwd(dtype, operand_dtypes, out_dtype, residuals, g_Nf):
+def _ragged_rounded_bwd(dtype, operand_dtypes, out_dtype, kernel, residuals, g_Nf):
     x_ND, w_EDF, group_sizes_E = residuals
     g_Nf = g_Nf.astype(dtype)
-    dims = lambda contract, ragged, group: lax.RaggedDotDimensionNumbers((contract, ((), ())), ragged, group)
-    # d_x = g w_e^T row by row; d_w_e = x_e^T g_e over group e's rows (the rows are the ragged contraction)
-    d_x_ND = _ragged32(g_Nf, w_EDF, group_sizes_E, dims(((1,), (2,)), (0,), (0,)))
-    d_w_EDF = _ragged32(x_ND, g_Nf, group_sizes_E, dims(((0,), (0,)), (0,), ()))
+    # d_x = g w_e^T row by row; d_w_e = x_e^T g_e over group e's rows
+    d_x_ND = _grouped(g_Nf, w_EDF, group_sizes_E, ROWS_T, kernel)
+    d_w_EDF = _grouped(x_ND, g_Nf, group_sizes_E, PER_GROUP, kernel)
     return (sum_like(d_x_ND, x_ND).astype(operand_dtypes[0]), sum_like(d_w_EDF, w_EDF).astype(operand_dtypes[1]),
             None)
 
 
 _ragged_rounded.defvjp(_ragged_rounded_fwd, _ragged_rounded_bwd)
+
+
+def triton_grouped(a, b, group_sizes, dims, out_dtype):
+    """lax.ragged_dot_general(a, b, group_sizes, dims) for dims ROWS, ROWS_T or PER_GROUP, by tokamax's
+    Pallas-Triton grouped matmuls (requirements-gpu-aot.txt), accumulated in fp32 and returned in out_dtype.
+    XLA:GPU expands lax.ragged_dot into a dense product with every group's matrix; jax's own Mosaic GPU
+    kernels read the local GPU's SM count while tracing, which a deviceless `--compile_for h200` has not.
+    Tokamax's private entries: its public one reads absl flags from sys.argv and asks the local device."""
+    try:
+        from tokamax._src.ops.ragged_dot import pallas_triton
+    except ImportError as e:
+        raise ImportError("--moe_impl ragged on a GPU multiplies with tokamax's grouped matmul: pip install "
+                          "tokamax==0.0.12 (requirements-gpu-aot.txt)") from e
+    # tokamax's heuristic tiles for these shapes: with no GPU here there is nothing to autotune on
+    config = pallas_triton.Config(block_m=min(128, pl.next_power_of_2(a.shape[0])), block_n=128, block_k=32,
+                                  num_warps=4, num_stages=4)
+    common = dict(precision=(lax.Precision.DEFAULT,) * 2, out_dtype=jnp.dtype(out_dtype), config=config)
+
+    def kernel(a, b, group_sizes):
+        if dims == PER_GROUP:
+            out = pallas_triton._ragged_contracting_dim_dot(
+                a, b, group_sizes=group_sizes,
+                ragged_dot_dimension_numbers=pallas_triton.base.RAGGED_CONTRACTING_DOT_DIM_NUMS, **common)
+            # An empty group's one (masked) step adds up the block_k rows before it: its sum is 0.
+            return jnp.where(group_sizes[:, None, None] > 0, out, 0)
+        out = pallas_triton._ragged_dot(
+            a, jnp.swapaxes(b, 1, 2) if dims == ROWS_T else b, group_sizes=group_sizes,
+            ragged_dot_dimension_numbers=pallas_triton.base.DEFAULT_RAGGED_DOT_DIM_NUMS,
+            split_k_intermediate_dtype=None, **common)
+        # The kernel writes only the groups' rows; those past them (dropped choices) are 0, as lax's.
+        return jnp.where(jnp.arange(a.shape[0])[:, None] < jnp.sum(group_sizes), out, 0)
+    # A Pallas call inside shard_map needs its outputs' varying axes, which tokamax does not give: it is
+    # traced with check_vma off (a shard_map over no axis), and its result varies as its operands do.
+    out = jax.shard_map(kernel, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(a, b, group_sizes)
+    return vary_like((out,), (a, b, group_sizes))[0]
 
 
 def _sorted_by_expert(experts_BTk, slot_BTk, C, E):
@@ -117,17 +165,17 @@ def _sorted_by_expert(experts_BTk, slot_BTk, C, E):
     return jnp.argsort(expert_N, stable=True), jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
 
 
-def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C):
+def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C, platform=None):
     """The same outputs from a grouped matmul: choices sorted by expert (dropped ones last, in no group) and
-    multiplied by their expert's weights; no capacity padding."""
+    multiplied by their expert's weights; no capacity padding. platform: the mesh's (`_grouped_ffn`)."""
     B, T, k = experts_BTk.shape
     order_N, group_sizes_E = _sorted_by_expert(experts_BTk, slot_BTk, C, w["expert_up"].shape[0])
-    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E)
+    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E, platform)
     # order_N is a permutation: promising unique indices keeps the scatter's gradient a gather
     return jnp.zeros_like(y_ND).at[order_N].set(y_ND, unique_indices=True).reshape(B, T, k, -1)
 
 
-def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
+def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, platform=None):
     """Expert parallelism without capacity padding: the kept choices, sorted by expert, travel to their
     experts' shard with lax.ragged_all_to_all (only the rows there are), run through a grouped matmul and
     come back the same way. XLA:CPU does not implement ragged_all_to_all: on a CPU this path is checked by
@@ -155,7 +203,7 @@ def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     group_W = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(W), side="right")
     local_W = jnp.where(group_W < n * e, group_W % e, e)
     by_expert_W = jnp.argsort(local_W, stable=True)
-    y_sorted_WD = _grouped_ffn(w, recv_WD[by_expert_W], jnp.sum(counts_nne[:, me, :], axis=0))
+    y_sorted_WD = _grouped_ffn(w, recv_WD[by_expert_W], jnp.sum(counts_nne[:, me, :], axis=0), platform)
     y_WD = jnp.zeros_like(y_sorted_WD).at[by_expert_W].set(y_sorted_WD, unique_indices=True)
     # And back over dp, the inverse exchange: [W, D] -> [N, D] in this shard's sorted order
     back_ND = vary_like((jnp.zeros((N, D), dtype),), (y_WD,))[0]
@@ -164,18 +212,20 @@ def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp):
     return jnp.zeros((N, D), dtype).at[order_N].set(back_ND, unique_indices=True).reshape(B, T, k, D)
 
 
-def buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None):
-    """--moe_impl buffers, over dp when dp names the axis the experts are split over (--expert_parallel)."""
+def buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None, platform=None):
+    """--moe_impl buffers, over dp when dp names the axis the experts are split over (--expert_parallel);
+    mm, the engine's product, runs on every platform."""
     if dp is None:
         return experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm)
     return experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp)
 
 
-def ragged(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None):
-    """--moe_impl ragged (grouped matmuls with the product's contract of their own: mm is not used)."""
+def ragged(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None, platform=None):
+    """--moe_impl ragged (grouped matmuls with the product's contract of their own, chosen by the mesh's
+    platform: mm is not used)."""
     if dp is None:
-        return experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C)
-    return experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp)
+        return experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C, platform)
+    return experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, platform)
 
 
 MOE_IMPLS = {"buffers": buffers, "ragged": ragged}

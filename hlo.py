@@ -374,13 +374,16 @@ def _cublas_flops(d, operand_shapes):
 def _grouped_gemm_flops(d, operand_shapes):
     """FLOPs of a kernel that is a grouped GEMM by its shapes (a Pallas/Triton/Mosaic custom call): rows
     [M, K] against G stacked matrices [G, K, N] (or [G, N, K]) into [M, N], each row multiplied by one of
-    them: 2 M K N. 0 when the shapes are not those of one."""
+    them: 2 M K N; or its backward's per-group one, rows [M, K] and [M, N] into G matrices [G, K, N], each
+    row's outer product added to its group's: 2 M K N too. 0 when the shapes are not those of one."""
     out = _first_array(d["shape"])[1]
-    rows = next((s for _, s in operand_shapes if len(s) == 2), None)
+    rows = [s for _, s in operand_shapes if len(s) == 2]
     stack = next((s for _, s in operand_shapes if len(s) == 3), None)
-    if not (rows and stack and len(out) == 2 and out[0] == rows[0]):
+    if len(out) == 3 and len(rows) >= 2 and rows[0][0] == rows[1][0] and out[1:] == [rows[0][1], rows[1][1]]:
+        return 2.0 * rows[0][0] * rows[0][1] * rows[1][1]
+    if not (rows and stack and len(out) == 2 and out[0] == rows[0][0]):
         return 0.0
-    m, k = rows
+    m, k = rows[0]
     n = out[1]
     return 2.0 * m * k * n if sorted(stack[1:]) == sorted((k, n)) else 0.0
 
@@ -393,8 +396,9 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
     reads only the slice of an operand it reads only through (dynamic-)slices or gathers, does not
     read an operand it only updates in place, and writes only the update when its root is a
     dynamic-update-slice. FLOPs: dots' and convolutions', cuBLAS custom calls' (from their dimension
-    numbers), cuDNN fused attention's (`_cudnn_attention_flops`) and a grouped GEMM's by its shapes
-    (`_grouped_gemm_flops`); any other custom call counts bytes only and is listed in "uncounted".
+    numbers), cuDNN fused attention's (`_cudnn_attention_flops`) and a grouped GEMM's by its shapes, its
+    backward's per-group product included (`_grouped_gemm_flops`); any other custom call counts bytes only
+    and is listed in "uncounted".
     A product with an fp32 operand runs at half peak_flops (TF32 tensor cores: half the bf16 rate on
     Hopper and Ampere). The roofline sum, over kernels of max(FLOPs / rate, bytes / hbm_bandwidth):
     the time at the roofline with every kernel alone.
