@@ -31,7 +31,8 @@ batch's token ids are Zipf-distributed as in text (`--tokens uniform`: uniform);
 that of the fp32 gradient rounded once to the matmul dtype (the floor), and each error on the tied
 table alone (its gradient sums over every occurrence of a token), and one device's error with the other
 engine (--engine reference's plain math, or the fast one's kernels): in bf16 the fast engine's is to be
-no larger than the reference's.
+no larger than the reference's, leaf by leaf in the median
+("engine_leaf_ratio").
 
 Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
@@ -271,12 +272,15 @@ def grad_error(cfg, tokens="zipf"):
     # leaf by leaf, the mesh's error over one device's: where a mesh's own rounding would show
     leaf_ratios = {leaf: runs["mesh"][0][leaf] / e for leaf, e in runs["one_device"][0].items()}
     worst_ratio_leaf = max(leaf_ratios, key=leaf_ratios.get)
+    # leaf by leaf, this engine's error over the other's, both on one device
+    engine_ratios = [e / runs[f"{other_engine.engine}_engine"][0][leaf] for leaf, e in runs["one_device"][0].items()]
     return {"mode": "grad_error", "tokens": tokens, "mesh": list(cfg.run.n_device_axis), "micro_batches": M,
             "global_batch": len(x), "model_dtype": m.model_dtype, "engine": m.engine,
             **{f"{name}_error": worst[name] for name in runs}, **{f"{name}_worst_leaf": runs[name][1] for name in runs},
             "ratio": worst["mesh"] / worst["one_device"], "bound": GRAD_ERROR_SLACK,
             "leaf_ratio": {"median": float(np.median(list(leaf_ratios.values()))), "max": leaf_ratios[worst_ratio_leaf],
                            "max_leaf": worst_ratio_leaf},
+            "engine_leaf_ratio": {"median": float(np.median(engine_ratios)), "max": float(np.max(engine_ratios))},
             # The tied table's gradient sums over every occurrence of a token: where a bf16 sum would show.
             "table_error": {name: by_leaf[TABLE_LEAF] for name, (by_leaf, _) in runs.items()}}
 
