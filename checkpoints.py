@@ -33,16 +33,17 @@ class SaveFailed(Exception):
 def checkpoint_manager(run_dir, read_only=False):
     """The run's checkpoints: saving every --checkpoint_steps interval it is asked to, keeping the last 3;
     read_only (--sample): a manager that writes nothing."""
-    options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
-               ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True, create=True))
     # a URL goes to Orbax as it is (every host writes its shards there); only a local path is made absolute
     directory = f"{run_dir.rstrip('/')}/checkpoints" if is_url(run_dir) else os.path.join(os.path.abspath(run_dir),
                                                                                              "checkpoints")
-    # Orbax warns that a read-only manager is read only (the directory may well be writable): asked for.
+    # Orbax warns that a read-only manager is read only and saves nothing (its options and the manager say
+    # so): asked for.
     absl, level = logging.getLogger("absl"), logging.getLogger("absl").level
     absl.setLevel(logging.ERROR if read_only else level)
     try:
-        # handlers named up front, so that a checkpoint's tree can be inspected before restoring (_restore)
+        options = (ocp.CheckpointManagerOptions(read_only=True, create=False) if read_only else
+                   ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True, create=True))
+        # handlers named up front, so that a checkpoint's tree can be inspected before restoring (restore_step)
         return ocp.CheckpointManager(directory, options=options, item_handlers={
             "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
     finally:
@@ -166,7 +167,7 @@ def restore_latest(mngr, abstract_state, run_dir, mc):
     failed = []
     for step in steps:
         try:
-            state, meta = _restore(mngr, step, abstract_state, mc.pipeline_repeats)
+            state, meta = restore_step(mngr, step, abstract_state, mc.pipeline_repeats)
         except Exception as e:
             failed.append((step, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"))
             continue
@@ -198,7 +199,7 @@ def newest_meta(mngr):
     return None
 
 
-def _restore(mngr, step, abstract_state, repeats):
+def restore_step(mngr, step, abstract_state, repeats):
     # Checkpoints from before the aux-loss-free routing bias hold none: they routed with a bias of 0.
     has_bias = "router_bias" in mngr.item_metadata(step)["state"].keys()
     target = abstract_state if has_bias else {k: v for k, v in abstract_state.items() if k != "router_bias"}

@@ -46,8 +46,8 @@ from safetensors.numpy import save_file
 
 import sharding
 import utils
-from checkpoints import _restore, checkpoint_manager, checksums_and_finite, save, wait_for_save
-from data.tokenizer import _PATTERN, EOT_ID, VOCAB_SIZE, get_tokenizer
+from checkpoints import checkpoint_manager, checksums_and_finite, restore_step, save, wait_for_save
+from data.tokenizer import PATTERN, EOT_ID, VOCAB_SIZE, get_tokenizer
 from model import NORM_EPS
 from multihost import set_up_devices
 from rundir import is_url
@@ -479,7 +479,7 @@ def tokenizer_files(T):
     # runs of 1-3 digits" (a 7-digit number would be one piece); the plain greedy {1,3} splits digits as
     # tiktoken does, since nothing follows it in its alternative to backtrack into it.
     digits = r"\p{N}{1,3}+"
-    assert digits in _PATTERN, "data/tokenizer.py's pattern changed: check tokenizer_files' translation of it"
+    assert digits in PATTERN, "data/tokenizer.py's pattern changed: check tokenizer_files' translation of it"
     eot = enc.encode_single_token(EOT)
     template = lambda *parts: [{"SpecialToken": {"id": EOT, "type_id": 0}} if p == EOT
                                else {"Sequence": {"id": p, "type_id": 0}} for p in parts]
@@ -489,7 +489,7 @@ def tokenizer_files(T):
                           "normalized": False, "special": True} for i, s in specials],
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": _PATTERN.replace(digits, r"\p{N}{1,3}")}, "behavior": "Isolated",
+            {"type": "Split", "pattern": {"Regex": PATTERN.replace(digits, r"\p{N}{1,3}")}, "behavior": "Isolated",
              "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": {"type": "TemplateProcessing", "single": template(EOT, "A"),
@@ -599,7 +599,7 @@ def read_checkpoint(run_dir, step=None, check=lambda mc, where: None):
     # Read in model order (pipeline_repeats 1) on one device, whatever layout and mesh saved it.
     cfg = utils.Config(model=dataclasses.replace(mc, pipeline_repeats=1))
     trainer = build_trainer(cfg, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
-    state, _ = _restore(mngr, step, trainer.abstract_state, 1)
+    state, _ = restore_step(mngr, step, trainer.abstract_state, 1)
     mngr.close()
     params, bias = jax.device_get((state["params"], state["router_bias"]))
     return mc, params, bias, where

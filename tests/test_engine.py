@@ -12,7 +12,9 @@ from test_model import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, batch, one_de
                         sharded_value_and_grad, with_model)
 
 REFERENCE = with_model(CFG, engine="reference")
-CASES = [((1, 1, 1), 2, {}), ((2, 2, 2), 4, {}), ((1, 2, 4), 4, {}), ((4, 1, 2), 2, EP), ((2, 2, 2), 4, EP | CIRCULAR)]
+# The reference engine's code is mesh-free math; its seams meet the mesh on one device, on pp x tp 4 and on
+# every axis with expert parallelism and the circular pipeline (test_model holds the fast one to all 9 meshes).
+CASES = [((1, 1, 1), 2, {}), ((1, 2, 4), 4, {}), ((2, 2, 2), 4, EP | CIRCULAR)]
 
 
 def test_the_reference_engine_equals_the_fast_one_in_deepseek_v3s_architecture():
