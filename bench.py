@@ -31,8 +31,7 @@ batch's token ids are Zipf-distributed as in text (`--tokens uniform`: uniform);
 that of the fp32 gradient rounded once to the matmul dtype (the floor), and each error on the tied
 table alone (its gradient sums over every occurrence of a token), and one device's error with the other
 engine (--engine reference's plain math, or the fast one's kernels): in bf16 the fast engine's is to be
-no larger than the reference's, leaf by leaf in the median
-("engine_leaf_ratio").
+no larger than the reference's, leaf by leaf in the median ("engine_leaf_ratio").
 
 Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5

@@ -18,8 +18,8 @@ from test_main import MESH1, run
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _readme():
-    with open(os.path.join(REPO, "README.md")) as f:
+def _page(*path):
+    with open(os.path.join(REPO, *path)) as f:
         return f.read()
 
 
@@ -37,7 +37,7 @@ def test_the_pod_recipe_tokenizes_what_the_guides_run_reads(cpu_env, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     printed = re.search(r"\((python -m data\.tokenize_local [^)]*)\)", proc.stderr)
     assert printed, proc.stderr
-    recipe = re.search(r"^python -m data\.tokenize_local (?:.*\\\n)*.*$", _readme(), re.M)
+    recipe = re.search(r"^python -m data\.tokenize_local (?:.*\\\n)*.*$", _page("README.md"), re.M)
     assert recipe, "README's pod recipe has no tokenizer command"
     flags, readme = _flags(printed[1]), _flags(recipe[0].replace("\\\n", " "))
     assert readme == flags, (readme, flags)
@@ -53,7 +53,7 @@ def test_the_pod_recipe_tokenizes_what_the_guides_run_reads(cpu_env, tmp_path):
 def test_the_readmes_python_version_and_virtualenv_line_work_as_written(tmp_path):
     """README names the Python for which requirements.txt's pins are resolved and a virtualenv line; run as
     written (in an empty directory), the line gives an interpreter of that version."""
-    readme = _readme()
+    readme = _page("README.md")
     version = re.search(r"\bPython (3\.\d+)\b", readme)
     assert version, "README names no Python version"
     with open(os.path.join(REPO, "requirements.txt")) as f:
@@ -86,8 +86,7 @@ def test_python_main_prints_what_training_md_says(cpu_env, tmp_path):
     """README's first command, run as a newcomer runs it: the parameter count docs/training.md shows, and a
     final val cross-entropy inside the spread the page states (case 11: the page once gave one machine's
     digits, 4.9794, and a newcomer's first run ended at 4.9974)."""
-    with open(os.path.join(REPO, "docs", "training.md")) as f:
-        page = f.read()
+    page = _page("docs", "training.md")
     low, high = map(float, re.search(r"final val cross-entropy between ([\d.]+) and ([\d.]+)", page).groups())
     params = re.search(r"^params: .*$", page, re.M)[0]
     proc = subprocess.run([sys.executable, os.path.join(REPO, "main.py"), "--output_dir", str(tmp_path)], cwd=REPO,
