@@ -435,8 +435,8 @@ def test_guide_preset_is_refused_in_one_line(tmp_path, capsys):
 # The opt-in comparison with transformers
 
 
-@pytest.mark.skipif(os.environ.get("JAXFORMER_SLOW_TESTS") != "1" or not os.path.exists(HF_PYTHON),
-                    reason="JAXFORMER_SLOW_TESTS=1 and a virtualenv from requirements-hf.txt in .venv-hf")
+@pytest.mark.slow("transformers in a virtualenv of its own")
+@pytest.mark.skipif(not os.path.exists(HF_PYTHON), reason="needs a virtualenv from requirements-hf.txt in .venv-hf")
 def test_transformers_tokenizer_encodes_as_tiktoken(tmp_path):
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
@@ -457,8 +457,8 @@ def card(*args):
     return out.stdout
 
 
-@pytest.mark.skipif(os.environ.get("JAXFORMER_SLOW_TESTS") != "1" or not os.path.exists(HF_PYTHON),
-                    reason="JAXFORMER_SLOW_TESTS=1 and a virtualenv from requirements-hf.txt in .venv-hf")
+@pytest.mark.slow("transformers in a virtualenv of its own")
+@pytest.mark.skipif(not os.path.exists(HF_PYTHON), reason="needs a virtualenv from requirements-hf.txt in .venv-hf")
 def test_transformers_matches_our_export_and_we_match_its_model(exported, tmp_path):
     """transformers' DeepseekV3ForCausalLM loaded from our export gives our logits (fp32, within 1e-4) and our
     32 greedy tokens; a random one it made, imported with from-hf, gives its logits and tokens here."""

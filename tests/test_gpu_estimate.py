@@ -242,8 +242,8 @@ def test_compile_for_h200_without_the_cuda_plugin_says_what_to_install(tmp_path)
 GPU_PYTHON = os.environ.get("JAXFORMER_GPU_PYTHON", os.path.join(ROOT, ".venv-gpu", "bin", "python"))
 
 
-@pytest.mark.skipif(os.environ.get("JAXFORMER_SLOW_TESTS") != "1" or not os.path.exists(GPU_PYTHON),
-                    reason="JAXFORMER_SLOW_TESTS=1 and a virtualenv from requirements-gpu-aot.txt")
+@pytest.mark.slow("jax's CUDA plugin, ~6 GB, in a virtualenv of its own")
+@pytest.mark.skipif(not os.path.exists(GPU_PYTHON), reason="needs a virtualenv from requirements-gpu-aot.txt")
 def test_compile_for_h200_estimates_the_step_from_the_compiled_kernels(tmp_path):
     p = compile_for_h200(GPU_PYTHON, "--preset", "tiny", "--remat", "full", cwd=tmp_path)
     out = p.stdout

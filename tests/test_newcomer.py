@@ -81,7 +81,7 @@ def test_sample_prints_no_absl_warning(cpu_env, tmp_path):
     assert noise == [], proc.stderr[-3000:]
 
 
-@pytest.mark.skipif(os.environ.get("JAXFORMER_SLOW_TESTS") != "1", reason="opt-in (JAXFORMER_SLOW_TESTS=1): ~5 min")
+@pytest.mark.slow("~5 min")
 def test_python_main_prints_what_training_md_says(cpu_env, tmp_path):
     """README's first command, run as a newcomer runs it: the parameter count docs/training.md shows, and a
     final val cross-entropy inside the spread the page states (case 11: the page once gave one machine's

@@ -236,7 +236,7 @@ ENTRY %main (p: f32[4]) -> f32[1] {
         "all-reduce": {"count": 1, "bytes": 16, "link_bytes": 16 * 2 * 3 / 4}}
 
 
-@pytest.mark.skipif(not os.environ.get("JAXFORMER_SLOW_TESTS"), reason="opt-in (JAXFORMER_SLOW_TESTS=1): 6-8 min")
+@pytest.mark.slow("6-8 min")
 def test_the_10b_preset_fits_a_v4_64(tmp_path):
     """--preset moe10B on the guide's v4-64 at its global batch: every chip's plan within its 30.75 GiB."""
     p = compile_for("--preset", "moe10B", "--compile_for", "v4-64", cwd=tmp_path)
@@ -245,7 +245,7 @@ def test_the_10b_preset_fits_a_v4_64(tmp_path):
     assert 10e9 < counts["total"] < 11e9 and 2e9 < counts["active"] < 2.5e9, counts
 
 
-@pytest.mark.skipif(not os.environ.get("JAXFORMER_SLOW_TESTS"), reason="opt-in (JAXFORMER_SLOW_TESTS=1): ~20-40 s")
+@pytest.mark.slow("~20-40 s")
 def test_dropless_expert_parallel_path_compiles_for_a_tpu(topology):
     """--expert_parallel --moe_impl ragged: tokens travel by ragged_all_to_all, which XLA:CPU does not
     implement, so the training step (forward and backward) is compiled for v4-8 on mesh (2, 1, 2), a
