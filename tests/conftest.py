@@ -35,15 +35,15 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"])
-# XLA's backend at -O0 in this process only (XLA reads its flags once, when the first backend starts): it compiles
-# about a third faster (a test_model mesh: 8 -> 5 s) and the in-process tests mostly compile (test_model and
-# test_engine: 386 -> 288 s); its programs run about half as fast, which would cost every main.py subprocess
-# more than it saves (a 20-step run: 14 -> 20 s), and --compile_for must plan what a pod runs, so subprocesses
-# get the environment without it. The numbers are the same: every golden and bitwise test passes at -O0.
-os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# XLA at -O0 in this process only: the in-process tests mostly compile, which -O0 does a third faster, while its
+# programs run slower, which would cost the main.py subprocesses more than it saves, and --compile_for must plan
+# what a pod runs. XLA reads its flags once, when its first backend starts, so the environment subprocesses
+# inherit is put back right after (docs/performance.md, "The test suite's time").
+SUBPROCESS_XLA_FLAGS = os.environ["XLA_FLAGS"]
+os.environ["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS + " --xla_backend_optimization_level=0"
 import jax
 jax.devices()
-os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].removesuffix(" --xla_backend_optimization_level=0")
+os.environ["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
 os.environ.setdefault("WANDB_MODE", "offline")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
