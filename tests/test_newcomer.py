@@ -1,7 +1,8 @@
 """Issue 35's newcomer path, the cases no other test reproduces from outside the process: the README's
 pod recipe tokenizes what the guide's run reads (the command main.py prints when --data_dir is missing,
 and README's step 1, the same flags), the README's Python version and virtualenv line work as written,
-`--sample` prints the sample without absl's warnings (case 10), and (opt-in, ~5 min) `python main.py` ends
+`--sample` prints the sample without absl's warnings (case 10), docs/training.md's 3-D mesh command is a run
+of its own with the one-device run's global batch (case 15), and (opt-in, ~5 min) `python main.py` ends
 inside the spread docs/training.md states (case 11)."""
 import os
 import re
@@ -79,6 +80,18 @@ def test_sample_prints_no_absl_warning(cpu_env, tmp_path):
     assert f"sample @ 1 of {tmp_path}/run/checkpoints:" in proc.stdout
     noise = [line for line in proc.stderr.splitlines() if "absl" in line or re.match(r"[WEF]\d{4} ", line)]
     assert noise == [], proc.stderr[-3000:]
+
+
+def test_training_mds_3d_mesh_command_is_a_run_of_its_own_with_the_same_global_batch():
+    """Case 15: run after `python main.py`, the page's 3-D mesh command must not find the finished run ("nothing
+    to do": another --name), and must train what the one-device run trains on the same sequences per step (its
+    curve is laid beside that run's), every model and optimizer setting the default's."""
+    command = re.search(r"python main\.py ([^`\n]*--n_device_axis 2 2 2[^`\n]*)", _page("docs", "training.md"))
+    assert command, "docs/training.md shows no 3-D mesh command"
+    default, mesh = utils.config_from_args([]), utils.config_from_args(shlex.split(command[1]))
+    assert mesh.run.name != default.run.name, command[0]
+    assert utils.sequences_per_step(mesh) == utils.sequences_per_step(default), command[0]
+    assert (mesh.model, mesh.optim) == (default.model, default.optim), command[0]
 
 
 @pytest.mark.slow("~5 min")
