@@ -272,7 +272,8 @@ echo "launcher.sh: run '$name' on $n host(s), logs in $local_logs/; waiting for 
      "$( ((wait)) && echo "finish" || echo "pass start-up (up to $timeout s)")"
 
 # stop_all: stop the run on every host that has not failed, once each host's run.sh has started its
-# tmux session or ended (a session started after the stop would be left running)
+# tmux session or ended (a session started after the stop would be left running). Once a host has failed,
+# no step or save can finish (each needs every process), so a SIGTERM gets 5 s before the SIGKILL.
 stop_all() {
   local i
   for i in "${!hosts[@]}"; do
@@ -281,7 +282,7 @@ stop_all() {
     done
   done
   echo "launcher.sh: stopping the run on the other host(s) (--keep-going leaves them running):" >&2
-  on_hosts --stop --force --timeout 20 | sed 's/^/    /' >&2 || true
+  on_hosts --stop --force --timeout 5 | sed 's/^/    /' >&2 || true
 }
 
 # name_hung: after host $1's watchdog ended it (exit 3), wait for the other hosts' watchdogs; a host
