@@ -133,6 +133,12 @@ def check_can_save(mngr, abstract_state):
                          f"--output_dir or --name") from None
 
 
+def compile_checksums(abstract_state):
+    """Compile the save's checksum program now: a stop (a preemptible TPU gives ~30 s) must save at once,
+    not compile first. The compiled program is jit's, so save_checkpoint's call finds it."""
+    checksums_and_finite.lower(abstract_state).compile()
+
+
 def _check_writable(directory, state):
     """OSError when a local checkpoint directory cannot take a save of `state` (arrays or their shapes):
     not writable, or less free space than this process' share of the state's bytes (uncompressed: a safe

@@ -35,7 +35,8 @@ import pod
 import sharding
 import utils
 from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_manager, checksums_and_finite,
-                         discard_failed_saves, newest_meta, quiet_failed_saves, restore_latest, save, wait_for_save)
+                         compile_checksums, discard_failed_saves, newest_meta, quiet_failed_saves, restore_latest,
+                         save, wait_for_save)
 from data.shards import OutputError
 from data.tokenizer import get_tokenizer
 from metrics import Diverged, log_interval
@@ -108,6 +109,7 @@ def open_run(cfg, mesh):
     train_ds, val_batches = load_data(cfg, trainer.data_sharding)
     mngr = checkpoint_manager(run_dir)
     check_can_save(mngr, trainer.abstract_state)
+    compile_checksums(trainer.abstract_state)
     restored = restore_latest(mngr, trainer.abstract_state, run_dir, cfg.model)
     state, meta = restored if restored is not None else (trainer.fresh_state(rc.seed), None)
     start_step, start_seq, run_id = start_position(meta, cfg)
@@ -230,12 +232,24 @@ def close_run(run):
     run.loader.close()
 
 
-def stopped(run, step, progress):
-    """After a stop (SIGTERM, Ctrl-C, or another host's): wait for the step's checkpoint, say where."""
+def stopped(run, state, step, progress):
+    """A stop (SIGTERM, SIGHUP, Ctrl-C, a lost terminal, or another host's) after step `step`: its checkpoint
+    first, written and said where, the cause in metrics.jsonl; only then, with --eval_on_stop, the
+    evaluation and sample an interval would have done (a preemptible TPU gives ~30 s: nothing compiles or
+    evaluates before the save)."""
+    save_checkpoint(run, step, state, None, force=True)
+    wait_for_save(run.mngr)
+    progress.done("checkpoint")
+    cause = progress.signals.signal or "stop requested on another host"
+    log(f"{cause}: checkpoint of step {step} written to {run.mngr.directory}/{step} (the same command resumes it)")
+    run.logger.metrics(utils.metrics_record("event", step, event="stop", cause=cause))
+    if run.cfg.run.eval_on_stop:
+        log_interval(run, progress.meter, state, step)
+        progress.done("eval")
+        sample(run, state, step)
+        progress.done("sample")
     progress.report(step, final=True)
     close_run(run)
-    log(f"{progress.signals.signal or 'stop requested on another host'}: checkpoint of step {step} written to "
-        f"{run.mngr.directory}/{step}; exiting (the same command resumes it)")
     return 0
 
 
@@ -285,11 +299,13 @@ def train(cfg, mesh):
     state, step, batches = run.state, run.start_step, run.loader.iterate(0)
     val_ce, reached, last_saved = None, False, None
     try:
-        while step < cfg.optim.training_steps and not reached and not progress.stopping:
+        while step < cfg.optim.training_steps and not reached:
             state, metrics = run.trainer.step(state, next_batch(batches, cfg.optim.grad_step))
             step += 1
             check_saves(run.mngr)                 # a save in flight that failed stops the run here
             if progress.stepped(step, metrics):
+                if progress.stopping:
+                    break
                 val_ce, reached, saved = end_interval(run, progress, state, step)
                 last_saved = step if saved else last_saved
         progress.fetch_all(f"the last step ({step}); then its checkpoint")
@@ -304,13 +320,13 @@ def train(cfg, mesh):
         run.loader.close()
         raise
     progress.close()
-    if progress.stopping and step < cfg.optim.training_steps:
-        return stopped(run, step, progress)
+    if progress.stopping:
+        return stopped(run, state, step, progress)
     return finish(run, state, step, val_ce, last_saved == step, progress)
 
 
 def end_interval(run, progress, state, step):
-    """After step `step`: evaluate and log, save every tenth interval (and at the end, a stop or the val
+    """After step `step`: evaluate and log, save every tenth interval (and at the last step or the val
     target), sample. Returns (val CE, whether it reached --stop_at_val_loss, whether it saved)."""
     rc = run.cfg.run
     progress.fetch_all(f"the evaluation, checkpoint and sample after step {step}")
@@ -320,10 +336,9 @@ def end_interval(run, progress, state, step):
     if reached:
         log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: stopping here, "
             f"as at the last step")
-    save = (step % (10 * rc.checkpoint_steps) == 0 or step == run.cfg.optim.training_steps or progress.stopping
-            or reached)
+    save = step % (10 * rc.checkpoint_steps) == 0 or step == run.cfg.optim.training_steps or reached
     if save:
-        save_checkpoint(run, step, state, val_ce, force=progress.stopping)
+        save_checkpoint(run, step, state, val_ce)
         progress.done("checkpoint")
     sample(run, state, step)
     progress.done("sample")

@@ -190,30 +190,49 @@ def _tpu_multihost():
 class StopSignals:
     """SIGTERM, SIGHUP (a closed terminal or tmux pane), a first Ctrl-C, or stdout or stderr gone (a closed
     terminal whose hangup did not reach this process, a dead pipe) set .requested (and .signal, its name):
-    the loop finishes its step, saves, says where, exits 0. A signal ignored when the process started stays
-    ignored (nohup's SIGHUP, a background job's SIGINT), so `nohup python main.py &` outlives its terminal.
-    A second Ctrl-C gets the default action, which ends the process at once, even inside a long XLA call
-    (a Python handler would wait for it to return)."""
+    the loop finishes its step, saves, says where, then exits 0. A signal ignored when the process started
+    stays ignored (nohup's SIGHUP, a background job's SIGINT), so `nohup python main.py &` outlives its
+    terminal. A second Ctrl-C exits 130 at once without saving, even inside a long XLA call.
+
+    Python runs a signal handler only when the main thread is back in the interpreter, which a compile
+    or a step is not; so what a Ctrl-C does is said, and a second one obeyed, by a thread that reads the
+    signals from the interpreter's wakeup pipe (signal.set_wakeup_fd) the moment they arrive. .compiling
+    names what the main thread is compiling, for the first Ctrl-C to say why the stop waits."""
 
     def __init__(self):
-        self.requested, self.signal = False, None
+        self.requested, self.signal, self.compiling = False, None, None
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, self.on_signal)
         sys.stdout, sys.stderr = _Output(sys.stdout, 1, self.on_lost), _Output(sys.stderr, 2, self.on_lost)
+        wakeup_r, wakeup_w = os.pipe()
+        os.set_blocking(wakeup_w, False)
+        signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
+        threading.Thread(target=self._answer_ctrl_c, args=(wakeup_r,), daemon=True).start()
 
     def on_signal(self, signum, frame):
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            # os.write, not print: the handler may interrupt a print, and print is not reentrant
-            _write_quietly(2, b"\nCtrl-C: finishing this step, then saving and exiting; Ctrl-C again to exit "
-                              b"now without saving\n")
         self.requested = True
         self.signal = self.signal or signal.Signals(signum).name
 
     def on_lost(self, name, error):
         self.requested = True
         self.signal = self.signal or f"{name} lost ({errno.errorcode.get(error.errno, error.errno)})"
+
+    def _answer_ctrl_c(self, wakeup_r):
+        presses = 0
+        while True:
+            for signum in os.read(wakeup_r, 64):       # one byte per signal caught, its number
+                if signum != signal.SIGINT:
+                    continue
+                presses += 1
+                # os.write: the main thread may hold the lock of a print to stderr
+                if presses > 1:
+                    _write_quietly(2, b"\nCtrl-C again: exiting now without saving (exit 130); the newest "
+                                      b"checkpoint is the one to resume from\n")
+                    os._exit(130)
+                doing = (f"XLA is compiling {self.compiling}, which cannot be interrupted; then the step runs, "
+                         f"the run saves and exits" if self.compiling else "finishing this step, then saving and exiting")
+                _write_quietly(2, f"\nCtrl-C: {doing}; Ctrl-C again to exit now without saving\n".encode())
 
 
 class _Output:

@@ -31,6 +31,7 @@ class Progress:
         self.agreement = StopAgreement(lambda: self.signals.requested)
         self.watchdog = Watchdog(rc.hang_timeout, rc.heartbeat_file)
         self.stopping = False
+        self.signals.compiling = "the training step"
         say(self.bar, "compiling the training step (the first step waits for it)")
 
     def done(self, phase, next_doing=None):
@@ -46,6 +47,7 @@ class Progress:
         first = step == self.run.start_step + 1
         self.meter.dispatched(step, metrics)
         if first:                            # every process; launcher.sh waits for this line
+            self.signals.compiling = None
             print(started_line(jax.process_index(), jax.process_count()), flush=True)
         self.meter.fetch(everything=False)
         self.done("compile" if first else "train", f"training step {step} (dispatched; the steps before it done)")

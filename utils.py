@@ -150,6 +150,8 @@ class RunConfig:
                                     "meaning)")
     checkpoint_steps: int = flag(50, "eval/log interval in steps; a checkpoint is saved every 10 intervals, at the "
                                      "end and on SIGTERM or Ctrl-C")
+    eval_on_stop: bool = flag(False, "after a stop's checkpoint is written (SIGTERM, Ctrl-C, a lost terminal), also "
+                                     "evaluate and sample before exiting (the save never waits for them)")
     eval_steps: int = flag(4, "validation batches per evaluation")
     seed: int = flag(0, "seed of the init, the data order, dropout and the samples")
     stop_at_val_loss: float = flag(0.0, "end the run, with a checkpoint, at the first evaluation whose val "
@@ -567,8 +569,11 @@ METRICS = {
         "run_down_s": "time between one session's last record and the next one's start, summed",
         "run_goodput": "run_train_s / run_wall_s (the phases, run_lost_s and run_down_s add up to run_wall_s)",
     },
-    "event": {"event": "start (a fresh run) or resume (from the checkpoint of this step)",
-              "process_start": "Unix seconds when this session's process started"},
+    "event": {"event": "start (a fresh run), resume (from the checkpoint of this step) or stop (checkpointed at "
+                       "this step, before anything else, on a signal or a lost terminal)",
+              "process_start": "Unix seconds when this session's process started",
+              "cause": "what stopped the run: SIGTERM, SIGINT, SIGHUP, stdout/stderr lost (a closed terminal or "
+                       "pipe) or another host's stop"},
 }
 
 

@@ -60,6 +60,11 @@ def newest_checkpoint(out):
     return max(checkpoints(out))
 
 
+def stop_causes(out):
+    """(step, cause) of each stop metrics.jsonl records."""
+    return [(r["step"], r["cause"]) for r in records(out) if r.get("event") == "stop"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 1. a changed model flag
 
@@ -133,14 +138,24 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
     assert newest_checkpoint(tmp_path) == saved
     assert not os.path.exists(tmp_path / "run" / "lock")
 
-    # A second Ctrl-C while the first is being handled ends the process at once, without saving.
+    # Ctrl-C while the training step compiles (a cold compilation cache: seconds of XLA, where Python's signal
+    # handlers wait): the first says so at once, the second exits 130 at once in one line, without saving.
     log = tmp_path / "second"
-    second = start(cpu_env, tmp_path, log, *MESH1)
-    wait_for_step(second, tmp_path, log, saved + 2)
+    second = start(cpu_env | {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cold")}, tmp_path, log, *MESH1)
+    wait_for(second, log, lambda: "compiling the training step" in open(f"{log}.out").read(), "the compile", 1800)
     second.send_signal(signal.SIGINT)
-    wait_for(second, log, lambda: "Ctrl-C again to exit now" in open(f"{log}.err").read(), "Ctrl-C message")
+    wait_for(second, log, lambda: "Ctrl-C: XLA is compiling the training step, which cannot be interrupted; then "
+                                  "the step runs, the run saves and exits; Ctrl-C again to exit now without saving"
+                                  in open(f"{log}.err").read(), "the first Ctrl-C's line", 1800)
     second.send_signal(signal.SIGINT)
-    assert second.wait(timeout=30) == -signal.SIGINT
+    assert second.wait(timeout=1800) == 130
+    stderr = open(f"{log}.err").read()
+    assert stderr.endswith("Ctrl-C: XLA is compiling the training step, which cannot be interrupted; then the step "
+                           "runs, the run saves and exits; Ctrl-C again to exit now without saving\n\nCtrl-C again: "
+                           "exiting now without saving (exit 130); the newest checkpoint is the one to resume "
+                           "from\n"), stderr[-3000:]
+    assert "jaxformer started" not in open(f"{log}.out").read()           # it never got to its first step
+    assert newest_checkpoint(tmp_path) == saved
 
     # Its lock is left behind by a process that is gone: the next run takes it over and resumes.
     assert json.load(open(tmp_path / "run" / "lock"))["pid"] == second.pid
@@ -148,6 +163,40 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
     proc = run(cpu_env, tmp_path, *MESH1, steps=latest + 1, timeout=300)
     assert f"taking over {tmp_path}/run/lock" in proc.stdout
     assert f"resumed from {tmp_path}/run/checkpoints/{latest}: step {latest}," in proc.stdout
+
+
+def test_a_stop_saves_first_and_evaluates_only_when_asked(cpu_env, tmp_path):
+    """SIGTERM mid-interval (--checkpoint_steps 50, samples on, no evaluation yet): after the signal the run
+    compiles nothing before its checkpoint is written and said, records the stop and its cause, and
+    neither evaluates nor samples. Resumed with --eval_on_stop and stopped again: the evaluation (the
+    eval step's first compile) and the sample come after the save. XLA's compile log shows the order."""
+    env = cpu_env | {"JAX_LOG_COMPILES": "1"}
+    for session, extra in enumerate(([], ["--eval_on_stop"])):
+        log, begun = tmp_path / f"session{session}.log", len(records(tmp_path))
+        with open(log, "w") as f:             # one file, so stdout's lines and the compile log keep their order
+            proc = subprocess.Popen(main_py(tmp_path) + ["--checkpoint_steps", "50", "--max_tokens", "4", *extra],
+                                    cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        wait_until(lambda: len([r for r in records(tmp_path)[begun:] if "loss" in r]) >= 2, "two steps")
+        signalled = os.path.getsize(log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=1800) == 0, log.read_text()[-3000:]
+        after = log.read_text()[signalled:]
+        saved = last_step(tmp_path)
+        written = after.index(f"SIGTERM: checkpoint of step {saved} written to {tmp_path}/run/checkpoints/{saved} "
+                              f"(the same command resumes it)")
+        assert "Compiling jit(" not in after[:written], after[:written][-3000:]
+        session_records = records(tmp_path)[begun:]
+        last = max(i for i, r in enumerate(session_records) if "loss" in r)
+        later = session_records[last + 1:]
+        assert later[0] == {"step": saved, "time": later[0]["time"], "event": "stop", "cause": "SIGTERM"}, later
+        evaluated = [r["step"] for r in later if "val_loss" in r]
+        if not extra:
+            assert evaluated == [] and "jit(eval_step)" not in after and "sample @" not in after
+            assert meta(tmp_path, saved)["val_loss"] is None
+        else:
+            assert evaluated == [saved] and "val_loss" in later[1]
+            assert written < after.index("Compiling jit(eval_step)") < after.index(f"sample @ {saved}")
+        assert "run_goodput" in later[-1]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,10 +244,11 @@ def test_a_closed_terminal_saves_and_exits_0(cpu_env, tmp_path):
         done.set()
         reader.join()
         os.close(master)                 # the terminal goes away: SIGHUP to the session's leader, main.py
-    assert proc.wait(timeout=300) == 0
+    assert proc.wait(timeout=1800) == 0
     saved = max(r["step"] for r in records(tmp_path) if "loss" in r)
     assert checkpoints(tmp_path)[-1] == saved >= 2
     assert not os.path.exists(tmp_path / "run" / "lock")
+    assert stop_causes(tmp_path) == [(saved, "SIGHUP")]         # why it stopped, where a lost terminal can't say
 
 
 # the issue's wrapper: SIGHUP ignored in itself, the default in its child; it records the child's exit status
@@ -269,6 +319,8 @@ def test_a_closed_tmux_pane_leaves_nohup_training_and_otherwise_saves_and_exits_
             assert checkpoints(out)[-1] == last_step(out) >= 2, (name, checkpoints(out), last_step(out))
             assert not os.path.exists(out / "run" / "lock"), name           # released at a normal exit
             assert records(out)[-1].get("run_goodput") is not None, name     # the stop's last record
+        assert stop_causes(runs["plain"]) == [(last_step(runs["plain"]), "SIGHUP")]
+        assert stop_causes(runs["eater"]) == [(last_step(runs["eater"]), "stdout lost (EIO)")]
         assert status.read_text() == "0"
 
         at_kill = last_step(runs["nohup"])
@@ -297,10 +349,11 @@ def test_stdout_a_pipe_nobody_reads_any_more_is_a_hangup(cpu_env, tmp_path):
     try:
         wait_until(lambda: last_step(out) >= 2, "step 2")
         proc.stdout.close()                 # the reader is gone: its end of the pipe is closed
-        assert proc.wait(timeout=300) == 0
+        assert proc.wait(timeout=1800) == 0
     finally:
         proc.kill()
     assert checkpoints(out)[-1] == last_step(out) >= 2
+    assert stop_causes(out) == [(last_step(out), "stdout lost (EPIPE)")]
 
 
 def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpoint(cpu_env, tmp_path):
