@@ -11,6 +11,7 @@ import numpy as np
 
 from data import corpus, shards
 from data import tokenizer as tok
+from ceiling import CEILING_S
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -67,7 +68,7 @@ def run_driver(args, env_extra, point="none", check=True):
     ("EVENT:N", tests/tokenize_faults.py) or not ("none")."""
     env = dict(os.environ, **env_extra)
     p = subprocess.run([sys.executable, os.path.join(TESTS, "tokenize_faults.py"), point, *args, "--no_progress"],
-                       env=env, cwd=REPO, start_new_session=True, capture_output=True, text=True, timeout=120)
+                       env=env, cwd=REPO, start_new_session=True, capture_output=True, text=True, timeout=CEILING_S)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p

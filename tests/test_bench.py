@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from ceiling import CEILING_S
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny preset, shrunk so compile + a few steps take seconds on a laptop CPU (compilation dominates;
 # no remat and fp32 matmuls make the smallest program).
@@ -47,7 +49,7 @@ def runs(trace_dir):
     results = {}
     try:
         for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=600)
+            stdout, stderr = proc.communicate(timeout=CEILING_S)
             lines = [line for line in stdout.splitlines() if line.startswith("{")]
             results[name] = (proc.returncode, stderr[-3000:], lines)
     finally:

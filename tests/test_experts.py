@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import sharding
+from ceiling import CEILING_S
 from test_model import CFG, ROUTER_BIAS, batch, rel_err, sharded_value_and_grad, with_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +89,7 @@ def test_on_a_gpu_the_grouped_matmuls_are_tokamaxs_kernel_and_the_census_counts_
     seam keeps lax.ragged_dot."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     p = subprocess.run([GPU_PYTHON, "-c", COMPILE_THE_EXPERTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=CEILING_S)
     assert p.returncode == 0, p.stderr[-3000:]
     gpu, cpu = (json.loads(line) for line in p.stdout.splitlines() if line.startswith("{"))
     grouped = gpu["kinds"]["custom-call:grouped-gemm"]

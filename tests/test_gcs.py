@@ -25,6 +25,7 @@ import checkpoints
 import rundir
 from data_util import REPO, SHARD, kill_chain, output_files
 from test_main import MESH1, TINY
+from ceiling import CEILING_S
 
 BUCKET = "jaxformer"
 
@@ -61,7 +62,7 @@ def test_tokenize_to_gcs_kill_9_resume_is_byte_identical(gcs, src, reference_run
 def test_tokenize_to_a_bucket_that_does_not_exist_is_one_line(gcs):
     p = subprocess.run([sys.executable, "-m", "data.tokenize_local", "--source", "bundled", "--out",
                         "gs://nosuchbucket/x", "--workers", "0", "--no_progress"], cwd=REPO,
-                       env=dict(os.environ, **gcs), capture_output=True, text=True, timeout=300)
+                       env=dict(os.environ, **gcs), capture_output=True, text=True, timeout=CEILING_S)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr[-3000:]
     assert p.stderr.startswith("error: --out gs://nosuchbucket/x: cannot write there (no such bucket, or this "
                                "account cannot see it: "), p.stderr
@@ -82,7 +83,7 @@ def _cmd(out, data_dir, steps, args=()):
 
 def _main(cpu_env, out, data_dir, steps, extra_env=None, args=()):
     return subprocess.run(_cmd(out, data_dir, steps, args), cwd=REPO, env=dict(cpu_env, **(extra_env or {})),
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=CEILING_S)
 
 
 def _kill_after_checkpoint(cpu_env, out, data_dir, step, log):
@@ -155,7 +156,7 @@ def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_loss
     procs = [subprocess.Popen(cmd, cwd=REPO, env=dict(e, JAX_PROCESS_ID=str(i)), stdout=open(logs[i], "w"),
                               stderr=subprocess.STDOUT) for i in (0, 1)]
     for p, log in zip(procs, logs):
-        assert p.wait(timeout=900) == 0, log.read_text()[-4000:]
+        assert p.wait(timeout=CEILING_S) == 0, log.read_text()[-4000:]
     fs = fsspec.filesystem("gs")
     fs.invalidate_cache()
     got = _losses(rundir.read_run_file(f"{out}/run", "metrics.jsonl"))
@@ -194,7 +195,7 @@ def test_second_run_is_refused_then_a_store_outage_is_one_line_and_the_next_star
             time.sleep(0.2)
         lock = fs.info(f"{BUCKET}/outage/run/lock")
         second = subprocess.run(_cmd(out, data, 3, ["--restart"]), cwd=REPO, env=e, capture_output=True,
-                                text=True, timeout=600)
+                                text=True, timeout=CEILING_S)
         assert second.returncode == 2, second.stderr[-4000:]
         assert f"{out}/run is in use by another run: pid {first.pid} on {socket.gethostname()}" in second.stderr
         fs.invalidate_cache()
@@ -208,8 +209,8 @@ def test_second_run_is_refused_then_a_store_outage_is_one_line_and_the_next_star
         proc.wait()
         tokenizer = subprocess.run([sys.executable, "-m", "data.tokenize_local", "--source", "bundled", "--out",
                                     f"gs://{BUCKET}/tok", "--workers", "0", "--no_progress"], cwd=REPO, env=e,
-                                   capture_output=True, text=True, timeout=600)
-        assert first.wait(timeout=600) == 1, log.read_text()[-4000:]
+                                   capture_output=True, text=True, timeout=CEILING_S)
+        assert first.wait(timeout=CEILING_S) == 1, log.read_text()[-4000:]
         text = log.read_text()
         assert "Traceback" not in text and "ERROR:" not in text, text[-4000:]
         errors = re.findall(r"error: .*", text)          # after the progress bar's last refresh, on its line

@@ -16,6 +16,7 @@ import pytest
 
 import hlo
 import pod
+from ceiling import CEILING_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -199,7 +200,7 @@ def test_gpu_bench_rehearsed_with_its_stand_in_gives_one_archive_that_refits_to_
     env = dict(os.environ, STANDIN="1", PYTHON=sys.executable, BUDGET_S="300")
     env.pop("OUT", None)
     p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_bench.sh"), str(tmp_path / "out")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=CEILING_S)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert os.listdir(tmp_path / "out") == ["gpu_bench.tar.gz"]
     runs = ["tiny_sanity", "b32_auto", "b32_full", "b32_dropless", "b8_full"]
@@ -211,7 +212,7 @@ def test_gpu_bench_rehearsed_with_its_stand_in_gives_one_archive_that_refits_to_
     assert {"summary.txt", "meta.json", "versions.txt", "refit.txt"} <= names
     refit = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "refit_estimate.py"),
                             str(tmp_path / "out" / "gpu_bench.tar.gz"), "--write", str(tmp_path / "calibration.json")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           cwd=ROOT, capture_output=True, text=True, timeout=CEILING_S)
     assert refit.returncode == 0, refit.stderr[-3000:]
     standin = load_standin()
     calibration = json.loads((tmp_path / "calibration.json").read_text())

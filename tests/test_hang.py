@@ -13,6 +13,7 @@ import time
 
 import launch_util
 from launch_util import ROOT, free_port, main_process, needs_tmux, sh
+from ceiling import CEILING_S
 
 pytestmark = needs_tmux
 
@@ -67,7 +68,7 @@ def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, l
         assert ended - last_progress >= TIMEOUT_S - 1 and ended - stopped_at <= TIMEOUT_S + 60, (
             ended - last_progress, ended - stopped_at)
         try:
-            out, _ = launcher.communicate(timeout=300)
+            out, _ = launcher.communicate(timeout=CEILING_S)
         except subprocess.TimeoutExpired:
             launcher.kill()
             raise AssertionError(launcher.communicate()[0] + processes() + logs(tmp_path)) from None

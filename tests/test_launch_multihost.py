@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from launch_util import ONE_DEVICE, ROOT, SECRET, SMALL, all_text, free_port, needs_tmux, sh
+from ceiling import CEILING_S
 
 # 2 processes against 1 on one mesh, fp32: the collectives sum in another order (measured: at most
 # 8.4e-8, one ulp, over 4 steps); a wrong shard of the data or of the state moves the loss by ~1e-2.
@@ -28,7 +29,7 @@ def two_hosts(tmp_path):
     return f
 
 
-def launch(tmux_env, hosts, tmp_path, name, main_args, main=None, timeout=120, extra=()):
+def launch(tmux_env, hosts, tmp_path, name, main_args, main=None, timeout=CEILING_S, extra=()):
     extra = [*extra, *(["--main", main] if main else [])]
     return sh("launcher.sh", "--hosts", hosts, "--name", name, "--coordinator", f"127.0.0.1:{free_port()}",
               "--python", sys.executable, "--log-dir", tmp_path / "host-logs", "--local-logs",
@@ -71,7 +72,7 @@ def test_two_host_training_matches_single_process(tmux_env, launch_cache, two_ho
               "--train_batch_size", "2",
               "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--training_steps", "4",
               "--checkpoint_steps", "2", "--output_dir", str(tmp_path / "runs")]
-    p = launch(tmux_env, two_hosts, tmp_path, "multi", common + ["--name", "multi"], timeout=600, extra=launch_cache)
+    p = launch(tmux_env, two_hosts, tmp_path, "multi", common + ["--name", "multi"], timeout=CEILING_S, extra=launch_cache)
     assert p.returncode == 0, p.out + all_text(tmp_path / "local-logs")
     run_dir = tmp_path / "runs" / "multi"
     saved = [os.path.join(b, x) for b, ds, fs in os.walk(run_dir) for x in ds + fs]
@@ -81,7 +82,7 @@ def test_two_host_training_matches_single_process(tmux_env, launch_cache, two_ho
     single_env = dict(tmux_env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     single_env.pop("WANDB_API_KEY")
     s = subprocess.run([sys.executable, "main.py", *common, "--name", "single"], cwd=ROOT, env=single_env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=CEILING_S)
     assert s.returncode == 0, s.stdout + s.stderr
     multi, single = read_losses(run_dir / "metrics.jsonl"), read_losses(tmp_path / "runs/single/metrics.jsonl")
     assert multi and sorted(multi) == sorted(single)
@@ -112,7 +113,7 @@ def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, launch_cac
            "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=20",
            "--env", f"COUNT_OUT={count}", *launch_cache,
            "--", *SMALL, "--training_steps", "100000", "--checkpoint_steps", "1000",
-           "--output_dir", tmp_path / "runs", "--name", "agree", env=dict(tmux_env, **ONE_DEVICE), timeout=600)
+           "--output_dir", tmp_path / "runs", "--name", "agree", env=dict(tmux_env, **ONE_DEVICE), timeout=CEILING_S)
     assert p.returncode == 0, p.out
     assert p.stdout.count("main.py passed start-up") == 2
     time.sleep(10)                                     # some steps, then SIGTERM to process 1 alone
@@ -140,7 +141,7 @@ def test_missing_host_times_out_with_one_line(tmux_env, tmp_path):
     p = sh("launcher.sh", "--hosts", hosts, "--name", "lonely", "--coordinator", f"127.0.0.1:{port}",
            "--keep-going", "--python", sys.executable, "--log-dir", tmp_path / "host-logs",
            "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_INIT_TIMEOUT=5", "--", "--preset", "tiny",
-           env=tmux_env, timeout=180, check=1)
+           env=tmux_env, timeout=CEILING_S, check=1)
     assert "host 1 unreachable-1: FAILED, unreachable over SSH" in p.stderr
     assert "host 0 127.0.0.1: FAILED, exit status 1" in p.stderr, p.out
     log = (tmp_path / "host-logs" / "lonely-0.log").read_text()

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import launch_util
 from launch_util import all_text, free_port, main_process, needs_tmux, sh
+from ceiling import CEILING_S
 
 pytestmark = needs_tmux
 
@@ -24,7 +25,7 @@ def test_a_run_that_fails_the_same_way_twice_is_not_retried_again(tmux_env, tmp_
     hosts.write_text("hostE\n")
     p = sh("launcher.sh", "--hosts", hosts, "--name", "bug", "--retries", "3", "--python", sys.executable,
            "--main", bad, "--log-dir", tmp_path / "logs", "--local-logs", tmp_path / "ll", env=tmux_env,
-           timeout=120, check=1)
+           timeout=CEILING_S, check=1)
     assert "launcher.sh: retry 1 of 3 after: host 0 hostE: FAILED, exit status 1 at step 3" in p.out, p.out
     assert "the run failed the same way twice (host 0 hostE: FAILED, exit status 1 at step 3)" in p.out
     assert runs.read_text().count("run") == 2 and "retry 2 of" not in p.out
@@ -84,7 +85,7 @@ def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, lau
     assert host1 is not None
     (tmp_path / "preempted").touch()                       # the TPU is preempted: its worker 1 goes away
     host1.kill()
-    out, _ = supervisor.communicate(timeout=900)
+    out, _ = supervisor.communicate(timeout=CEILING_S)
     assert supervisor.returncode == 0, out
     assert re.search(r"launcher.sh: retry 1 of 2 after: host 1 127\.0\.0\.1: FAILED, exit status \d+ at step \d+", out), out
     assert f"launcher.sh: TPU 'fake' is PREEMPTED; recreating it (--recreate): {recreate}\n    creating the TPU again\n" in out

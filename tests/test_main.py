@@ -21,6 +21,8 @@ import time
 import numpy as np
 import pytest
 
+from ceiling import CEILING_S
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 --q_latent_dim 16 "
         "--dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 --model_dtype float32 "
@@ -33,7 +35,7 @@ PHASES = ("startup", "compile", "train", "eval", "checkpoint", "sample")
 MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --val_batch_size 4 --cpu_devices 8".split()
 
 
-def run(cpu_env, out, *args, steps=N, extra_env=None, expect=0, timeout=600):
+def run(cpu_env, out, *args, steps=N, extra_env=None, expect=0, timeout=CEILING_S):
     e = dict(cpu_env, **(extra_env or {}))
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(out), "--name", "run",
            "--training_steps", str(steps), *args]
@@ -52,7 +54,7 @@ def start(cpu_env, out, log, *args, steps=100_000):
         return subprocess.Popen(cmd, cwd=REPO, env=cpu_env, stdout=stdout, stderr=stderr)
 
 
-def wait_for(proc, log, condition, what, timeout=300):
+def wait_for(proc, log, condition, what, timeout=CEILING_S):
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, f"exit {proc.returncode} before {what}:\n{open(f'{log}.err').read()[-3000:]}"
@@ -205,7 +207,7 @@ def test_resume_after_sigterm_is_exact(cpu_env, baseline, tmp_path):
     proc = start(cpu_env, tmp_path, log, *MESH1, steps=10 * N)
     wait_for_step(proc, tmp_path, log, 7)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 0, open(f"{log}.err").read()[-3000:]
+    assert proc.wait(timeout=CEILING_S) == 0, open(f"{log}.err").read()[-3000:]
     saved = max(checkpoints(tmp_path))
     assert 7 < saved < N and saved == last_step(tmp_path), (saved, last_step(tmp_path))
     assert f"SIGTERM: checkpoint of step {saved} written" in open(f"{log}.out").read()
@@ -273,7 +275,7 @@ def test_corrupted_newest_checkpoint_falls_back_with_warning(cpu_env, baseline, 
 def test_wandb_without_network_or_key_does_not_hang(cpu_env, tmp_path, wandb_env):
     e = {k: v for k, v in cpu_env.items() if k != "WANDB_MODE"}
     e.update(wandb_env, WANDB_BASE_URL="http://127.0.0.1:9")      # nothing listens there
-    proc = run(e, tmp_path, *MESH1, "--wandb", "--max_tokens", "4", steps=2, timeout=240)
+    proc = run(e, tmp_path, *MESH1, "--wandb", "--max_tokens", "4", steps=2)
     assert "final: val cross-entropy" in proc.stdout
     samples = open(tmp_path / "run" / "samples.txt").read()
     assert "=== step 2" in samples
@@ -327,14 +329,14 @@ def test_checkpoint_from_before_the_router_bias_restores_with_a_zero_bias(tmp_pa
     (["--preset", "moe1B"], "--data_dir: --preset moe1B is the guide's run on FineWeb-Edu, not the bundled corpus")])
 def test_config_error_names_the_flag(cpu_env, tmp_path, flags, message):
     """Refused before anything is compiled or written (a seed of -1 used to fail after the compile)."""
-    proc = run(cpu_env, tmp_path, *flags, expect=2, timeout=120)
+    proc = run(cpu_env, tmp_path, *flags, expect=2)
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not os.listdir(tmp_path)
 
 
 def test_a_mistyped_flag_is_one_line_naming_the_flag_it_resembles(cpu_env, tmp_path):
     """Not argparse's 30 lines of usage before the one that matters."""
-    proc = run(cpu_env, tmp_path, "--modle_dimension", "64", expect=2, timeout=120)
+    proc = run(cpu_env, tmp_path, "--modle_dimension", "64", expect=2)
     assert proc.stderr.splitlines() == ["main.py: error: unrecognized arguments: --modle_dimension 64 (did you mean "
                                         "--model_dimension?); python main.py --help lists every flag"], proc.stderr
 
@@ -344,7 +346,7 @@ def test_a_cpu_run_is_quiet_with_libtpu_installed(cpu_env, tmp_path):
     JAX_PLATFORMS unset, JAX would start its TPU runtime, which printed five lines of errors first."""
     pytest.importorskip("libtpu")
     env = {k: v for k, v in cpu_env.items() if k != "JAX_PLATFORMS"}
-    proc = run(env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2, timeout=120)   # the devices are counted
+    proc = run(env, tmp_path, "--n_device_axis", "1", "1", "3", expect=2)   # the devices are counted
     assert proc.stderr.splitlines()[0] == "invalid configuration:" and "TPU" not in proc.stderr, proc.stderr
 
 
@@ -371,7 +373,7 @@ def test_a_diverging_run_stops_keeping_its_finite_checkpoint_and_resumes_from_it
 
 def test_eval_steps_beyond_the_val_split_are_capped_with_a_note(cpu_env, tmp_path):
     # The bundled val split holds 21,264 tokens: 664 windows of T+1 = 33, i.e. 2 batches of 300.
-    proc = run(cpu_env, tmp_path, *MESH1, "--val_batch_size", "300", "--eval_steps", "3", steps=1, timeout=240)
+    proc = run(cpu_env, tmp_path, *MESH1, "--val_batch_size", "300", "--eval_steps", "3", steps=1)
     assert "enough for 2 of --eval_steps 3 batches of 300; evaluating on 2" in proc.stdout
     assert "final: val cross-entropy" in proc.stdout
 

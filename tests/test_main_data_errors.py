@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from test_main import REPO, TINY, run
+from ceiling import CEILING_S
 
 VAL = "val_000000.bin"
 
@@ -61,7 +62,7 @@ BROKEN = [
                          ids=["no-dir", "empty-dir", "truncated-shard", "bad-manifest", "missing-shard", "T", "vocab"])
 def test_data_that_does_not_fit_is_one_line_naming_the_flag(cpu_env, shard_copy, tmp_path, breakage, flags, message):
     breakage(shard_copy)
-    proc = run(cpu_env, tmp_path, "--data_dir", str(shard_copy), *flags, expect=2, timeout=120)
+    proc = run(cpu_env, tmp_path, "--data_dir", str(shard_copy), *flags, expect=2)
     assert message.format(d=shard_copy) in error_line(proc)
     assert not os.path.exists(tmp_path / "run"), os.listdir(tmp_path)      # no empty run directory left
 
@@ -78,7 +79,7 @@ def test_a_token_id_outside_the_vocabulary_is_found_as_read(cpu_env, shard_copy,
         if s["file"] == VAL:
             s["sha256"] = hashlib.sha256((shard_copy / VAL).read_bytes()).hexdigest()
     _write_manifest(shard_copy, json.dumps(m))
-    proc = run(cpu_env, tmp_path, "--data_dir", str(shard_copy), expect=2, timeout=120)
+    proc = run(cpu_env, tmp_path, "--data_dir", str(shard_copy), expect=2)
     assert (f"error: shard {shard_copy}/{VAL} holds token id {bad_id} >= --vocab_size 100277 at token 5 (byte 20)"
             in error_line(proc))
 
@@ -86,7 +87,7 @@ def test_a_token_id_outside_the_vocabulary_is_found_as_read(cpu_env, shard_copy,
 def test_a_cache_where_nothing_can_be_written(cpu_env, tmp_path):
     (tmp_path / "file").write_text("")         # a file where the cache's parent directory should be
     cache = tmp_path / "file" / "cache"
-    proc = run(cpu_env, tmp_path, extra_env={"JAXFORMER_CACHE": str(cache)}, expect=2, timeout=120)
+    proc = run(cpu_env, tmp_path, extra_env={"JAXFORMER_CACHE": str(cache)}, expect=2)
     assert f"error: JAXFORMER_CACHE={cache}: cannot write the bundled corpus' shards there" in error_line(proc)
 
 
@@ -96,7 +97,7 @@ def test_a_cache_that_fills_up_leaves_nothing_half_written(cpu_env, tmp_path):
     cache = tmp_path / "cache"
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(tmp_path), "--name", "run"]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(cpu_env, JAXFORMER_CACHE=str(cache)), capture_output=True,
-                          text=True, timeout=120,
+                          text=True, timeout=CEILING_S,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)))
     assert f"error: JAXFORMER_CACHE={cache}: cannot write the bundled corpus' shards there" in error_line(proc)
     assert os.listdir(cache) == []
@@ -108,7 +109,7 @@ def test_a_damaged_bundled_cache_is_built_again(cpu_env, bundled_shards, tmp_pat
     cache = tmp_path / "cache"
     shutil.copytree(bundled_shards, cache / os.path.basename(bundled_shards))
     _truncate(cache / os.path.basename(bundled_shards), "train_000000.bin")
-    proc = run(cpu_env, tmp_path, extra_env={"JAXFORMER_CACHE": str(cache)}, steps=1, timeout=300)
+    proc = run(cpu_env, tmp_path, extra_env={"JAXFORMER_CACHE": str(cache)}, steps=1)
     assert (f"tokenizing the bundled corpus (the King James Bible) into {cache / os.path.basename(bundled_shards)}, "
             f"once more: the cached shards there are incomplete or damaged") in proc.stdout
     assert "final: val cross-entropy" in proc.stdout

@@ -15,6 +15,7 @@ import pytest
 
 import utils
 from test_main import MESH1, run
+from ceiling import CEILING_S
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +35,7 @@ def test_the_pod_recipe_tokenizes_what_the_guides_run_reads(cpu_env, tmp_path):
     and README's step 1 ask for the same shards, with a --max_tokens budget that covers the run's 100,000
     steps past the val shard, and not much more (sample-350BT's ~350B tokens take days to tokenize)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "main.py"), "--preset", "moe1B", "--output_dir",
-                           str(tmp_path)], cwd=REPO, env=cpu_env, capture_output=True, text=True, timeout=300)
+                           str(tmp_path)], cwd=REPO, env=cpu_env, capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 2, proc.stderr[-3000:]
     printed = re.search(r"\((python -m data\.tokenize_local [^)]*)\)", proc.stderr)
     assert printed, proc.stderr
@@ -64,7 +65,7 @@ def test_the_readmes_python_version_and_virtualenv_line_work_as_written(tmp_path
     if shutil.which(f"python{version[1]}") is None:
         pytest.skip(f"python{version[1]} is not installed here")
     proc = subprocess.run(["bash", "-c", f"{line[1]} && python -c 'import sys; print(sys.prefix, *sys.version_info[:2])'"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     prefix, major, minor = proc.stdout.split()
     assert (f"{major}.{minor}", os.path.realpath(prefix)) == (version[1], os.path.realpath(tmp_path / line[3]))
@@ -75,8 +76,8 @@ def test_sample_prints_no_absl_warning(cpu_env, tmp_path):
     printed `WARNING:absl:CheckpointManagerOptions.read_only=True, setting save_interval_steps=0.` from the
     options' constructor, built before checkpoints.checkpoint_manager lowered absl's level; test_run_safety's
     `"read only" not in stderr` does not match that line)."""
-    run(cpu_env, tmp_path, *MESH1, steps=1, timeout=400)
-    proc = run(cpu_env, tmp_path, *MESH1, "--sample", "--max_tokens", "4", steps=1, timeout=400)
+    run(cpu_env, tmp_path, *MESH1, steps=1)
+    proc = run(cpu_env, tmp_path, *MESH1, "--sample", "--max_tokens", "4", steps=1)
     assert f"sample @ 1 of {tmp_path}/run/checkpoints:" in proc.stdout
     noise = [line for line in proc.stderr.splitlines() if "absl" in line or re.match(r"[WEF]\d{4} ", line)]
     assert noise == [], proc.stderr[-3000:]

@@ -16,6 +16,7 @@ import hlo
 import pipeline
 import sharding
 import utils
+from ceiling import CEILING_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("libtpu", reason="pip install -r requirements-tpu.txt")
@@ -25,7 +26,7 @@ def compile_for(*args, cwd, env=None):
     env = dict(os.environ if env is None else env)
     env.pop("JAX_PLATFORMS", None)            # main.py must choose the CPU backend itself
     return subprocess.run([sys.executable, os.path.join(ROOT, "main.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=CEILING_S)
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ import pytest
 
 from launch_util import kill_tmux, needs_tmux, tmux
 from test_main import MESH1, MESH8, REPO, TINY, checkpoints, last_step, records, run, start, wait_for, wait_for_step
+from ceiling import CEILING_S
 
 
 def snapshot(path):
@@ -75,7 +76,7 @@ def test_a_finished_run_started_again_has_nothing_to_do_and_writes_nothing(cpu_e
     shutil.copytree(trained / "run", tmp_path / "run")
     before = snapshot(tmp_path)
     start = time.time()
-    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", steps=2, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", steps=2)
     print(f"\nthe finished run started again took {time.time() - start:.1f} s")
     assert f"{tmp_path}/run/checkpoints/2 ends this run (--training_steps 2" in proc.stdout
     assert "nothing to do" in proc.stdout and "jaxformer started" not in proc.stdout
@@ -87,7 +88,7 @@ def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_r
     shutil.copytree(trained / "run", tmp_path / "run")
     before = snapshot(tmp_path)
     proc = run(cpu_env, tmp_path, *MESH1, "--model_dimension", "64", "--n_head", "4", "--dropout_rate", "0.1",
-               "--pipeline_repeats", "2", steps=4, expect=2, timeout=300)
+               "--pipeline_repeats", "2", steps=4, expect=2)
     assert "--model_dimension: 32 in the checkpoint, 64 now" in proc.stderr
     assert "--pipeline_repeats: 1 in the checkpoint, 2 now" in proc.stderr     # stored as [R, blocks/R, ...]
     assert "--n_head: 2 in the checkpoint, 4 now" in proc.stderr
@@ -97,7 +98,7 @@ def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_r
 
     # A change that keeps every shape is a note, not an error (dropout may change on resume) -- here with
     # --restart, which sets the old run aside and starts from step 0.
-    proc = run(cpu_env, tmp_path, *MESH1, "--restart", "--dropout_rate", "0.1", steps=1, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, "--restart", "--dropout_rate", "0.1", steps=1)
     replaced = os.listdir(tmp_path / "run" / "replaced")
     assert len(replaced) == 1
     old = tmp_path / "run" / "replaced" / replaced[0]
@@ -112,7 +113,7 @@ def test_changed_model_flag_exits_2_and_touches_nothing_then_restart_moves_the_r
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"\x00garbage")
     before = snapshot(tmp_path)
-    proc = run(cpu_env, tmp_path, *MESH1, "--dropout_rate", "0.1", steps=2, expect=2, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, "--dropout_rate", "0.1", steps=2, expect=2)
     assert "no checkpoint in" in proc.stderr and "step 1:" in proc.stderr and "--restart" in proc.stderr
     assert snapshot(tmp_path) == before
 
@@ -126,11 +127,11 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
     first = start(cpu_env, tmp_path, log, *MESH1)
     wait_for_step(first, tmp_path, log, 2)
     # 5: a second run in the same directory is refused at start, naming the holder.
-    proc = run(cpu_env, tmp_path, *MESH1, expect=2, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, expect=2)
     assert f"pid {first.pid} on {socket.gethostname()}" in proc.stderr
     # 2: Ctrl-C finishes the step, saves, says where, exits 0.
     first.send_signal(signal.SIGINT)
-    assert first.wait(timeout=300) == 0, open(f"{log}.err").read()[-3000:]
+    assert first.wait(timeout=CEILING_S) == 0, open(f"{log}.err").read()[-3000:]
     stdout, stderr = open(f"{log}.out").read(), open(f"{log}.err").read()
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     saved = max(r["step"] for r in records(tmp_path) if "loss" in r)
@@ -142,13 +143,13 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
     # handlers wait): the first says so at once, the second exits 130 at once in one line, without saving.
     log = tmp_path / "second"
     second = start(cpu_env | {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cold")}, tmp_path, log, *MESH1)
-    wait_for(second, log, lambda: "compiling the training step" in open(f"{log}.out").read(), "the compile", 1800)
+    wait_for(second, log, lambda: "compiling the training step" in open(f"{log}.out").read(), "the compile")
     second.send_signal(signal.SIGINT)
     wait_for(second, log, lambda: "Ctrl-C: XLA is compiling the training step, which cannot be interrupted; then "
                                   "the step runs, the run saves and exits; Ctrl-C again to exit now without saving"
-                                  in open(f"{log}.err").read(), "the first Ctrl-C's line", 1800)
+                                  in open(f"{log}.err").read(), "the first Ctrl-C's line")
     second.send_signal(signal.SIGINT)
-    assert second.wait(timeout=1800) == 130
+    assert second.wait(timeout=CEILING_S) == 130
     stderr = open(f"{log}.err").read()
     assert stderr.endswith("Ctrl-C: XLA is compiling the training step, which cannot be interrupted; then the step "
                            "runs, the run saves and exits; Ctrl-C again to exit now without saving\n\nCtrl-C again: "
@@ -160,7 +161,7 @@ def test_ctrl_c_saves_and_exits_0_a_second_exits_at_once_and_a_second_run_is_ref
     # Its lock is left behind by a process that is gone: the next run takes it over and resumes.
     assert json.load(open(tmp_path / "run" / "lock"))["pid"] == second.pid
     latest = newest_checkpoint(tmp_path)
-    proc = run(cpu_env, tmp_path, *MESH1, steps=latest + 1, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, steps=latest + 1)
     assert f"taking over {tmp_path}/run/lock" in proc.stdout
     assert f"resumed from {tmp_path}/run/checkpoints/{latest}: step {latest}," in proc.stdout
 
@@ -179,7 +180,7 @@ def test_a_stop_saves_first_and_evaluates_only_when_asked(cpu_env, tmp_path):
         wait_until(lambda: len([r for r in records(tmp_path)[begun:] if "loss" in r]) >= 2, "two steps")
         signalled = os.path.getsize(log)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=1800) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=CEILING_S) == 0, log.read_text()[-3000:]
         after = log.read_text()[signalled:]
         saved = last_step(tmp_path)
         written = after.index(f"SIGTERM: checkpoint of step {saved} written to {tmp_path}/run/checkpoints/{saved} "
@@ -244,7 +245,7 @@ def test_a_closed_terminal_saves_and_exits_0(cpu_env, tmp_path):
         done.set()
         reader.join()
         os.close(master)                 # the terminal goes away: SIGHUP to the session's leader, main.py
-    assert proc.wait(timeout=1800) == 0
+    assert proc.wait(timeout=CEILING_S) == 0
     saved = max(r["step"] for r in records(tmp_path) if "loss" in r)
     assert checkpoints(tmp_path)[-1] == saved >= 2
     assert not os.path.exists(tmp_path / "run" / "lock")
@@ -271,7 +272,7 @@ def process_of(out):
     return None
 
 
-def wait_until(condition, what, timeout=300):
+def wait_until(condition, what, timeout=CEILING_S):
     deadline = time.time() + timeout
     while not condition():
         assert time.time() < deadline, f"no {what} within {timeout} s"
@@ -314,7 +315,7 @@ def test_a_closed_tmux_pane_leaves_nohup_training_and_otherwise_saves_and_exits_
             assert tmux(env, "kill-session", "-t", name).returncode == 0
 
         for name in ("plain", "eater"):          # each saves the step it was at and exits
-            procs[name].wait(timeout=300)
+            procs[name].wait(timeout=CEILING_S)
             out = runs[name]
             assert checkpoints(out)[-1] == last_step(out) >= 2, (name, checkpoints(out), last_step(out))
             assert not os.path.exists(out / "run" / "lock"), name           # released at a normal exit
@@ -327,7 +328,7 @@ def test_a_closed_tmux_pane_leaves_nohup_training_and_otherwise_saves_and_exits_
         wait_until(lambda: last_step(runs["nohup"]) >= at_kill + 3, "the nohup run training on after the kill")
         assert procs["nohup"].is_running()
         procs["nohup"].send_signal(signal.SIGTERM)
-        procs["nohup"].wait(timeout=300)
+        procs["nohup"].wait(timeout=CEILING_S)
         printed = (runs["nohup"] / "nohup.out").read_text()
         saved = checkpoints(runs["nohup"])[-1]
         assert f"SIGTERM: checkpoint of step {saved} written" in printed, printed[-3000:]
@@ -349,7 +350,7 @@ def test_stdout_a_pipe_nobody_reads_any_more_is_a_hangup(cpu_env, tmp_path):
     try:
         wait_until(lambda: last_step(out) >= 2, "step 2")
         proc.stdout.close()                 # the reader is gone: its end of the pipe is closed
-        assert proc.wait(timeout=1800) == 0
+        assert proc.wait(timeout=CEILING_S) == 0
     finally:
         proc.kill()
     assert checkpoints(out)[-1] == last_step(out) >= 2
@@ -360,7 +361,7 @@ def test_empty_prompt_samples_and_a_failed_sample_is_a_warning_after_the_checkpo
     os.makedirs(tmp_path / "run" / "samples.txt")           # writing a sample fails: it is a directory
     # 64 experts, one per token, and 32 tokens a step: at least 32 experts get no token.
     proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt", "", "--n_experts", "64", "--k", "1", "--train_batch_size", "1",
-               "--micro_batch_size", "1", steps=2, timeout=300)
+               "--micro_batch_size", "1", steps=2)
     assert "sample @ 2:\n" in proc.stdout                    # sampled from <|endoftext|>, printed as text
     # samples.txt cannot be written: a warning, and the sample spilled to a file named at exit
     assert f"WARNING: could not write {tmp_path}/run/samples.txt ([Errno 21] Is a directory" in proc.stderr
@@ -377,7 +378,7 @@ def test_prompt_too_long_for_T_is_refused_at_start(cpu_env, tmp_path, repeats, a
     """A prompt that leaves room for fewer new tokens than asked, and one that fills --T by itself (the
     advice used to be "at most -29")."""
     proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--prompt",
-               "And God said, " * repeats, steps=2, expect=2, timeout=300)
+               "And God said, " * repeats, steps=2, expect=2)
     assert "--prompt is " in proc.stderr and "--T 32" in proc.stderr and advice in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "run")
 
@@ -396,7 +397,7 @@ def _refused_at_start(cpu_env, out, expected):
     """The run stops before its first step: exit 2, one line naming the checkpoint directory, nothing
     written to its run directory."""
     before = snapshot(out)
-    proc = run(cpu_env, out, *MESH1, steps=4, expect=2, timeout=300)
+    proc = run(cpu_env, out, *MESH1, steps=4, expect=2)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert errors[0].startswith(f"error: the checkpoints could not be saved in {out}/run/checkpoints ({expected}"), errors
@@ -429,7 +430,7 @@ def test_a_checkpoint_directory_that_cannot_take_a_save_is_refused_at_start(cpu_
     finally:
         subprocess.run(["umount", str(full)], check=True)
 
-    proc = run(cpu_env, tmp_path / "ro", *MESH1, steps=3, timeout=300)
+    proc = run(cpu_env, tmp_path / "ro", *MESH1, steps=3)
     assert f"resumed from {ckpts}/2: step 2," in proc.stdout
 
 
@@ -457,7 +458,7 @@ def test_disk_full_while_a_checkpoint_is_written_stops_at_once_in_one_line(cpu_e
             except OSError:
                 pass
         proc.send_signal(signal.SIGCONT)
-        assert proc.wait(timeout=300) == 1
+        assert proc.wait(timeout=CEILING_S) == 1
         stderr = open(f"{log}.err").read()
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert errors == [f"error: could not save a checkpoint in {disk}/run/checkpoints: [Errno 28] No space left "
@@ -487,16 +488,16 @@ def ce(out, after):
 
 def test_new_batch_layout_resumes_after_the_last_sequence_consumed(cpu_env, tmp_path):
     run(cpu_env, tmp_path / "first", *MESH1, *DROPLESS, "--train_batch_size", "4", "--max_lr", "0.02",
-        "--warmup_steps", "0", steps=2, timeout=300)
+        "--warmup_steps", "0", steps=2)
     assert meta(tmp_path / "first", 2)["sequences"] == 8
     for name in ("one", "six"):
         shutil.copytree(tmp_path / "first" / "run", tmp_path / name / "run")
     # One sequence per step: the cross-entropy of each of sequences 8..19 in turn.
     run(cpu_env, tmp_path / "one", *DROPLESS, *FROZEN, "--train_batch_size", "1", "--micro_batch_size", "1",
-        steps=14, timeout=300)
+        steps=14)
     # dp 2 x 1 sequence x 3 accumulation steps: 6 sequences a step, 8..13 and 14..19.
     run(cpu_env, tmp_path / "six", *DROPLESS, *FROZEN, "--n_device_axis", "2", "1", "1", "--cpu_devices", "2",
-        "--train_batch_size", "1", "--micro_batch_size", "1", "--grad_step", "3", steps=4, timeout=300)
+        "--train_batch_size", "1", "--micro_batch_size", "1", "--grad_step", "3", steps=4)
     one, six = ce(tmp_path / "one", after=2), ce(tmp_path / "six", after=2)
     assert sorted(one) == list(range(3, 15)) and sorted(six) == [3, 4]
     per_sequence = np.array([one[s] for s in range(3, 15)])
@@ -510,17 +511,17 @@ def test_new_batch_layout_resumes_after_the_last_sequence_consumed(cpu_env, tmp_
 
 
 def test_sample_from_a_run_trained_on_222_on_111_writes_nothing(cpu_env, tmp_path):
-    run(cpu_env, tmp_path, *MESH8, steps=1, timeout=400)
+    run(cpu_env, tmp_path, *MESH8, steps=1)
     before = snapshot(tmp_path)
     cmd = [sys.executable, os.path.join(REPO, "main.py"), "--output_dir", str(tmp_path), "--name", "run", "--sample",
            "--prompt", "And God said,", "--max_tokens", "6"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env, capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"sample @ 1 of {tmp_path}/run/checkpoints:\nAnd God said," in proc.stdout
     assert "read only" not in proc.stderr, proc.stderr       # Orbax's notes on the read-only manager it was asked for
     assert snapshot(tmp_path) == before
     proc = subprocess.run(cmd[:5] + ["nothing", "--sample"], cwd=REPO, env=cpu_env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=CEILING_S)
     assert proc.returncode == 2 and "--sample: no readable checkpoint in" in proc.stderr
     assert not os.path.exists(tmp_path / "nothing")
 
@@ -543,7 +544,7 @@ def test_run_dir_turned_read_only_mid_run_fails_in_one_line_losing_no_record(cpu
     wait_for_step(first, out, log, 2)
     _mount("--bind", "-o", "ro", str(run_dir), str(run_dir))
     try:
-        assert first.wait(timeout=300) == 1, open(f"{log}.err").read()[-3000:]
+        assert first.wait(timeout=CEILING_S) == 1, open(f"{log}.err").read()[-3000:]
         err = open(f"{log}.err").read()
         assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
         errors, warnings = _lines(err, "error:"), _lines(err, "WARNING:")
@@ -560,22 +561,22 @@ def test_run_dir_turned_read_only_mid_run_fails_in_one_line_losing_no_record(cpu
         steps = [r["step"] for r in records(out) + spilled if "loss" in r]
         assert steps == list(range(1, 11)) and records(out), steps
 
-        proc = run(cpu_env, out, *MESH1, expect=2, timeout=300)            # resumed on the read-only directory
+        proc = run(cpu_env, out, *MESH1, expect=2)            # resumed on the read-only directory
         errors = _lines(proc.stderr, "error:")
         assert len(errors) == 1 and errors[0].startswith(
             f"error: cannot write the run directory {run_dir} ([Errno 30] Read-only file system: '{run_dir}/lock.")
         assert errors[0].endswith("); --output_dir must be a directory this process can write"), errors
-        proc = run(cpu_env, run_dir, *MESH1, expect=2, timeout=300)        # --output_dir read-only
+        proc = run(cpu_env, run_dir, *MESH1, expect=2)        # --output_dir read-only
         assert _lines(proc.stderr, "error:")[0].startswith(
             f"error: cannot create the run directory {run_dir}/run ([Errno 30] Read-only file system")
     finally:
         subprocess.run(["umount", str(run_dir)], check=True)
-    proc = run(cpu_env, out, *MESH1, steps=1, timeout=300)       # writable again: the spill goes in first
+    proc = run(cpu_env, out, *MESH1, steps=1)       # writable again: the spill goes in first
     assert f"wrote {len(spilled)} record(s) an earlier process could not write to {run_dir}/metrics.jsonl" in proc.stdout
     assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, 11)) + [1]
     assert not glob.glob(f"{spills[0]}*")
     (tmp_path / "afile").write_text("")
-    proc = run(cpu_env, tmp_path / "afile", *MESH1, expect=2, timeout=300)  # --output_dir a file
+    proc = run(cpu_env, tmp_path / "afile", *MESH1, expect=2)  # --output_dir a file
     assert _lines(proc.stderr, "error:") == [
         f"error: cannot create the run directory {tmp_path}/afile/run ([Errno 20] Not a directory: "
         f"'{tmp_path}/afile/run'); --output_dir must be a directory this process can write, or a URL (gs://bucket/runs)"]
@@ -599,7 +600,7 @@ def test_full_disk_mid_run_keeps_the_records_until_there_is_room(cpu_env, tmp_pa
         os.remove(out / "filler")
         wait_for_step(proc, out, log, last_step(out) + 3)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=300) == 0, open(f"{log}.err").read()[-3000:]
+        assert proc.wait(timeout=CEILING_S) == 0, open(f"{log}.err").read()[-3000:]
         err = open(f"{log}.err").read()
         assert "Traceback" not in err and _lines(err, "WARNING:") == [
             f"WARNING: could not write {out}/run/metrics.jsonl ([Errno 28] No space left on device); keeping its "
@@ -625,7 +626,7 @@ def test_a_run_dir_left_odd_by_a_crash_or_a_deleted_lock_is_taken_as_it_is(cpu_e
                {"step": 1, "time": now + 60, "loss": 7.0}]
     cut = '{"step": 2, "time": 1, "lo'
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier) + cut)
-    proc = run(cpu_env, tmp_path, *MESH1, steps=1, timeout=300)
+    proc = run(cpu_env, tmp_path, *MESH1, steps=1)
     assert f"WARNING: taking over {run_dir}/lock: it holds no lock record this code can read" in proc.stdout
     assert "pid None" not in proc.stdout
     assert re.search(r"started \d+ s before the previous session's last record \(two sessions at once", proc.stdout)
