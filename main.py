@@ -98,6 +98,7 @@ def check_data_source(cfg):
 
 def open_run(cfg, mesh):
     """Take the run directory, print the run's header, load the data, restore or start the state."""
+    pod.check_fits(cfg, mesh)                   # before the run directory is touched or anything allocated
     rc, proc0 = cfg.run, jax.process_index() == 0
     run_dir = run_dir_of(rc)
     sample_ids = prompt_ids(cfg.inference, cfg.model.T)  # a prompt that cannot be sampled stops the run here

@@ -174,6 +174,9 @@ class RunConfig:
                                 "H200s (h200, h200-8; pip install -r requirements-gpu-aot.txt) on this machine, "
                                 "and print the per-chip memory plan, FLOPs, compile time and, for h200, the "
                                 "estimated step time and MFU")
+    force: bool = flag(False, "start even when the planned memory per device (params, optimizer state, gradients and "
+                              "the layer inputs the backward keeps, from shapes alone) exceeds what this process's "
+                              "devices have, which otherwise refuses the run before it allocates anything")
     restart: bool = flag(False, "start the run over: its checkpoints and logs are moved to NAME/replaced/TIME first, "
                                 "never deleted (without it, a changed model flag is an error and nothing is touched)")
     sample: bool = flag(False, "do not train: load the newest checkpoint of --name (saved on any mesh), print a "

@@ -1,0 +1,79 @@
+"""A run that cannot fit this machine refuses before it allocates (pod.check_fits), and its plan is a lower
+bound of what the compiled step needs, so that a run which fits is never refused.
+
+The model that cannot fit is sized from this machine's memory: routed experts enough for all of its RAM in
+parameters alone (4x that planned, with the optimizer state and gradients), its largest array half of it
+and so allocatable, so that a run without the check fills memory (it did, silently: issue 46). main.py
+runs as a subprocess watched for its resident memory and killed past RSS_LIMIT."""
+import math
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import psutil
+
+import pod
+import sharding
+import utils
+from ceiling import CEILING_S
+from trainer import abstract_step_args, build_trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+RSS_LIMIT = 3 * GiB      # imports and shapes take a few hundred MiB; a run allocating its state passes this
+D = 2048                 # each routed expert's two matrices: 8 D^2 fp32 params, 128 MiB in each of 2 blocks
+
+
+def too_big_for_this_machine():
+    experts = math.ceil(psutil.virtual_memory().total / (2 * 8 * D * D * 4))
+    return (f"--model_dimension {D} --n_head 16 --n_experts {experts} --blocks 2 --layers_per_block 2 --T 64 "
+            f"--n_device_axis 1 1 1 --max_tokens 0").split()
+
+
+def test_a_run_that_cannot_fit_refuses_in_one_line_before_it_allocates(cpu_env, bundled_shards, tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *too_big_for_this_machine(), "--data_dir", bundled_shards,
+           "--output_dir", str(tmp_path), "--name", "big"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watched, peak, deadline = psutil.Process(proc.pid), 0, time.time() + CEILING_S
+    try:
+        while proc.poll() is None and peak <= RSS_LIMIT and time.time() < deadline:
+            try:
+                peak = max(peak, watched.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stdout, stderr = proc.communicate()
+    assert peak <= RSS_LIMIT, (f"main.py grew to {peak / GiB:.1f} GiB without refusing:\n"
+                               f"{stdout[-2000:]}{stderr[-2000:]}")
+    assert proc.returncode == 2, f"exit {proc.returncode}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-3000:]}"
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: this run (--preset tiny) needs at least "), stderr
+    assert "GiB of available host memory" in lines[0] and "--compile_for v5litepod-1" in lines[0], lines[0]
+    assert "(--preset tiny or dsv3-tiny)" in lines[0] and "--force" in lines[0], lines[0]
+    assert not os.path.exists(tmp_path / "big"), "the refused run touched its run directory"
+
+
+def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_step():
+    big = utils.config_from_args(too_big_for_this_machine())
+    pod.check_fits(utils.override(big, force=True), sharding.make_mesh((1, 1, 1)))    # no RunRefused
+    # the tests' TINY model with a small vocabulary (a quicker compile) and activations the larger part of the
+    # plan, on a 3-D mesh, every layer recomputed: the least a step keeps
+    cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 128 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
+                                 "--vocab_size 1024 --train_batch_size 16 --val_batch_size 16 --remat full "
+                                 "--n_device_axis 2 2 2".split())
+    mesh = sharding.make_mesh(cfg.run.n_device_axis)
+    pod.check_fits(cfg, mesh)
+    trainer = build_trainer(cfg, mesh)
+    memory = trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile().memory_analysis()
+    compiled = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                + memory.temp_size_in_bytes)
+    plan = pod.planned_bytes(cfg, mesh)
+    assert plan["params"] == plan["gradients"] and plan["optimizer state"] >= 2 * plan["params"], plan
+    assert plan["activations"] > plan["params"], plan
+    assert 0 < sum(plan.values()) <= compiled, (plan, compiled)
+    assert jax.device_count() == 8
