@@ -98,7 +98,8 @@ def check_data_source(cfg):
 
 def open_run(cfg, mesh):
     """Take the run directory, print the run's header, load the data, restore or start the state."""
-    pod.check_fits(cfg, mesh)                   # before the run directory is touched or anything allocated
+    trainer = build_trainer(cfg, mesh)            # shapes and shardings: nothing compiled or allocated yet
+    pod.check_fits(cfg, trainer)                  # before the run directory is touched or anything allocated
     rc, proc0 = cfg.run, jax.process_index() == 0
     run_dir = run_dir_of(rc)
     sample_ids = prompt_ids(cfg.inference, cfg.model.T)  # a prompt that cannot be sampled stops the run here
@@ -106,7 +107,6 @@ def open_run(cfg, mesh):
     if rc.restart:                              # every host opens the checkpoints after they moved
         on_process_0(lambda: set_aside_previous_run(run_dir))
     print_header(cfg)
-    trainer = build_trainer(cfg, mesh)
     train_ds, val_batches = load_data(cfg, trainer.data_sharding)
     mngr = checkpoint_manager(run_dir)
     check_can_save(mngr, trainer.abstract_state)

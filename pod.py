@@ -424,13 +424,13 @@ def estimate(seconds, kernels, runs):
 RESIDUAL_BYTES = 4                  # the residual stream is fp32 (model.Layer), whatever --model_dtype
 
 
-def check_fits(cfg, mesh):
+def check_fits(cfg, trainer):
     """RunRefused, in one line, when this run's planned bytes per device (`planned_bytes`) exceed what this
     process's devices of the mesh have; nothing is allocated before it, and --force skips it. The plan is a
     lower bound (no compile), so a run refused here cannot fit, and one let through still may not."""
     if cfg.run.force:
         return
-    refusal = _refusal(cfg, mesh)
+    refusal = _refusal(cfg, trainer)
     if jax.process_count() > 1:         # a process that stopped alone would leave the others in a collective
         refused = np.asarray(multihost_utils.process_allgather(np.int32(refusal is not None)))
         if refused.any() and refusal is None:
@@ -440,12 +440,12 @@ def check_fits(cfg, mesh):
         raise RunRefused(refusal)
 
 
-def planned_bytes(cfg, mesh):
+def planned_bytes(cfg, trainer):
     """{part: bytes} one device of the mesh needs at least for a train step, from shapes alone: its shards of
     the params and of the optimizer state (with the key and routing bias), gradients the size of its
     params, and the activations every remat policy keeps, the input of each of its stage's layers for all
     of its replica's sequences of a micro-step (the schedule holds every micro-batch's until the backward)."""
-    state = build_trainer(cfg, mesh).abstract_state          # shapes and shardings; nothing compiled or allocated
+    state = trainer.abstract_state
     on_device = lambda tree: sum(_shard_bytes(a) for a in jax.tree.leaves(tree))
     m, pp = cfg.model, cfg.run.n_device_axis[1]
     layers = m.blocks * m.layers_per_block // pp + m.first_k_dense
@@ -480,10 +480,11 @@ def _bytes_limit(device):
         return None
 
 
-def _refusal(cfg, mesh):
+def _refusal(cfg, trainer):
     """The line refusing cfg on this process's devices, or None when its plan fits."""
+    mesh = trainer.data_sharding.mesh
     memory = device_memory(mesh)
-    plan = planned_bytes(cfg, mesh)
+    plan = planned_bytes(cfg, trainer)
     if memory is None or sum(plan.values()) * memory[1] <= memory[0]:
         return None
     have, sharing, words = memory
@@ -511,8 +512,9 @@ def _presets_that_fit(cfg, mesh, have, sharing):
             utils.validate(candidate, mesh.size)
         except utils.ConfigError:
             continue
-        if (sharding.count_params(preset.model)["total"] < total
-                and 2 * sum(planned_bytes(candidate, mesh).values()) * sharing <= have):
+        if sharding.count_params(preset.model)["total"] >= total:
+            continue
+        if 2 * sum(planned_bytes(candidate, build_trainer(candidate, mesh)).values()) * sharing <= have:
             fit.append(name)
     return fit
 
