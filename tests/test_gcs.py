@@ -91,7 +91,7 @@ def _kill_after_checkpoint(cpu_env, out, data_dir, step, log):
     run is given 100 x more steps, so it cannot end first. Returns the newest complete checkpoint's step."""
     with open(log, "w") as f:
         proc = subprocess.Popen(_cmd(out, data_dir, 100 * step), cwd=REPO, env=cpu_env, stdout=f, stderr=f)
-    deadline = time.time() + 900
+    deadline = time.time() + CEILING_S
     while (newest := _newest_checkpoint(out)) is None or newest < step:
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
         time.sleep(0.5)
@@ -188,7 +188,7 @@ def test_second_run_is_refused_then_a_store_outage_is_one_line_and_the_next_star
         first = subprocess.Popen(_cmd(out, data, 100_000), cwd=REPO, env=e, stdout=f, stderr=f)
     tokenizer = None
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + CEILING_S
         # the lock is taken before the compile that precedes the first step's line
         while not fs.exists(f"{BUCKET}/outage/run/lock") and "jaxformer started" not in log.read_text():
             assert first.poll() is None and time.time() < deadline, log.read_text()[-4000:]

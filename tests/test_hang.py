@@ -14,6 +14,7 @@ import time
 import launch_util
 from launch_util import ROOT, free_port, main_process, needs_tmux, sh
 from ceiling import CEILING_S
+from test_main import SPAN
 
 pytestmark = needs_tmux
 
@@ -40,9 +41,9 @@ def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, l
            *launch_cache, "--", *SMALL, "--hang_timeout", str(TIMEOUT_S), "--output_dir", str(tmp_path / "runs")]
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + CEILING_S
         host0_line = (r"host 0 127\.0\.0\.1: running \| step \d+, no step for \d+ s \(.*\) \| logged: step +\d+ "
-                      r"\| loss [0-9.]+ \| log changed \d+ s ago\n +goodput \d+% of \d+ s: startup")
+                      r"\| loss [0-9.]+ \| log changed \d+ s ago\n +goodput \d+% of " + SPAN + ": startup")
         while True:       # both hosts past the first interval: host 0's step line logged, its goodput noted
             status = sh("launcher.sh", "--status", "hang", *where, env=env, check=0).out
             if status.count("no step for") == 2 and re.search(host0_line, status):

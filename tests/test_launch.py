@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ceiling import CEILING_S
 from launch_util import (LIB, LOCAL_SSH, ROOT, SCRIPTS, SECRET, all_text, needs_tmux,
                          path_without, sessions, sh, tmux)
 
@@ -238,7 +239,7 @@ def test_debug_tpu_layout_and_cleanup(tmux_env, hosts, tmp_path):
     panes = tmux(tmux_env, "list-panes", "-s", "-t", "=dbg", "-F", "#{window_name} #{pane_index}").stdout.split("\n")
     assert sorted(x for x in panes if x) == ["monitor 0", "monitor 1", "monitor 2", "run 0", "run 1", "run 2"]
     assert tmux(tmux_env, "show-options", "-w", "-t", "=dbg:run", "synchronize-panes").stdout.strip().endswith("on")
-    deadline = time.time() + 15
+    deadline = time.time() + CEILING_S
     while True:
         shown = [tmux(tmux_env, "capture-pane", "-p", "-t", f"=dbg:run.{i}").stdout for i in range(3)]
         if all("exit status 0" in s for s in shown) or time.time() > deadline:

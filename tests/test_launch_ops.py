@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from ceiling import CEILING_S
 from launch_util import needs_tmux, sessions, sh, tmux
 
 pytestmark = needs_tmux
@@ -135,7 +136,7 @@ def test_debug_tpu_shows_the_commands_exit_status(tmux_env, tmp_path):
     f.write_text("h0\n")
     sh("debug_tpu.sh", "--hosts", f, "--session", "st", "--no-attach", "--", "sh", "-c", "exit 7",
        env=tmux_env, check=0)
-    deadline, shown = time.time() + 20, ""
+    deadline, shown = time.time() + CEILING_S, ""
     while "exit status" not in shown and time.time() < deadline:
         shown = tmux(tmux_env, "capture-pane", "-p", "-t", "=st:run.0").stdout
         time.sleep(0.2)

@@ -77,7 +77,7 @@ def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, lau
     supervisor = subprocess.Popen([os.path.join(os.path.dirname(os.path.dirname(__file__)), cmd[0]), *map(str, cmd[1:])],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, ckpt = tmp_path / "runs" / "preempted" / "metrics.jsonl", tmp_path / "runs" / "preempted" / "checkpoints"
-    deadline = time.time() + 600
+    deadline = time.time() + CEILING_S
     while not (ckpt.is_dir() and "10" in os.listdir(ckpt) and metrics.exists() and len(losses(metrics)) >= 12):
         assert supervisor.poll() is None and time.time() < deadline, supervisor.stdout.read()
         time.sleep(0.5)

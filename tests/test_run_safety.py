@@ -237,7 +237,7 @@ def test_a_closed_terminal_saves_and_exits_0(cpu_env, tmp_path):
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + CEILING_S
         while last_step(tmp_path) < 2:
             assert proc.poll() is None and time.time() < deadline, b"".join(printed).decode(errors="replace")[-3000:]
             time.sleep(0.05)
@@ -446,7 +446,7 @@ def test_disk_full_while_a_checkpoint_is_written_stops_at_once_in_one_line(cpu_e
         log = tmp_path / "log"
         proc = start(cpu_env, disk, log, *MESH1, steps=40)
         partial = disk / "run" / "checkpoints" / "20.orbax-checkpoint-tmp"
-        deadline = time.time() + 300
+        deadline = time.time() + CEILING_S
         while not os.path.exists(partial):
             assert proc.poll() is None and time.time() < deadline, open(f"{log}.err").read()[-3000:]
             time.sleep(0.001)
