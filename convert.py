@@ -6,10 +6,13 @@
 to-hf writes a run's checkpoint (the newest, or step N) as a transformers `deepseek_v3` directory:
 config.json, model.safetensors (model-0000i-of-0000n.safetensors and model.safetensors.index.json past
 --max_shard_size), tokenizer.json and tokenizer_config.json (cl100k_base, encoding text as
-data/tokenizer.py does). A model without a DeepSeek-V3 equivalent is refused with one line naming each
-differing flag. from-hf writes RUN_DIR (= OUTPUT_DIR/NAME) holding a step-0 checkpoint with a fresh
-optimizer state, which `python main.py --output_dir OUTPUT_DIR --name NAME` plus the flags it prints
-restores on any mesh and fine-tunes; a config.json field this model cannot express is refused by name.
+data/tokenizer.py does, each special token at its id: hf_tokenizer.py). A model without a DeepSeek-V3
+equivalent is refused with one line naming each differing flag. from-hf writes RUN_DIR (= OUTPUT_DIR/NAME)
+holding a step-0 checkpoint with a fresh optimizer state, which `python main.py --output_dir OUTPUT_DIR
+--name NAME` plus the flags it prints restores on any mesh and fine-tunes; a config.json field this model
+cannot express is refused by name, a size past what it can be or past this machine's memory before anything
+is allocated, a file that is not a regular file inside HF_DIR before it is opened (hf_files.py). Either
+command writes its directory whole or not at all, and refuses a disk without room for it in one line.
 
 The layouts (transformers' modeling_deepseek_v3, 5.24; torch Linear weights are [out, in], ours [in, out]
 as x @ W, so every matrix is transposed):
@@ -32,35 +35,28 @@ as x @ W, so every matrix is transposed):
 """
 import argparse
 import dataclasses
-import json
+import math
 import os
-import shutil
 import sys
 import uuid
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from safetensors import safe_open
-from safetensors.numpy import save_file
+import psutil
 
 import sharding
 import utils
-from checkpoints import checkpoint_manager, checksums_and_finite, restore_step, save, wait_for_save
-from data.tokenizer import PATTERN, EOT_ID, VOCAB_SIZE, get_tokenizer
+from checkpoints import (SaveFailed, checkpoint_manager, checksums_and_finite, discard_failed_saves, quiet_failed_saves,
+                         restore_step, save, wait_for_save)
+from data.tokenizer import EOT_ID, VOCAB_SIZE
+from hf_files import (ConvertError, check_room, fresh_dir, human, inside, json_text, parse_size, read_json,
+                      read_safetensors, write_atomically, write_safetensors, write_text)
+from hf_tokenizer import tokenizer_files
 from model import NORM_EPS
 from multihost import set_up_devices
 from rundir import is_url
 from trainer import build_trainer
-
-EOT = "<|endoftext|>"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-class ConvertError(Exception):
-    """Bad input: one line naming the flag, file or field and what would be valid; exit 2."""
-
 
 # ----------------------------------------------------------------------------------------------------------
 # The configs. DEEPSEEK_V3: each model flag whose value DeepSeek-V3's architecture fixes, and that value
@@ -125,10 +121,61 @@ HF_DEFAULTS = {
 
 def read_hf_config(hf_dir):
     """hf_dir/config.json with transformers' defaults for the fields it leaves out."""
-    hf = HF_DEFAULTS | _read_json(os.path.join(hf_dir, "config.json"))
+    config = read_json(inside(hf_dir, "config.json"))
+    if not isinstance(config, dict):
+        raise ConvertError(f"{hf_dir}/config.json holds no JSON object of fields")
+    hf = HF_DEFAULTS | config
     if hf["num_key_value_heads"] is None:                      # DeepseekV3Config: None means one per head
         hf["num_key_value_heads"] = hf["num_attention_heads"]
     return hf
+
+
+# config.json's sizes, each with its least value. The most: token ids, positions and expert indices are
+# int32 here. A JSON true or 2.5 is no size (Python's True is an int: the type is checked exactly).
+SIZES = dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok",
+                       "n_group", "topk_group", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                       "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"), 1) | {
+    "first_k_dense_replace": 0, "n_shared_experts": 0}
+MAX_SIZE = 2**31 - 1
+# Host memory from-hf takes per parameter of the model it imports, at its peak: the tensors read, our fp32
+# params, the fresh state (params and two Adam moments), the params put on the device, the checksums and the
+# save. Measured 2026-12-03 with /usr/bin/time -v: peak RSS 2.56 GB importing 58.0M parameters, 0.65 GB
+# importing 54K, so 34 bytes a parameter; rounded up.
+IMPORT_BYTES_PER_PARAM = 36
+
+
+def size_refusal(hf):
+    """The first size of config.json `hf` that is no size this model can have, with its value; None if none."""
+    for field, least in SIZES.items():
+        value = hf[field]
+        if value is None and field == "q_lora_rank":            # no query latent: import_refusals names it
+            continue
+        if type(value) is not int or not least <= value <= MAX_SIZE:
+            return f"{field} {value!r} is not a size (needs an integer from {least} to {MAX_SIZE})"
+    return None
+
+
+def param_count(hf):
+    """The parameters of config.json `hf`'s model, from the shapes of a two-layer model (one dense, one MoE)
+    with one and with two experts: every count is linear in the layers and in the experts."""
+    def counts(experts):
+        shapes = hf_shapes(hf | {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": experts})
+        return [sum(math.prod(shape) for name, shape in shapes.items() if name.startswith(prefix))
+                for prefix in ("model.layers.0.", "model.layers.1.", "")]
+    (dense, moe, total), (_, moe_two, _) = counts(1), counts(2)
+    k, L, E = hf["first_k_dense_replace"], hf["num_hidden_layers"], hf["n_routed_experts"]
+    return total - dense - moe + k * dense + (L - k) * (moe + (E - 1) * (moe_two - moe))
+
+
+def check_memory(hf, where):
+    """ConvertError when importing config.json `hf`'s model would take more memory than this machine has
+    available: found before anything is allocated, not as the machine runs out."""
+    n = param_count(hf)
+    need, available = n * IMPORT_BYTES_PER_PARAM, psutil.virtual_memory().available
+    if need > available:
+        raise ConvertError(f"{where} describes a model of {n:,} parameters, which needs about {human(need)} of "
+                           f"memory to import; this machine has {human(available)} available")
 
 
 def _rope(hf):
@@ -393,183 +440,6 @@ def params_from_hf(tensors, hf, padded_vocab):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Files: safetensors (sharded with an index past a size), config.json, the tokenizer.
-
-
-def parse_size(text):
-    """'5GB', '200MB', '10KB' or a number of bytes (decimal units, as transformers' max_shard_size)."""
-    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    upper = text.strip().upper()
-    unit = next((u for u in units if upper.endswith(u)), "B")
-    try:
-        size = float(upper[:len(upper) - len(unit)] if upper.endswith(unit) else upper) * units[unit]
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise ConvertError(f"--max_shard_size {text!r}: give a size such as 5GB, 200MB or a number of bytes")
-    return int(size)
-
-
-def write_safetensors(directory, tensors, max_shard_bytes):
-    """tensors into model.safetensors, or, past max_shard_bytes, into model-0000i-of-0000n.safetensors
-    files of at most that many bytes each (one bigger tensor alone in its file) and the index transformers
-    reads: {"metadata": {"total_size"}, "weight_map": {name: file}}. Returns the file names."""
-    shards, size = [[]], 0
-    for name, w in tensors.items():
-        if shards[-1] and size + w.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += w.nbytes
-    if len(shards) == 1:
-        save_file(tensors, os.path.join(directory, SINGLE), metadata={"format": "pt"})
-        return [SINGLE]
-    files = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for file, names in zip(files, shards):
-        save_file({name: tensors[name] for name in names}, os.path.join(directory, file), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())},
-             "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
-    _write_json(os.path.join(directory, INDEX), index)
-    return files + [INDEX]
-
-
-def read_safetensors(directory):
-    """{name: numpy array} of an HF directory's model.safetensors or the files its index names."""
-    index_path, single = os.path.join(directory, INDEX), os.path.join(directory, SINGLE)
-    if os.path.exists(index_path):
-        weight_map = _read_json(index_path).get("weight_map") or {}
-        files = sorted(set(weight_map.values()))
-    elif os.path.exists(single):
-        weight_map, files = None, [SINGLE]
-    else:
-        raise ConvertError(f"{directory} has neither {SINGLE} nor {INDEX}; save the model with safetensors "
-                           f"(transformers' save_pretrained does by default)")
-    tensors = {}
-    for file in files:
-        path = os.path.join(directory, file)
-        try:
-            with safe_open(path, framework="np") as f:
-                tensors |= {name: f.get_tensor(name) for name in f.keys()}
-        except Exception as e:
-            raise ConvertError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})") from None
-    missing = sorted(set(weight_map or {}) - set(tensors))
-    if missing:
-        raise ConvertError(f"{index_path} lists {missing[0]} in {weight_map[missing[0]]}, which does not hold it"
-                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    return tensors
-
-
-def tokenizer_files(T):
-    """{file name: JSON} for transformers' tokenizer: cl100k_base as data/tokenizer.py builds it, such that
-    AutoTokenizer encodes text exactly as tiktoken's encode_ordinary (the special tokens in text are plain
-    text, split_special_tokens) and tokenizer(text) prefixes <|endoftext|>, as every document here is."""
-    enc = get_tokenizer()
-    specials = sorted((enc.encode_single_token(s), s) for s in enc.special_tokens_set)
-    special_ids = {i for i, _ in specials}
-    ranks = {}
-    for i in range(enc.n_vocab):
-        if i not in special_ids:
-            try:
-                ranks[enc.decode_single_token_bytes(i)] = i
-            except KeyError:        # the unused ids between the BPE ranks and the special tokens
-                continue
-    char = _byte_chars()
-    text = lambda token: "".join(char[b] for b in token)
-    # tokenizers' regex engine (Oniguruma, Ruby syntax) reads tiktoken's possessive `{1,3}+` as "one or more
-    # runs of 1-3 digits" (a 7-digit number would be one piece); the plain greedy {1,3} splits digits as
-    # tiktoken does, since nothing follows it in its alternative to backtrack into it.
-    digits = r"\p{N}{1,3}+"
-    assert digits in PATTERN, "data/tokenizer.py's pattern changed: check tokenizer_files' translation of it"
-    eot = enc.encode_single_token(EOT)
-    template = lambda *parts: [{"SpecialToken": {"id": EOT, "type_id": 0}} if p == EOT
-                               else {"Sequence": {"id": p, "type_id": 0}} for p in parts]
-    tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for i, s in specials],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": PATTERN.replace(digits, r"\p{N}{1,3}")}, "behavior": "Isolated",
-             "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        "post_processor": {"type": "TemplateProcessing", "single": template(EOT, "A"),
-                           "pair": template(EOT, "A", EOT, "B"),
-                           "special_tokens": {EOT: {"id": EOT, "ids": [eot], "tokens": [EOT]}}},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  # tiktoken takes a piece that is a token whole, before any merge
-                  "ignore_merges": True,
-                  "vocab": {text(token): rank for token, rank in ranks.items()},
-                  "merges": [[text(a), text(b)] for a, b in bpe_merges(ranks)]},
-    }
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT,
-              "split_special_tokens": True, "clean_up_tokenization_spaces": False, "model_max_length": T}
-    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}
-
-
-def bpe_merges(ranks):
-    """The merges, in rank order, that rebuild tiktoken's BPE: for each token of two or more bytes, the pair
-    its bytes reach by merging, lowest rank first (tiktoken's order), every pair ranked below it. Tiktoken's
-    merges inside any token's bytes run the same way, so one merge per token reproduces it."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        parts = [token[i:i + 1] for i in range(len(token))]
-        while len(parts) > 2:
-            pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
-            best, i = min(pairs)
-            if best >= rank:
-                break
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) == 2:
-            merges.append((parts[0], parts[1]))
-    return merges
-
-
-def _byte_chars():
-    """GPT-2's printable stand-in for each byte, as tokenizers' ByteLevel pre-tokenizer maps them."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = iter(range(256, 512))
-    return {b: chr(b if b in printable else next(others)) for b in range(256)}
-
-
-def _write_json(path, value):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-
-
-def _read_json(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ConvertError(f"{path} is missing") from None
-    except (OSError, ValueError) as e:
-        raise ConvertError(f"{path} cannot be read as JSON ({e})") from None
-
-
-def _fresh_dir(path, what):
-    """ConvertError unless `path` is free for a new directory (missing or empty)."""
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise ConvertError(f"{what} {path} exists and is not an empty directory; give a new path")
-
-
-def _write_atomically(path, fill):
-    """fill(tmp) builds the directory in a temporary sibling, renamed to `path` once complete: a failure
-    leaves nothing behind."""
-    tmp = f"{path.rstrip('/')}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        result = fill(tmp)
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return result
-
-
-# ----------------------------------------------------------------------------------------------------------
 # The two commands.
 
 
@@ -613,7 +483,7 @@ def _exportable(mc, where):
 
 def to_hf(run_dir, hf_dir, step=None, max_shard_bytes=5 * 10**9, say=print):
     """Export checkpoint `step` (newest: None) of run_dir into hf_dir. Returns the files written."""
-    _fresh_dir(hf_dir, "HF_DIR")
+    fresh_dir(hf_dir, "HF_DIR")
     mc, params, bias, where = read_checkpoint(run_dir, step, _exportable)
     if mc.capacity_factor:
         say(f"note: the run drops tokens over --capacity_factor {mc.capacity_factor}; transformers drops none, as "
@@ -624,12 +494,16 @@ def to_hf(run_dir, hf_dir, step=None, max_shard_bytes=5 * 10**9, say=print):
     if not tokenizer:
         say(f"note: no tokenizer files: --vocab_size {mc.vocab_size} is not cl100k_base's {VOCAB_SIZE}")
 
+    texts = {name: json_text(value) for name, value in {"config.json": config, **tokenizer}.items()}
+    # the safetensors headers and the index: well under 512 bytes a tensor
+    need = sum(w.nbytes + 512 for w in tensors.values()) + sum(len(text.encode()) for text in texts.values())
+
     def fill(tmp):
         files = write_safetensors(tmp, tensors, max_shard_bytes)
-        for name, value in {"config.json": config, **tokenizer}.items():
-            _write_json(os.path.join(tmp, name), value)
-        return files + ["config.json", *tokenizer]
-    files = _write_atomically(hf_dir, fill)
+        for name, text in texts.items():
+            write_text(os.path.join(tmp, name), text)
+        return files + list(texts)
+    files = write_atomically(hf_dir, "HF_DIR", need, fill)
     say(f"wrote {hf_dir} from {where}: {len(tensors)} tensors, "
         f"{sum(w.size for w in tensors.values()):,} parameters, {', '.join(files)}")
     return files
@@ -638,11 +512,15 @@ def to_hf(run_dir, hf_dir, step=None, max_shard_bytes=5 * 10**9, say=print):
 def from_hf(hf_dir, run_dir, say=print):
     """Import the deepseek_v3 directory hf_dir as a run directory run_dir with a step-0 checkpoint. Returns
     the ModelConfig and the main.py flags that restore it."""
-    _fresh_dir(run_dir, "RUN_DIR")
+    fresh_dir(run_dir, "RUN_DIR")
     hf = read_hf_config(hf_dir)
+    wrong = size_refusal(hf)
+    if wrong:
+        raise ConvertError(f"{hf_dir}/config.json: {wrong}")
     wrong = import_refusals(hf)
     if wrong:
         raise ConvertError(f"{hf_dir}/config.json has no equivalent here: {'; '.join(wrong)}")
+    check_memory(hf, f"{hf_dir}/config.json")
     mc = model_config(hf)
     cfg = utils.Config(model=mc)
     try:                # the model's rules alone: the samples' length is the fine-tune's to set
@@ -650,6 +528,10 @@ def from_hf(hf_dir, run_dir, say=print):
     except utils.ConfigError as e:
         raise ConvertError(f"{hf_dir}/config.json gives an invalid model here: "
                            + "; ".join(line.strip().removeprefix("- ") for line in str(e).splitlines()[1:])) from None
+    trainer = build_trainer(cfg, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+    # the checkpoint: params and optimizer state, uncompressed (as checkpoints.save counts it)
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(trainer.abstract_state))
+    check_room(run_dir, "RUN_DIR", need)
     tensors = read_safetensors(hf_dir)
     params, bias = params_from_hf(tensors, hf, mc.padded_vocab)
     # transformers' model ignores the multi-token-prediction modules past num_hidden_layers: so do we
@@ -669,7 +551,6 @@ def from_hf(hf_dir, run_dir, say=print):
     if wrong:
         raise ConvertError(f"{hf_dir}: parameter {wrong[0]} comes out as {have.get(wrong[0])}, the model here has "
                            f"{want.get(wrong[0])} ({len(wrong)} differ)")
-    trainer = build_trainer(cfg, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
     fresh = trainer.fresh_state(cfg.run.seed)
     state = fresh | jax.device_put({"params": params, "router_bias": bias},
                                    {"params": jax.tree.map(lambda a: a.sharding, fresh["params"]),
@@ -680,10 +561,14 @@ def from_hf(hf_dir, run_dir, say=print):
         sums, _ = jax.device_get(checksums_and_finite(state))
         meta = {"step": 0, "sequences": 0, "run_id": uuid.uuid4().hex[:8], "model": dataclasses.asdict(mc),
                 "val_loss": None, "checksums": {path: int(value) for path, value in sums.items()}}
-        save(mngr, 0, state, meta)
-        wait_for_save(mngr)
+        try:
+            save(mngr, 0, state, meta)
+            wait_for_save(mngr)
+        except SaveFailed:          # a full disk: Orbax's writer threads closed, as main.py does
+            discard_failed_saves(mngr)
+            raise
         mngr.close()
-    _write_atomically(run_dir, fill)
+    write_atomically(run_dir, "RUN_DIR", need, fill)
     flags = main_flags(mc)
     output_dir, name = os.path.split(os.path.abspath(run_dir))
     say(f"wrote {run_dir}: a step-0 checkpoint (fresh optimizer state) of {hf_dir}'s model, "
@@ -714,6 +599,7 @@ def main(argv=None):
     back.add_argument("run_dir", metavar="RUN_DIR", help="the new run directory, OUTPUT_DIR/NAME (missing or empty)")
     args = parser.parse_args(argv)
     set_up_devices(utils.Config())          # as main.py does first: the CPU, quietly, off a TPU VM with libtpu
+    quiet_failed_saves()
     try:
         if args.command == "to-hf":
             to_hf(args.run_dir, args.hf_dir, args.step, parse_size(args.max_shard_size))

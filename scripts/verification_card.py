@@ -6,12 +6,14 @@ runs the checks below in order (a few minutes on 2 CPU cores), as the card's com
 card. .venv-hf is a virtualenv from requirements-hf.txt (transformers and a CPU torch); main.py and
 convert.py run in .venv (requirements.txt: no torch). Each check is a command of its own:
 
-    tokenizer HF_DIR          AutoTokenizer.from_pretrained(HF_DIR) against tiktoken on the bundled corpus
+    tokenizer HF_DIR          AutoTokenizer.from_pretrained(HF_DIR) against tiktoken on the bundled corpus,
+                              and each special token's id in tokenizers and AutoTokenizer (no torch needed)
     random-hf HF_DIR          a transformers-made random tiny DeepseekV3ForCausalLM, save_pretrained
     same RUN_A RUN_B [--all]  every array of two runs' newest checkpoints, bitwise (params and routing bias;
                               --all: the whole state)
     logits HF_DIR RUN_DIR     fp32 logits of transformers' model and ours on 4 sequences of the bundled corpus
     generate HF_DIR RUN_DIR   32 greedy tokens from each
+    example HF_DIR            the card's "Loading an export with transformers" lines, run on HF_DIR
     kill-resume RUN_DIR -- ARGS  main.py ARGS, killed with SIGKILL once a checkpoint is written, run again
 """
 import argparse
@@ -31,6 +33,8 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import convert  # noqa: E402
+import hf_files  # noqa: E402
+import hf_tokenizer  # noqa: E402
 
 TOLERANCE = 1e-4        # max |logit difference| allowed in fp32
 N_SEQUENCES, N_GREEDY = 4, 32
@@ -62,7 +66,7 @@ def corpus_texts(n):
 def tokenizer_check(hf_dir):
     """Every chapter of the bundled corpus and a set of hard strings: AutoTokenizer's ids against
     encode_ordinary (add_special_tokens=False) and against <|endoftext|> + encode_ordinary (the default, as
-    every document here starts)."""
+    every document here starts). Then the special tokens."""
     from transformers import AutoTokenizer
 
     from data import corpus
@@ -80,7 +84,27 @@ def tokenizer_check(hf_dir):
                    or hf.decode(ours) != text)
     print(f"{type(hf).__name__} from {hf_dir}: {len(texts)} texts ({tokens:,} tokens): {differ} differ from "
           f"tiktoken's encode_ordinary (and decode)")
-    return differ == 0
+    return special_tokens_check(hf_dir, hf, enc) and differ == 0
+
+
+def special_tokens_check(hf_dir, hf, enc):
+    """Each of tiktoken's special tokens at its id both ways and decoded to itself, in tokenizers'
+    Tokenizer.from_file and in AutoTokenizer `hf`; AutoTokenizer's bos and eos ids config.json's."""
+    from tokenizers import Tokenizer
+    fast = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    specials = sorted((enc.encode_single_token(s), s) for s in enc.special_tokens_set)
+    wrong = [f"{s} {i}" for i, s in specials
+             if (fast.token_to_id(s), fast.id_to_token(i), fast.decode([i], skip_special_tokens=False),
+                 hf.convert_tokens_to_ids(s), hf.convert_ids_to_tokens(i), hf.decode([i])) != (i, s, s, i, s, s)]
+    wrong += [f"{name} {getattr(hf, name)} (config.json: {config.get(name)})"
+              for name in ("bos_token_id", "eos_token_id") if getattr(hf, name) != config.get(name)]
+    print(f"special tokens {', '.join(f'{s} {i}' for i, s in specials)}: "
+          + (f"{len(wrong)} differ: {'; '.join(wrong)}" if wrong else
+             f"each at tiktoken's id in tokenizers and AutoTokenizer and decoded to itself; AutoTokenizer's bos "
+             f"and eos ids {hf.bos_token_id} and {hf.eos_token_id}, as config.json's"))
+    return not wrong
 
 
 def random_hf(hf_dir, seed=0):
@@ -97,7 +121,7 @@ def random_hf(hf_dir, seed=0):
         for layer in model.model.layers[RANDOM["first_k_dense_replace"]:]:
             layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(RANDOM["n_routed_experts"]))
     model.save_pretrained(hf_dir)
-    for name, value in convert.tokenizer_files(RANDOM["max_position_embeddings"]).items():
+    for name, value in hf_tokenizer.tokenizer_files(RANDOM["max_position_embeddings"]).items():
         with open(os.path.join(hf_dir, name), "w") as f:
             json.dump(value, f)
     n = sum(p.numel() for p in model.parameters())
@@ -184,12 +208,50 @@ def generate_check(hf_dir, run_dir):
     return ours == theirs
 
 
+# What a user types to load an export and generate with it: shown at the card's top, run by `example`.
+EXAMPLE = """\
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("hf/dsv3-tiny")
+model = AutoModelForCausalLM.from_pretrained("hf/dsv3-tiny", dtype=torch.float32)
+inputs = tokenizer("And God said,", return_tensors="pt")        # <|endoftext|> first, as in training
+out = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+print(tokenizer.decode(out[0], skip_special_tokens=True))
+"""
+
+
+def example_lines():
+    """The card's section on loading an export with transformers."""
+    return [
+        "## Loading an export with transformers", "",
+        "Train (or take any run of a model with a DeepSeek-V3 equivalent), export it, and install transformers",
+        "with the CPU build of torch in a virtualenv of its own. From PyPI, `pip install torch` on Linux is the",
+        "multi-GB CUDA build; PyTorch's CPU index has the CPU build (about 200 MB), which satisfies",
+        "requirements-hf.txt's `torch==2.13.0`. `hf/` (like `runs/`) is ignored by git.", "",
+        "```bash",
+        "python main.py --preset dsv3-tiny --output_dir runs --name dsv3-tiny",
+        "python convert.py to-hf runs/dsv3-tiny hf/dsv3-tiny",
+        "python3.11 -m venv .venv-hf",
+        ".venv-hf/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+        ".venv-hf/bin/pip install -r requirements-hf.txt",
+        "```", "",
+        "Then, in `.venv-hf/bin/python` (`scripts/verification_card.py example HF_DIR` runs these lines):", "",
+        "```python", *EXAMPLE.splitlines(), "```", ""]
+
+
+def example_check(hf_dir):
+    """EXAMPLE, its directory hf_dir."""
+    exec(EXAMPLE.replace('"hf/dsv3-tiny"', repr(hf_dir)), {})
+    return True
+
+
 def arrays(path, whole_state):
     """{name: numpy array}: an HF directory's tensors; a run's newest checkpoint's params and routing bias
     in model order, or (whole_state) every array of its state as saved."""
     import jax
     if os.path.exists(os.path.join(path, "config.json")):
-        return convert.read_safetensors(path)
+        return hf_files.read_safetensors(path)
     if whole_state:
         import logging
 
@@ -264,7 +326,8 @@ def card_steps(work):
             (f"{PY} convert.py to-hf {runs}/dsv3-tiny {hf}/dsv3-tiny", 0, 0),
             (f"{CARD} tokenizer {hf}/dsv3-tiny", 0, 0),
             (f"{CARD} logits {hf}/dsv3-tiny {runs}/dsv3-tiny", 0, 0),
-            (f"{CARD} generate {hf}/dsv3-tiny {runs}/dsv3-tiny", 0, 0)]),
+            (f"{CARD} generate {hf}/dsv3-tiny {runs}/dsv3-tiny", 0, 0),
+            (f"{CARD} example {hf}/dsv3-tiny", 0, 0)]),
         ("Round trip: to-hf, then from-hf (and to-hf again)", [
             (f"{PY} convert.py from-hf {hf}/dsv3-tiny {runs}/dsv3-tiny-back", 0, 0),
             (f"{CARD} same {runs}/dsv3-tiny {runs}/dsv3-tiny-back", 0, 0),
@@ -289,7 +352,7 @@ def card_steps(work):
 
 # The lines of the checks' outputs that the card's summary repeats at its top.
 VERDICTS = ("max |logit difference|", "bitwise equal", "differ:", "identical", "DIFFERENT", "from tiktoken",
-            "no DeepSeek-V3 equivalent", "killed main.py")
+            "special tokens", "no DeepSeek-V3 equivalent", "killed main.py")
 
 
 def run_card(work, say=print):
@@ -327,7 +390,7 @@ def run_card(work, say=print):
             f"{_version('transformers')}, torch {_version('torch')} (CPU).",
             "The checks are scripts/verification_card.py's subcommands; the layouts they check are described in",
             "convert.py's docstring.",
-            "", "## Summary", ""] + summary + [""]
+            ""] + example_lines() + ["## Summary", ""] + summary + [""]
     path = os.path.join(ROOT, "docs", "verification.md")
     with open(f"{path}.tmp", "w") as f:
         f.write("\n".join(head + body))
@@ -346,7 +409,7 @@ def main(argv=None):
     parser.add_argument("--work", default=os.path.join("runs", "verification"),
                         help="directory for the card's runs and exports, emptied first (default runs/verification)")
     commands = parser.add_subparsers(dest="command")
-    for name in ("tokenizer", "random-hf"):
+    for name in ("tokenizer", "random-hf", "example"):
         commands.add_parser(name).add_argument("hf_dir")
     for name in ("logits", "generate"):
         sub = commands.add_parser(name)
@@ -368,6 +431,7 @@ def main(argv=None):
               "random-hf": lambda: random_hf(args.hf_dir) or True,
               "logits": lambda: logits_check(args.hf_dir, args.run_dir),
               "generate": lambda: generate_check(args.hf_dir, args.run_dir),
+              "example": lambda: example_check(args.hf_dir),
               "same": lambda: same(args.a, args.b, args.all),
               "kill-resume": lambda: kill_resume(args.run_dir, args.step, [a for a in args.main_command if a != "--"]),
               None: lambda: run_card(args.work)}

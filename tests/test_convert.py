@@ -1,13 +1,16 @@
 """convert.py: the Hugging Face DeepSeek-V3 export and import. The mapping between our params and
 transformers' tensors (both ways, bitwise, the rotary permutation against transformers' interleaved
 rotation), the safetensors files (one, or shards with an index), the tokenizer files (their merges
-rebuild tiktoken's encoding), the configs and their refusals, and the two commands end to end. The
-comparison with transformers itself is opt-in (JAXFORMER_SLOW_TESTS=1 and a virtualenv from
-requirements-hf.txt): it runs scripts/verification_card.py's checks in .venv-hf.
+rebuild tiktoken's encoding; each special token at its id in tokenizers and transformers' AutoTokenizer,
+which requirements.txt installs without torch), the configs and their refusals, and the two commands end
+to end. Hostile Hugging Face directories: test_convert_inputs.py. The rest of the comparison with
+transformers is opt-in (JAXFORMER_SLOW_TESTS=1): AutoTokenizer on the whole bundled corpus, and, with a
+virtualenv from requirements-hf.txt (torch), scripts/verification_card.py's checks in .venv-hf.
 """
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +19,8 @@ import pytest
 import regex
 
 import convert
+import hf_files
+import hf_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")
@@ -176,13 +181,13 @@ def test_safetensors_one_file_or_shards_with_an_index(tmp_path):
     tensors = random_tensors(HF)
     one = tmp_path / "one"
     one.mkdir()
-    assert convert.write_safetensors(str(one), tensors, 10**9) == ["model.safetensors"]
+    assert hf_files.write_safetensors(str(one), tensors, 10**9) == ["model.safetensors"]
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     limit = 40_000
-    files = convert.write_safetensors(str(sharded), tensors, limit)
-    index = json.loads((sharded / convert.INDEX).read_text())
-    assert files[-1] == convert.INDEX and len(files) > 3
+    files = hf_files.write_safetensors(str(sharded), tensors, limit)
+    index = json.loads((sharded / hf_files.INDEX).read_text())
+    assert files[-1] == hf_files.INDEX and len(files) > 3
     assert files[:-1] == [f"model-{i:05d}-of-{len(files) - 1:05d}.safetensors" for i in range(1, len(files))]
     assert index["metadata"]["total_size"] == sum(w.nbytes for w in tensors.values())
     assert sorted(index["weight_map"]) == sorted(tensors)
@@ -190,23 +195,24 @@ def test_safetensors_one_file_or_shards_with_an_index(tmp_path):
         names = [n for n, f in index["weight_map"].items() if f == file]
         assert sum(tensors[n].nbytes for n in names) <= limit or len(names) == 1
     for directory in (one, sharded):
-        back = convert.read_safetensors(str(directory))
+        back = hf_files.read_safetensors(str(directory))
         assert sorted(back) == sorted(tensors)
         for name, w in tensors.items():
             np.testing.assert_array_equal(back[name], w)
     os.remove(sharded / files[0])
-    with pytest.raises(convert.ConvertError, match="cannot be read as safetensors|does not hold it"):
-        convert.read_safetensors(str(sharded))
+    named = f"{sharded / files[0]} is missing \\({sharded / hf_files.INDEX} names it\\)"
+    with pytest.raises(convert.ConvertError, match=named):
+        hf_files.read_safetensors(str(sharded))
     with pytest.raises(convert.ConvertError, match="has neither model.safetensors nor model.safetensors.index.json"):
-        convert.read_safetensors(str(tmp_path))
+        hf_files.read_safetensors(str(tmp_path))
 
 
 def test_parse_size():
-    assert convert.parse_size("5GB") == 5 * 10**9 and convert.parse_size("200mb") == 2 * 10**8
-    assert convert.parse_size("1234") == 1234
+    assert hf_files.parse_size("5GB") == 5 * 10**9 and hf_files.parse_size("200mb") == 2 * 10**8
+    assert hf_files.parse_size("1234") == 1234
     for bad in ("", "GB", "-1MB", "lots"):
         with pytest.raises(convert.ConvertError, match="--max_shard_size"):
-            convert.parse_size(bad)
+            hf_files.parse_size(bad)
 
 
 def bpe_encode(text, tokenizer):
@@ -215,7 +221,7 @@ def bpe_encode(text, tokenizer):
     (ignore_merges), else apply the merges lowest rank first (leftmost on a tie)."""
     model = tokenizer["model"]
     vocab, ranks = model["vocab"], {tuple(m): i for i, m in enumerate(model["merges"])}
-    chars = convert._byte_chars()
+    chars = hf_tokenizer.byte_chars()
     pattern = tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
     ids = []
     for piece in regex.findall(pattern, text):
@@ -247,10 +253,14 @@ def test_tokenizer_files_rebuild_tiktoken():
     from data import corpus
     from data.tokenizer import EOT_ID, get_tokenizer
     enc = get_tokenizer()
-    files = convert.tokenizer_files(64)
+    files = hf_tokenizer.tokenizer_files(64)
     tokenizer, config = files["tokenizer.json"], files["tokenizer_config.json"]
     assert len(tokenizer["model"]["vocab"]) == 100_256 and len(tokenizer["model"]["merges"]) == 100_000
-    assert {t["id"]: t["content"] for t in tokenizer["added_tokens"]} == {
+    # the added tokens one after another from the vocabulary's end (the ids tokenizers gives them), the
+    # unused ids between cl100k_base's special tokens filled
+    added = {t["id"]: t["content"] for t in tokenizer["added_tokens"]}
+    assert list(added) == list(range(100_256, 100_277))
+    assert {i: s for i, s in added.items() if not s.startswith("<|reserved_")} == {
         100257: "<|endoftext|>", 100258: "<|fim_prefix|>", 100259: "<|fim_middle|>", 100260: "<|fim_suffix|>",
         100276: "<|endofprompt|>"}
     assert all(t["special"] for t in tokenizer["added_tokens"]) and config["split_special_tokens"]
@@ -377,7 +387,7 @@ def test_round_trip_is_bitwise(exported):
     for (path, a), (_, b) in zip(leaves, leaves_back):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
     convert.to_hf(str(work / "back"), str(work / "again"), max_shard_bytes=5 * 10**6)
-    first, again = convert.read_safetensors(str(work / "hf")), convert.read_safetensors(str(work / "again"))
+    first, again = hf_files.read_safetensors(str(work / "hf")), hf_files.read_safetensors(str(work / "again"))
     assert sorted(first) == sorted(again)
     assert all(first[name].tobytes() == again[name].tobytes() for name in first)
 
@@ -385,12 +395,12 @@ def test_round_trip_is_bitwise(exported):
 def test_export_files(exported):
     work, mc, _ = exported
     names = sorted(os.listdir(work / "hf"))
-    assert convert.INDEX in names and "tokenizer.json" in names and "tokenizer_config.json" in names
+    assert hf_files.INDEX in names and "tokenizer.json" in names and "tokenizer_config.json" in names
     assert sum(n.endswith(".safetensors") for n in names) > 1
     config = json.loads((work / "hf" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["rope_interleave"] and config["n_group"] == 1
     assert config["num_hidden_layers"] == mc.first_k_dense + mc.blocks and config["bos_token_id"] == 100257
-    tensors = convert.read_safetensors(str(work / "hf"))
+    tensors = hf_files.read_safetensors(str(work / "hf"))
     assert {n: tuple(w.shape) for n, w in tensors.items()} == convert.hf_shapes(config)
     assert all(w.dtype == np.float32 for w in tensors.values())
 
@@ -431,22 +441,104 @@ def test_guide_preset_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_special_tokens_keep_their_ids_in_tokenizers_and_transformers(exported):
+    """Each cl100k_base special token at tiktoken's id through tokenizers' Tokenizer.from_file and transformers'
+    AutoTokenizer (ids, tokens, decode), AutoTokenizer's bos/eos those of config.json. The tokenizers library
+    numbers added tokens one after another from the end of the BPE vocabulary, whatever ids tokenizer.json
+    gives them: before the export filled the unused ids, <|endoftext|> came out as 100256, not 100257."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from data.tokenizer import EOT_ID, get_tokenizer
+    hf_dir = exported[0] / "hf"
+    enc, config = get_tokenizer(), json.loads((hf_dir / "config.json").read_text())
+    fast = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    specials = {enc.encode_single_token(s): s for s in enc.special_tokens_set}
+    assert len(specials) == 5
+    for i, s in specials.items():
+        assert (fast.token_to_id(s), fast.id_to_token(i), fast.decode([i], skip_special_tokens=False)) == (i, s, s)
+        assert (auto.convert_tokens_to_ids(s), auto.convert_ids_to_tokens(i), auto.decode([i])) == (i, s, s)
+    assert auto.bos_token_id == auto.eos_token_id == config["bos_token_id"] == config["eos_token_id"] == EOT_ID
+    assert auto.decode([100257]) == "<|endoftext|>" and fast.id_to_token(100257) == "<|endoftext|>"
+    assert fast.get_vocab_size() == len(auto) == enc.n_vocab == config["vocab_size"]
+    text = "And God said, <|fim_prefix|> 1234567"
+    assert auto(text)["input_ids"] == [EOT_ID] + enc.encode_ordinary(text)
+    assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_exported_files_honour_the_umask(exported, tmp_path):
+    """Every exported file has the mode an ordinary new file gets here (0644 under umask 022): safetensors
+    writes through a temporary file of mode 0600, which the export used to keep."""
+    (tmp_path / "ordinary").write_text("")
+    ordinary = (tmp_path / "ordinary").stat().st_mode & 0o777
+    hf_dir = exported[0] / "hf"
+    modes = {name: oct((hf_dir / name).stat().st_mode & 0o777) for name in os.listdir(hf_dir)}
+    assert modes == dict.fromkeys(modes, oct(ordinary)), modes
+
+
+def test_the_docs_exports_are_ignored_by_git():
+    """Each HF_DIR a to-hf command in the docs writes inside the clone is ignored by git."""
+    if not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git clone")
+    docs = "".join(open(os.path.join(ROOT, "docs", name)).read() for name in os.listdir(os.path.join(ROOT, "docs")))
+    paths = sorted({hf_dir for hf_dir in regex.findall(r"convert\.py to-hf \S+ ([\w./-]+)", docs)
+                    if not hf_dir.isupper()})
+    assert "hf/dsv3-tiny" in paths, paths
+    for hf_dir in paths:
+        for name in ("model.safetensors", "model-00001-of-00002.safetensors", "config.json", "tokenizer.json"):
+            proc = subprocess.run(["git", "check-ignore", "-q", f"{hf_dir}/{name}"], cwd=ROOT)
+            assert proc.returncode == 0, f"{hf_dir}/{name} is not ignored"
+
+
+def test_to_hf_onto_a_full_disk_is_one_line(exported, tmp_path, cpu_env, monkeypatch):
+    """to-hf onto a 1 MB disk: one line naming HF_DIR and the space it needs, exit 2, nothing left (a
+    traceback and exit 1 before). A disk that fills up while the files are written (its free space
+    reported as plenty): one line too, nothing left."""
+    from test_run_safety import _mount
+    disk = tmp_path / "disk"
+    os.makedirs(disk)
+    _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk))
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), "to-hf", str(exported[0] / "run"),
+                               str(disk / "hf")], cwd=ROOT, env=cpu_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert regex.fullmatch(rf"error: HF_DIR {regex.escape(str(disk / 'hf'))} needs about \d\d\.\d MB; its disk "
+                               r"has 1\.0 MB free\. Free some space or give another HF_DIR", errors[0]), errors[0]
+        assert os.listdir(disk) == []
+        usage = shutil.disk_usage(disk)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=10**12))
+        tensors = {"w": np.zeros(500_000, np.float32)}
+        with pytest.raises(convert.ConvertError) as refused:
+            hf_files.write_atomically(str(disk / "hf"), "HF_DIR", 2 * 10**6,
+                                      lambda tmp: hf_files.write_safetensors(tmp, tensors, 10**9))
+        assert str(refused.value) == (f"HF_DIR {disk}/hf: [Errno 28] No space left on device (it needs about 2.0 MB). "
+                                      f"Free some space or give another HF_DIR")
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The opt-in comparison with transformers
 
 
-@pytest.mark.slow("transformers in a virtualenv of its own")
-@pytest.mark.skipif(not os.path.exists(HF_PYTHON), reason="needs a virtualenv from requirements-hf.txt in .venv-hf")
+@pytest.mark.slow("AutoTokenizer on the whole bundled corpus, about 40 s")
 def test_transformers_tokenizer_encodes_as_tiktoken(tmp_path):
+    """The card's tokenizer check (no torch: transformers' tokenizer is in requirements.txt)."""
+    from data.tokenizer import EOT_ID
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    for name, value in convert.tokenizer_files(64).items():
+    for name, value in hf_tokenizer.tokenizer_files(64).items():
         (hf_dir / name).write_text(json.dumps(value))
-    (hf_dir / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
-    out = subprocess.run([HF_PYTHON, os.path.join(ROOT, "scripts", "verification_card.py"), "tokenizer", str(hf_dir)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "bos_token_id": EOT_ID,
+                                                    "eos_token_id": EOT_ID}))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "verification_card.py"), "tokenizer",
+                          str(hf_dir)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "0 differ" in out.stdout, out.stdout
+    assert "0 differ" in out.stdout and "each at tiktoken's id" in out.stdout, out.stdout
 
 
 def card(*args):
