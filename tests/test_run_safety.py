@@ -61,6 +61,11 @@ def newest_checkpoint(out):
     return max(checkpoints(out))
 
 
+# a closed terminal is told by its hangup or by the first write to it after it went, whichever the run
+# meets first (Python runs a signal handler between bytecodes; a progress-bar thread may write before)
+TERMINAL_GONE = ("SIGHUP", "stdout lost (EIO)")
+
+
 def stop_causes(out):
     """(step, cause) of each stop metrics.jsonl records."""
     return [(r["step"], r["cause"]) for r in records(out) if r.get("event") == "stop"]
@@ -249,7 +254,8 @@ def test_a_closed_terminal_saves_and_exits_0(cpu_env, tmp_path):
     saved = max(r["step"] for r in records(tmp_path) if "loss" in r)
     assert checkpoints(tmp_path)[-1] == saved >= 2
     assert not os.path.exists(tmp_path / "run" / "lock")
-    assert stop_causes(tmp_path) == [(saved, "SIGHUP")]         # why it stopped, where a lost terminal can't say
+    # why it stopped, where a lost terminal can't say (CI saw the EIO first once)
+    assert stop_causes(tmp_path) in ([(saved, cause)] for cause in TERMINAL_GONE)
 
 
 # the issue's wrapper: SIGHUP ignored in itself, the default in its child; it records the child's exit status
@@ -320,7 +326,7 @@ def test_a_closed_tmux_pane_leaves_nohup_training_and_otherwise_saves_and_exits_
             assert checkpoints(out)[-1] == last_step(out) >= 2, (name, checkpoints(out), last_step(out))
             assert not os.path.exists(out / "run" / "lock"), name           # released at a normal exit
             assert records(out)[-1].get("run_goodput") is not None, name     # the stop's last record
-        assert stop_causes(runs["plain"]) == [(last_step(runs["plain"]), "SIGHUP")]
+        assert stop_causes(runs["plain"]) in ([(last_step(runs["plain"]), cause)] for cause in TERMINAL_GONE)
         assert stop_causes(runs["eater"]) == [(last_step(runs["eater"]), "stdout lost (EIO)")]
         assert status.read_text() == "0"
 
