@@ -16,7 +16,8 @@
   (`jax.make_array_from_process_local_data`, or per device when a device holds part of a row).
   `iterate(start)` prefetches on a background thread.
 - `validation_batches(...)`: a fixed set of windows spread evenly over the val split, no shuffling; its
-  batch size is global (main.py: --val_batch_size in all), so every mesh evaluates the same windows.
+  batch size is global (main.py: --val_batch_size in all), so every mesh evaluates the same windows;
+  `validation_bytes_per_token`, the text they spell, for bits per byte.
 - `ensure_bundled_shards(cache_dir)`: tokenizes the bundled corpus once into a cached shard directory
   whose val split is exactly the corpus' val documents.
 """
@@ -491,3 +492,11 @@ def validation_batches(dataset, T, global_batch, sharding, n_batches):
     """A fixed list of (x, y) batches (the same at every eval). Capped at what the split holds."""
     return [_assemble(dataset, T, ids, sharding)
             for ids in validation_window_ids(dataset, T, global_batch, n_batches)]
+
+
+def validation_bytes_per_token(dataset, T, global_batch, n_batches):
+    """UTF-8 bytes per target token of the fixed validation set (validation_batches'), read whole on every
+    process: val bits per byte = val cross-entropy / (ln 2 x this), comparable across tokenizers."""
+    ids = validation_window_ids(dataset, T, global_batch, n_batches).reshape(-1)
+    targets = read_windows(dataset, T, ids)[:, 1:]
+    return float(_tok.token_bytes()[targets].sum()) / targets.size

@@ -4,7 +4,7 @@ metrics summed over the global batch (`summarise`).
 Two cross-entropies, equal in value (engine.py picks one): `plain_cross_entropy_sum`, the guide's, from
 this tp rank's logits [B, T, v] (what --engine reference runs), and `chunked_cross_entropy_sum`, a chunk of
 sequences at a time with its gradient computed with its loss, which never holds more than one chunk's
-logits. Both are Megatron's parallel softmax: each tp rank reduces its v vocabulary rows to the max logit,
+logits; each also per token (`plain_token_nats`, `chunked_token_nats`), for scoring tasks. Both are Megatron's parallel softmax: each tp rank reduces its v vocabulary rows to the max logit,
 the sum of exponentials and the target's logit (which one rank holds), and the ranks combine those.
 Shape suffixes as model.py's; X chunks of N tokens.
 """
@@ -25,8 +25,13 @@ def real_rows(start, v, vocab_size):
 
 
 def plain_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes):
-    """Summed cross-entropy from the output layer's logits (`model.output_logits`, fp32, padding rows at
-    -inf): log-sum-exp over the vocabulary, combined over the tp ranks, minus the target's logit."""
+    """Summed cross-entropy from the output layer's logits (`plain_token_nats`)."""
+    return jnp.sum(plain_token_nats(table_vD, h_BTD, targets_BT, cfg, axes))
+
+
+def plain_token_nats(table_vD, h_BTD, targets_BT, cfg, axes):
+    """Each token's cross-entropy [B, T] from the output layer's logits (`model.output_logits`, fp32, padding
+    rows at -inf): log-sum-exp over the vocabulary, combined over the tp ranks, minus the target's logit."""
     logits_BTv = output_logits(h_BTD, table_vD, cfg, axes)
     v = table_vD.shape[0]
     local_BT = targets_BT - vocab_start(axes, v)
@@ -36,7 +41,7 @@ def plain_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes):
     held_BT = (local_BT >= 0) & (local_BT < v)
     target_BT = jnp.take_along_axis(logits_BTv, jnp.clip(local_BT, 0, v - 1)[..., None], axis=-1)[..., 0]
     target_BT = psum(jnp.where(held_BT, target_BT, 0.0), axes.tp)
-    return jnp.sum(max_BT + jnp.log(sum_exp_BT) - target_BT)
+    return max_BT + jnp.log(sum_exp_BT) - target_BT
 
 
 def chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, min_chunk_tokens):
@@ -55,11 +60,30 @@ def chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, min_chunk_
     # reductions in the cast's transpose: psum over dp/pp for the table (on top of FSDP's reduce-scatter),
     # over tp for the hidden states, both in fp32.
     table_vD, h_BTD = vary_like((table_vD, h_BTD), (table_vD, h_BTD, local_targets_BT, n_real))
-    B, T, D = h_BTD.shape
-    X = B // next(g for g in range(1, B + 1) if B % g == 0 and (g * T >= min_chunk_tokens or g == B))
+    X = _n_chunks(h_BTD.shape, min_chunk_tokens)
     with jax.named_scope("output_layer"):
-        return _chunked_ce(jnp.dtype(cfg.model_dtype), axes, table_vD, h_BTD.reshape(X, -1, D),
+        return _chunked_ce(jnp.dtype(cfg.model_dtype), axes, table_vD, h_BTD.reshape(X, -1, h_BTD.shape[-1]),
                            local_targets_BT.reshape(X, -1), n_real)
+
+
+def chunked_token_nats(table_vD, h_BTD, targets_BT, cfg, axes, min_chunk_tokens):
+    """Each token's cross-entropy [B, T] as chunked_cross_entropy_sum computes it, a chunk at a time; for
+    scoring (no gradient)."""
+    v = table_vD.shape[0]
+    start = vocab_start(axes, v)
+    n_real = real_rows(start, v, cfg.vocab_size)
+    B, T, D = h_BTD.shape
+    X, dtype = _n_chunks(h_BTD.shape, min_chunk_tokens), jnp.dtype(cfg.model_dtype)
+    table_r = table_vD.astype(dtype)
+    nats_XN = lax.map(lambda c: _chunk_token_nats(axes, table_r, c[0].astype(dtype), c[1], n_real)[0],
+                      (h_BTD.reshape(X, -1, D), (targets_BT - start).reshape(X, -1)))
+    return nats_XN.reshape(B, T)
+
+
+def _n_chunks(shape_BTD, min_chunk_tokens):
+    """How many chunks of whole sequences, each of at least min_chunk_tokens tokens (or all of them)."""
+    B, T, _ = shape_BTD
+    return B // next(g for g in range(1, B + 1) if B % g == 0 and (g * T >= min_chunk_tokens or g == B))
 
 
 def _exp_logits_vN(table_vD, h_ND, n_real):
@@ -80,18 +104,25 @@ def _clipped(local_targets, table_vD):
     return jnp.clip(local_targets, 0, table_vD.shape[0] - 1)
 
 
-def _chunk_ce(axes, table_r, h_r, local_targets_N, n_real):
-    """One chunk's summed cross-entropy from operands in the matmul dtype, and what its gradient needs:
-    exp(logit - local max) [v, N], d loss / d sum_exp per token (the combination's, over tp) and the target
-    rows."""
+def _chunk_token_nats(axes, table_r, h_r, local_targets_N, n_real):
+    """One chunk's per-token cross-entropy [N] from operands in the matmul dtype, and the pieces its gradient
+    is made of: exp(logit - local max) [v, N], the sum of exponentials and the rescale of the local max to
+    the combined one (over tp), whether this rank holds each target, and the target rows."""
     exp_vN, local_max_N = _exp_logits_vN(table_r, h_r, n_real)
     max_N = local_max_N if axes.tp is None else lax.pmax(local_max_N, axes.tp)
     rescale_N = jnp.exp(local_max_N - max_N)
     sum_exp_N = psum(jnp.sum(exp_vN, axis=0) * rescale_N, axes.tp)
     inside_N, rows_ND = _held(local_targets_N, n_real), table_r[_clipped(local_targets_N, table_r)]
     target_N = psum(jnp.where(inside_N, dot32("td,td->t", rows_ND, h_r), 0.0), axes.tp)
-    ce = jnp.sum(max_N + jnp.log(sum_exp_N) - target_N)
-    return ce, (exp_vN, 1 / sum_exp_N * rescale_N, inside_N, rows_ND)
+    return max_N + jnp.log(sum_exp_N) - target_N, (exp_vN, sum_exp_N, rescale_N, inside_N, rows_ND)
+
+
+def _chunk_ce(axes, table_r, h_r, local_targets_N, n_real):
+    """One chunk's summed cross-entropy and what its gradient needs: exp(logit - local max) [v, N],
+    d loss / d sum_exp per token (the combination's, over tp) and the target rows."""
+    nats_N, (exp_vN, sum_exp_N, rescale_N, inside_N, rows_ND) = _chunk_token_nats(axes, table_r, h_r,
+                                                                                  local_targets_N, n_real)
+    return jnp.sum(nats_N), (exp_vN, 1 / sum_exp_N * rescale_N, inside_N, rows_ND)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))

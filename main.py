@@ -1,5 +1,5 @@
 """The training driver: set up the devices, open the run (its directory, the data, the state restored or
-fresh), train, finish; `--sample` and `--compile_for` (pod.py) are its other two modes.
+fresh), train, finish; `--sample`, `--evaluate` and `--compile_for` (pod.py) are its other modes.
 
 `python main.py` with no flags trains the `tiny` preset on the bundled corpus (tokenized once into
 $JAXFORMER_CACHE, default ~/.cache/jaxformer) on whatever devices exist; every field of the config is a
@@ -20,6 +20,7 @@ Read it from the bottom: `main` sets up the devices and calls `train`, whose loo
 metrics.py, save, sample) in small functions above it.
 """
 import dataclasses
+import json
 import sys
 import time
 import uuid
@@ -30,6 +31,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 import dataset
+import evaluate
 import generate
 import pod
 import sharding
@@ -39,10 +41,11 @@ from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_man
                          save, wait_for_save)
 from data.shards import OutputError
 from data.tokenizer import get_tokenizer
-from metrics import Diverged, log_interval
+from metrics import Diverged, evaluate as val_loss_and_balance, log_interval
 from multihost import log, set_up_devices
 from progress import Progress
-from rundir import Logger, RunRefused, lock_run_dir, os_error, run_dir_of, set_aside_previous_run
+from rundir import Logger, RunRefused, lock_run_dir, os_error, run_dir_of, set_aside_previous_run, write_whole
+from tasks import TaskError, load_tasks
 from trainer import Trainer, build_trainer
 
 
@@ -75,6 +78,8 @@ class Run:
     logger: "Logger"
     train_ds: dataset.TokenDataset
     val_batches: list
+    val_bytes_per_token: float  # UTF-8 bytes per target token of the val batches (bits per byte)
+    tasks: evaluate.TaskScorer  # --eval_tasks, tokenized
     loader: dataset.BatchLoader
     state: dict                 # the state to start from: restored, or fresh
     meta: dict                  # the restored checkpoint's metadata; None for a fresh run
@@ -103,11 +108,12 @@ def open_run(cfg, mesh):
     rc, proc0 = cfg.run, jax.process_index() == 0
     run_dir = run_dir_of(rc)
     sample_ids = prompt_ids(cfg.inference, cfg.model.T)  # a prompt that cannot be sampled stops the run here
+    tasks = task_scorer(cfg)
     on_process_0(lambda: lock_run_dir(run_dir))
     if rc.restart:                              # every host opens the checkpoints after they moved
         on_process_0(lambda: set_aside_previous_run(run_dir))
     print_header(cfg)
-    train_ds, val_batches = load_data(cfg, trainer.data_sharding)
+    train_ds, val_batches, val_bytes_per_token = load_data(cfg, trainer.data_sharding)
     mngr = checkpoint_manager(run_dir)
     check_can_save(mngr, trainer.abstract_state)
     compile_checksums(trainer.abstract_state)
@@ -120,8 +126,17 @@ def open_run(cfg, mesh):
     logger = Logger(cfg, run_dir, run_id, proc0)
     loader = dataset.BatchLoader(train_ds, cfg.model.T, utils.global_batch(cfg),
                                  trainer.data_sharding, rc.seed, consumed=start_seq)
-    return Run(cfg, trainer, mngr, logger, train_ds, val_batches, loader, state, meta, start_step, start_seq,
-               run_id, sample_ids)
+    return Run(cfg, trainer, mngr, logger, train_ds, val_batches, val_bytes_per_token, tasks, loader, state, meta,
+               start_step, start_seq, run_id, sample_ids)
+
+
+def task_scorer(cfg):
+    """--eval_tasks, tokenized once; RunRefused names an unknown task."""
+    try:
+        return evaluate.TaskScorer(load_tasks(cfg.run.eval_tasks, cfg.run.eval_tasks_limit), get_tokenizer(), cfg.model.T,
+                                   cfg.run.val_batch_size, cfg.model.vocab_size)
+    except TaskError as e:
+        raise RunRefused(str(e)) from None
 
 
 def start_position(meta, cfg):
@@ -148,7 +163,7 @@ def print_header(cfg):
 
 def load_data(cfg, data_sharding):
     """(the training split, the fixed validation batches: --eval_steps batches of --val_batch_size sequences in
-    all, so the same windows on every mesh)."""
+    all, so the same windows on every mesh, and the UTF-8 bytes per target token they hold)."""
     mc, rc = cfg.model, cfg.run
     data_dir = data_dir_for(cfg)
     try:
@@ -163,7 +178,8 @@ def load_data(cfg, data_sharding):
         log(f"note: the val split holds {val_ds.n_windows(mc.T)} windows of {mc.T + 1} tokens, enough for "
             f"{len(val_batches)} of --eval_steps {rc.eval_steps} batches of {rc.val_batch_size}; "
             f"evaluating on {len(val_batches)}")
-    return train_ds, val_batches
+    bytes_per_token = dataset.validation_bytes_per_token(val_ds, mc.T, rc.val_batch_size, rc.eval_steps)
+    return train_ds, val_batches, bytes_per_token
 
 
 def on_process_0(fn):
@@ -225,6 +241,13 @@ def sample_text(state, cfg, ids, step):
     return enc.decode([t for t in new if t < enc.n_vocab])
 
 
+def score_tasks(run, state, step):
+    """--eval_tasks scored with the state of step `step`: a record and a line each."""
+    for record in run.tasks(run.trainer, state):
+        run.logger.metrics(utils.metrics_record("tasks", step, **record))
+        log(f"task @ {step}: {evaluate.line(record)}")
+
+
 def close_run(run):
     """Wait for the checkpoint in flight, then close the checkpoints, the logs and the loader."""
     wait_for_save(run.mngr)
@@ -277,11 +300,13 @@ def finish(run, state, step, val_ce, saved, progress):
         save_checkpoint(run, step, state, val_ce)
     progress.report(step, final=True)             # the final lines once its checkpoint is written
     entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
-    log(f"final: val cross-entropy {val_ce:.4f} nats | " + (
+    bpb = utils.bits_per_byte(val_ce, run.val_bytes_per_token)
+    log(f"final: val cross-entropy {val_ce:.4f} nats, {bpb:.4f} bits per byte | " + (
         f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
         if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
         + f" | {time.perf_counter() - progress.meter.t0:.0f} s")
-    run.logger.metrics(utils.metrics_record("final", step, final_val_loss=val_ce, unigram_entropy=entropy))
+    run.logger.metrics(utils.metrics_record("final", step, final_val_loss=val_ce, final_val_bpb=bpb,
+                                            unigram_entropy=entropy))
     close_run(run)
     return 0
 
@@ -327,8 +352,8 @@ def train(cfg, mesh):
 
 
 def end_interval(run, progress, state, step):
-    """After step `step`: evaluate and log, save every tenth interval (and at the last step or the val
-    target), sample. Returns (val CE, whether it reached --stop_at_val_loss, whether it saved)."""
+    """After step `step`: evaluate and log, save and score the tasks every tenth interval (and at the last
+    step or the val target), sample. Returns (val CE, whether it reached --stop_at_val_loss, whether it saved)."""
     rc = run.cfg.run
     progress.fetch_all(f"the evaluation, checkpoint and sample after step {step}")
     val_ce = log_interval(run, progress.meter, state, step)
@@ -341,30 +366,66 @@ def end_interval(run, progress, state, step):
     if save:
         save_checkpoint(run, step, state, val_ce)
         progress.done("checkpoint")
+        score_tasks(run, state, step)              # at every checkpoint, the last step's included
+        progress.done("tasks")
     sample(run, state, step)
     progress.done("sample")
     progress.interval_done(step, save)
     return val_ce, reached, save
 
 
-def sample_from_checkpoint(cfg):
-    """--sample: restore the run's newest readable checkpoint on this mesh (whatever mesh saved it, with
-    the model config it recorded), print one sample for --prompt, write nothing. The key is the one
-    training samples with at that step, so on the same mesh the text is the one samples.txt holds."""
+def newest_checkpoint_config(cfg, flag):
+    """(cfg with the model config the run's newest readable checkpoint recorded, validated, and the run's
+    checkpoints, read-only); RunRefused for a run with none."""
     mngr = checkpoint_manager(run_dir_of(cfg.run), read_only=True)
     newest = newest_meta(mngr)
     if newest is None:
-        raise RunRefused(f"--sample: no readable checkpoint in {mngr.directory}; train the run first")
+        raise RunRefused(f"{flag}: no readable checkpoint in {mngr.directory}; train the run first")
     fields = {f.name for f in dataclasses.fields(utils.ModelConfig)}
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, **{k: v for k, v in (newest[1].get("model") or {}).items() if k in fields}))
     utils.validate(cfg, jax.device_count())
-    ids = prompt_ids(cfg.inference, cfg.model.T)
+    return cfg, mngr
+
+
+def restore_on_this_mesh(cfg, mngr):
+    """(trainer, state, metadata) of the newest readable checkpoint, restored on --n_device_axis whatever
+    mesh saved it."""
     trainer = build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis))
     state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
     mngr.close()
+    return trainer, state, meta
+
+
+def sample_from_checkpoint(cfg):
+    """--sample: print one sample for --prompt from the run's newest readable checkpoint, write nothing. The
+    key is the one training samples with at that step, so on the same mesh the text is the one samples.txt
+    holds."""
+    cfg, mngr = newest_checkpoint_config(cfg, "--sample")
+    ids = prompt_ids(cfg.inference, cfg.model.T)
+    trainer, state, meta = restore_on_this_mesh(cfg, mngr)
     text = sample_text(state, cfg, ids, int(meta["step"]))
     log(f"sample @ {meta['step']} of {mngr.directory}:\n{cfg.inference.prompt}{text}")
+    return 0
+
+
+def evaluate_checkpoint(cfg):
+    """--evaluate: the val set's cross-entropy and bits per byte and --eval_tasks' scores of the run's newest
+    readable checkpoint on this mesh, printed and written to OUTPUT_DIR/NAME/evaluation-STEP.json (whole or
+    not at all); nothing else is written."""
+    cfg, mngr = newest_checkpoint_config(cfg, "--evaluate")
+    tasks = task_scorer(cfg)
+    trainer, state, meta = restore_on_this_mesh(cfg, mngr)
+    step = int(meta["step"])
+    _, val_batches, bytes_per_token = load_data(cfg, trainer.data_sharding)
+    val_ce = val_loss_and_balance(trainer, state, val_batches)[0]
+    result = {"checkpoint": f"{mngr.directory}/{step}", "step": step, "mesh": list(cfg.run.n_device_axis),
+              "val_loss": val_ce, "val_bpb": utils.bits_per_byte(val_ce, bytes_per_token), "tasks": tasks(trainer, state)}
+    log(f"evaluation @ {step} of {mngr.directory}: val cross-entropy {val_ce:.4f} nats, {result['val_bpb']:.4f} "
+        f"bits per byte" + "".join(f"\n{evaluate.line(record)}" for record in result["tasks"]))
+    if jax.process_index() == 0:
+        name = write_whole(run_dir_of(cfg.run), f"evaluation-{step}.json", json.dumps(result, indent=1) + "\n")
+        log(f"written to {name}")
     return 0
 
 
@@ -390,6 +451,8 @@ def main(argv=None):
     try:
         if cfg.run.sample:                 # validated with the model config the checkpoint recorded
             return sample_from_checkpoint(cfg)
+        if cfg.run.evaluate:
+            return evaluate_checkpoint(cfg)
         check_data_source(cfg)
         utils.validate(cfg, jax.device_count())
         return train(cfg, sharding.make_mesh(cfg.run.n_device_axis))

@@ -1,6 +1,7 @@
 """The loss on the mesh: one `jax.shard_map` over ("dp", "pp", "tp") running the pipeline schedule over pp
 (GPipe, or with --pipeline_repeats P > 1 a circular one, MaxText's num_pipeline_repeats), then the output
-layer's cross-entropy (loss.py); and the one-device loss every mesh is checked against.
+layer's cross-entropy (loss.py), or each token's for scoring tasks (`token_nats`); and the one-device
+versions every mesh is checked against.
 """
 from functools import partial
 from typing import NamedTuple
@@ -44,6 +45,57 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
 
 
 def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
+    """On one device with its shards (`_pipeline_outputs`): the loss and metrics of the global batch."""
+    out = _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform)
+    h_NTD, targets_NT = _last_stage_share(out)
+    ce_sum = lax.psum(out.axes.engine.cross_entropy_sum(out.table_vD, h_NTD, targets_NT, cfg, out.axes), ("dp", "pp"))
+    b, n_dp = x_bT.shape[0], lax.axis_size("dp")
+    return summarise(ce_sum, _stats_in_model_order(out.stats), x_bT.size * n_dp, b * n_dp, cfg)
+
+
+def token_nats(params, x_BT, y_BT, cfg, mesh, n_micro):
+    """Each target token's cross-entropy [B, T] (fp32, rows over dp) of a global batch on `mesh`, the model in
+    eval mode: what scoring a task's continuations sums (evaluate.py)."""
+    params = Layout(cfg.pipeline_repeats).store(params)
+    x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
+    platform = mesh.devices.flat[0].platform
+    nats = partial(_pipeline_token_nats, cfg=cfg, n_micro=n_micro, platform=platform)
+    sharded = jax.shard_map(nats, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), P("dp"),
+                                                       P("dp")), out_specs=P("dp"), check_vma=True)
+    return sharded(params, x_BT, y_BT)
+
+
+def one_device_token_nats(params, x_BT, y_BT, cfg):
+    """token_nats on one device, no mesh: the ground truth for every mesh."""
+    axes = Axes(engine=engine_for(cfg))
+    transformer = build(model_order(params), cfg)
+    h_BTD, _, _ = transformer(x_BT, axes, ctx={"train": False, "key": jax.random.key(0),
+                                               "seq_ids": jnp.arange(x_BT.shape[0])})
+    table_vD = transformer.output_table(axes, transformer.embed.gathered(axes))
+    return axes.engine.token_nats(table_vD, h_BTD, y_BT, cfg, axes)
+
+
+def _pipeline_token_nats(params, x_bT, y_bT, cfg, n_micro, platform):
+    """On one device: this dp replica's per-token cross-entropy [b, T]. Each stage scores its share of the
+    outputs (`_last_stage_share`), M/pp micro-batches in order, which an all-gather over pp puts together:
+    [M/pp b/M, T] -> [b, T]."""
+    out = _pipeline_outputs(params, x_bT, y_bT, jax.random.key(0), cfg, n_micro, False, platform)
+    h_NTD, targets_NT = _last_stage_share(out)
+    nats_NT = out.axes.engine.token_nats(out.table_vD, h_NTD, targets_NT, cfg, out.axes)
+    return lax.all_gather(nats_NT, "pp", axis=0, tiled=True, to="invarying")
+
+
+class _Outputs(NamedTuple):
+    """What the schedule leaves on one device for the output layer (`_pipeline_outputs`)."""
+    transformer: object
+    table_vD: jax.Array          # the output table
+    outputs_MbTD: jax.Array      # the last stage's outputs of the last repeat (zeros on the other stages)
+    y_MbT: jax.Array             # their targets
+    stats: dict                  # the per-block MoE stats [P, G] of this stage
+    axes: Axes
+
+
+def _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     """On one device with its shards: x_bT is this dp replica's b = B/dp sequences (the same on its pp and tp
     ranks); params["blocks"] this stage's P groups of G blocks (P = cfg.pipeline_repeats, G = blocks/(pp P),
     `sharding.Layout`), group r being blocks [(r pp + s) G, (r pp + s + 1) G) of stage s; GPipe is P = 1.
@@ -100,9 +152,7 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
 
     init = _initial_carry(emb_MbTD, P, G, cfg.n_experts)
     (_, _, outputs_MbTD, stats), _ = lax.scan(tick, init, jnp.arange(n_items + n_stages - 1))
-    ce_sum = _output_layer_ce(transformer, transformer.output_table(axes, table_vD), outputs_MbTD, y_MbT, cfg, axes)
-    n_dp = lax.axis_size("dp")
-    return summarise(ce_sum, _stats_in_model_order(stats), x_bT.size * n_dp, b * n_dp, cfg)
+    return _Outputs(transformer, transformer.output_table(axes, table_vD), outputs_MbTD, y_MbT, stats, axes)
 
 
 class Tick(NamedTuple):
@@ -152,14 +202,12 @@ def _stats_in_model_order(stats):
             for name, s in stats.items()}
 
 
-def _output_layer_ce(transformer, table_vD, outputs_MbTD, y_MbT, cfg, axes):
-    """The summed cross-entropy of the pipeline's outputs, which only the last stage holds: a reduce-scatter
-    over pp hands each stage M/pp of them, so the (large-vocab) output layer's work is split over the
-    stages, [M, b/M, T, D] -> [M/pp, b/M, T, D]; summed over dp and pp."""
-    M, T, n_stages = y_MbT.shape[0], y_MbT.shape[-1], lax.axis_size("pp")
-    mine_MbTD = lax.psum_scatter(outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
-    targets_MbT = lax.dynamic_slice_in_dim(y_MbT, lax.axis_index("pp") * (M // n_stages), M // n_stages)
-    h_MbTD = transformer.final_norm(mine_MbTD)
-    ce_sum = axes.engine.cross_entropy_sum(table_vD, h_MbTD.reshape(-1, T, h_MbTD.shape[-1]),
-                                           targets_MbT.reshape(-1, T), cfg, axes)
-    return lax.psum(ce_sum, ("dp", "pp"))
+def _last_stage_share(out):
+    """This stage's share of the output layer's work: the pipeline's outputs, which only the last stage holds,
+    reduce-scattered over pp, [M, b/M, T, D] -> [M/pp, b/M, T, D] (so the large-vocab output layer's work is
+    split over the stages), final-normed, with their targets: ([M/pp b/M, T, D], [M/pp b/M, T])."""
+    M, T, n_stages = out.y_MbT.shape[0], out.y_MbT.shape[-1], lax.axis_size("pp")
+    mine_MbTD = lax.psum_scatter(out.outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
+    targets_MbT = lax.dynamic_slice_in_dim(out.y_MbT, lax.axis_index("pp") * (M // n_stages), M // n_stages)
+    h_MbTD = out.transformer.final_norm(mine_MbTD)
+    return h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T)

@@ -5,8 +5,10 @@
 RUN_DIR defaults to runs/tiny (the embedded default's run) and may be any run directory main.py writes,
 an object store's too (gs://bucket/runs/NAME, whose metrics.jsonl is a set of part objects). The PNGs go
 next to its metrics.jsonl (for a URL: into NAME/ here) unless --out names another directory (the
-README's figures: `--out public`, on purpose). Three PNGs:
+README's figures: `--out public`, on purpose). Up to four PNGs:
   loss.png         training loss per step and validation cross-entropy per evaluation
+  tasks.png        per --eval_tasks task, acc and acc_norm with chance; bits per byte of the gold
+                   continuations and of the validation set (when the run scored tasks)
   balance.png      the sequence-wise balance loss (training, per step, and validation)
   expert_load.png  per MoE layer, the fraction of routed token-slots each expert received over steps
                    (1/E is perfect balance)
@@ -24,15 +26,18 @@ import rundir  # noqa: E402
 
 
 def read_metrics(run_dir):
-    """(per-step training records, per-evaluation records) of run_dir's metrics.jsonl, each sorted by
-    step, the last record of a step winning."""
-    train, evals = {}, {}
+    """(per-step training records, per-evaluation records, {task: its records}) of run_dir's metrics.jsonl,
+    each sorted by step, the last record of a step winning."""
+    train, evals, tasks = {}, {}, {}
     for rec in rundir.metrics_records(str(run_dir)):
         if "loss" in rec:
             train[rec["step"]] = rec
         elif "val_loss" in rec:
             evals[rec["step"]] = rec
-    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+        elif "task" in rec:
+            tasks.setdefault(rec["task"], {})[rec["step"]] = rec
+    by_step = lambda records: [records[s] for s in sorted(records)]
+    return by_step(train), by_step(evals), {name: by_step(records) for name, records in tasks.items()}
 
 
 def plot(run_dir, out_dir=None):
@@ -40,7 +45,7 @@ def plot(run_dir, out_dir=None):
     the current directory); their paths."""
     name = os.path.basename(os.path.normpath(str(run_dir).rstrip("/")))
     out_dir = out_dir or (name if rundir.is_url(run_dir) else run_dir)
-    train, evals = read_metrics(run_dir)
+    train, evals, tasks = read_metrics(run_dir)
     if not train:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no training records")
     os.makedirs(out_dir, exist_ok=True)
@@ -86,7 +91,28 @@ def plot(run_dir, out_dir=None):
             axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{name}: per-expert load (dashed: 1/E)")
         written.append(_save(fig, out_dir, "expert_load.png"))
+    if tasks:
+        written.append(_plot_tasks(name, tasks, evals, out_dir))
     return written
+
+
+def _plot_tasks(name, tasks, evals, out_dir):
+    fig, (acc_ax, bpb_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (task, records) in enumerate(sorted(tasks.items())):
+        steps, color = [r["step"] for r in records], f"C{i}"
+        acc_ax.plot(steps, [100 * r["acc"] for r in records], "o-", ms=3, color=color, label=f"{task} acc")
+        acc_ax.plot(steps, [100 * r["acc_norm"] for r in records], "s--", ms=3, color=color, label=f"{task} acc_norm")
+        acc_ax.axhline(100 * records[-1]["chance"], color=color, ls=":", lw=0.8)
+        bpb_ax.plot(steps, [r["bpb"] for r in records], "o-", ms=3, color=color, label=f"{task} (gold continuations)")
+    val = [r for r in evals if r.get("val_bpb") is not None]
+    if val:
+        bpb_ax.plot([r["step"] for r in val], [r["val_bpb"] for r in val], "k.-", ms=3, label="validation set")
+    acc_ax.set(xlabel="step", ylabel="% of examples", title=f"{name}: task accuracy (dotted: chance)")
+    bpb_ax.set(xlabel="step", ylabel="bits per UTF-8 byte", title=f"{name}: bits per byte")
+    for ax in (acc_ax, bpb_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, out_dir, "tasks.png")
 
 
 def _save(fig, out_dir, name):

@@ -235,6 +235,19 @@ def _write_whole(path, data):
     os.replace(tmp, path)
 
 
+def write_whole(run_dir, name, text):
+    """RUN_DIR/NAME written whole or not at all (locally a temporary name, then a rename; an object store's
+    objects appear whole); its path."""
+    if not is_url(run_dir):
+        os.makedirs(run_dir, exist_ok=True)
+        _write_whole(os.path.join(run_dir, name), text.encode())
+        return os.path.join(run_dir, name)
+    path = f"{run_dir.rstrip('/')}/{name}"
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    fs.pipe_file(fs_path, text.encode())
+    return path
+
+
 def _part_names(fs, parts):
     """The names of a run file's parts in order: NNNNNN, and a spill's NNNNNN.SPILL right after NNNNNN."""
     try:
@@ -325,8 +338,8 @@ def _finite(value):
 
 def wandb_scalars(record):
     """A record's numbers under wandb keys: a per-MoE-layer list NAME becomes NAME/layer0, ..., and
-    expert_load's per-expert lists expert_load/layer0/expert0, ..."""
-    flat = {}
+    expert_load's per-expert lists expert_load/layer0/expert0, ...; a task's NAME tasks/TASK/NAME."""
+    flat, prefix = {}, f"tasks/{record['task']}/" if "task" in record else ""
     for name, value in record.items():
         if isinstance(value, list):
             for layer, v in enumerate(value):
@@ -335,7 +348,7 @@ def wandb_scalars(record):
                 else:
                     flat[f"{name}/layer{layer}"] = v
         elif isinstance(value, (int, float)) and name not in ("step", "time"):
-            flat[name] = value
+            flat[prefix + name] = value
     return flat
 
 

@@ -1,6 +1,6 @@
 """The training step as main.py runs it, bench.py times it and pod.py compiles it: the optimizer
 (global-norm clipping, AdamW, the spike watch), gradient accumulation over --grad_step micro-steps,
-the guard that keeps a non-finite step out of the state, the eval step, and the training state's
+the guard that keeps a non-finite step out of the state, the eval and scoring steps, and the training state's
 layout on the mesh. The state is one pytree: {"params", "opt_state", "key", "router_bias"}.
 """
 from functools import partial
@@ -20,6 +20,7 @@ from optimizer import lr_schedule, make_optimizer
 class Trainer(NamedTuple):
     step: Callable              # step(state, (xs, ys)) -> (state, metrics), jitted, donates the state
     eval_step: Callable         # eval_step(params, router_bias, x, y) -> (val CE, balance term), jitted
+    score_step: Callable        # score_step(params, router_bias, x, y, mask) -> each row's summed nats [B]
     fresh_state: Callable       # fresh_state(seed) -> a new training state on the mesh
     abstract_state: dict        # the state's shapes, dtypes and shardings (restore targets, compiling)
     schedule: Callable          # the learning rate of an update, by step index
@@ -38,7 +39,9 @@ def build_trainer(cfg, mesh):
                    donate_argnums=(0,))
     evaluate = jax.jit(partial(eval_step, cfg=cfg, mesh=mesh),
                        in_shardings=(shardings["params"], replicated, data, data))
-    return Trainer(step, evaluate, partial(init_state, cfg, optimizer, shardings, mesh), abstract_state,
+    score = jax.jit(partial(score_step, cfg=cfg, mesh=mesh), in_shardings=(shardings["params"], replicated, data,
+                                                                           data, data), out_shardings=replicated)
+    return Trainer(step, evaluate, score, partial(init_state, cfg, optimizer, shardings, mesh), abstract_state,
                    lr_schedule(cfg.optim), data)
 
 
@@ -151,3 +154,11 @@ def eval_step(params, router_bias, x, y, *, cfg, mesh):
     _, metrics = pipeline.loss_and_metrics(sharding.with_router_bias(params, router_bias), x, y, jax.random.key(0),
                                         cfg.model, mesh, cfg.run.micro_batch_size, False)
     return metrics["ce"], jnp.sum(metrics["balance"])
+
+
+def score_step(params, router_bias, x, y, mask, *, cfg, mesh):
+    """Each row's cross-entropy summed over its targets where mask is 1 [B] (fp32), in eval mode: minus the
+    log-likelihood of a task's continuation (evaluate.py)."""
+    nats_BT = pipeline.token_nats(sharding.with_router_bias(params, router_bias), x, y, cfg.model, mesh,
+                                  cfg.run.micro_batch_size)
+    return jnp.sum(jnp.where(mask > 0, nats_BT, 0.0), axis=1)

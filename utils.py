@@ -153,6 +153,9 @@ class RunConfig:
     eval_on_stop: bool = flag(False, "after a stop's checkpoint is written (SIGTERM, Ctrl-C, a lost terminal), also "
                                      "evaluate and sample before exiting (the save never waits for them)")
     eval_steps: int = flag(4, "validation batches per evaluation")
+    eval_tasks: str = flag("kjv_endings", "downstream tasks scored at every checkpoint, comma-separated "
+                                          "(tasks.py; '' for none)")
+    eval_tasks_limit: int = flag(0, "score each task's first N examples only (0 = all)")
     seed: int = flag(0, "seed of the init, the data order, dropout and the samples")
     stop_at_val_loss: float = flag(0.0, "end the run, with a checkpoint, at the first evaluation whose val "
                                         "cross-entropy is <= this (0 = off; the guide's moe1B run stopped at 3.28)")
@@ -179,6 +182,9 @@ class RunConfig:
                               "devices have, which otherwise refuses the run before it allocates anything")
     restart: bool = flag(False, "start the run over: its checkpoints and logs are moved to NAME/replaced/TIME first, "
                                 "never deleted (without it, a changed model flag is an error and nothing is touched)")
+    evaluate: bool = flag(False, "do not train: load the newest checkpoint of --name (saved on any mesh), evaluate "
+                                 "the val set (cross-entropy, bits per byte) and --eval_tasks on this mesh, print "
+                                 "them and write them to OUTPUT_DIR/NAME/evaluation-STEP.json")
     sample: bool = flag(False, "do not train: load the newest checkpoint of --name (saved on any mesh), print a "
                                "sample for --prompt and exit; writes nothing")
 
@@ -396,10 +402,12 @@ def validate(cfg, n_devices=None):
                              ("--max_bad_steps", r.max_bad_steps, 1), ("--hang_timeout", r.hang_timeout, 0),
                              ("--first_k_dense", m.first_k_dense, 0), ("--ffn_hidden_dim", m.ffn_hidden_dim, 0),
                              ("--moe_hidden_dim", m.moe_hidden_dim, 0), ("--qk_head_dim", m.qk_head_dim, 0),
-                             ("--v_head_dim", m.v_head_dim, 0)]:
+                             ("--v_head_dim", m.v_head_dim, 0), ("--eval_tasks_limit", r.eval_tasks_limit, 0)]:
         _at_least(errors, value, flag, low)
     if not 0 <= r.seed < SEED_LIMIT:
         errors.append(f"--seed must be in [0, {SEED_LIMIT - 1}], got {r.seed}")
+    if r.sample and r.evaluate:
+        errors.append("--sample and --evaluate are two modes of their own: pass one")
     if not _plain_name(r.name):
         errors.append(f"--name must be one directory name under --output_dir (letters, digits, '.', '-', '_'; not "
                       f"empty, '.' or '..', no '/'), got {r.name!r}")
@@ -525,6 +533,7 @@ METRICS = {
     },
     "interval": {   # one per evaluation, every --checkpoint_steps
         "val_loss": "validation cross-entropy (without the balance term)",
+        "val_bpb": "validation bits per byte: summed nats / (ln 2 x the UTF-8 bytes the targets spell)",
         "val_balance": "validation balance term",
         "train_loss": "mean training loss over the interval",
         "lr": "learning rate of the interval's last update",
@@ -546,7 +555,18 @@ METRICS = {
     },
     "final": {      # once, when the run ends
         "final_val_loss": "validation cross-entropy at the end",
+        "final_val_bpb": "validation bits per byte at the end",
         "unigram_entropy": "entropy of the training tokens' unigram distribution (the no-context baseline)",
+    },
+    "tasks": {      # per task of --eval_tasks, at every checkpoint (evaluate.py)
+        "task": "the task's name",
+        "acc": "share of examples whose gold continuation has the highest log-likelihood",
+        "acc_norm": "the same, each log-likelihood divided by its continuation's length in characters",
+        "bpb": "the gold continuations' bits per byte: summed nats / (ln 2 x their UTF-8 bytes)",
+        "examples": "examples scored",
+        "cut_on_the_left": "(example, choice) rows whose context was cut on the left to fit --T",
+        "chance": "the accuracy of a uniform random guess",
+        "seconds": "time the scoring took",
     },
     "goodput": {    # per process run (session): at every checkpoint and when it ends, where its time went so far
         "wall_s": "seconds from the process's start to this record (at the end: to its last checkpoint)",
@@ -555,6 +575,7 @@ METRICS = {
         "train_s": "the other training steps",
         "eval_s": "validation",
         "checkpoint_s": "saving (the final save's wait included)",
+        "tasks_s": "downstream tasks (--eval_tasks)",
         "sample_s": "text samples",
         "redone_steps": "steps a previous session trained past the checkpoint this one resumed from",
         "redone_s": "their share of train_s (time lost to the restart)",
@@ -566,7 +587,7 @@ METRICS = {
         "run_sessions": "process runs of this run so far, this one included",
         "run_wall_s": "seconds from the first session's start to this record",
         **{f"run_{p}_s": f"{p}_s of every session, summed" for p in ("startup", "compile", "train", "eval",
-                                                                      "checkpoint", "sample")},
+                                                                      "checkpoint", "tasks", "sample")},
         "run_lost_s": "work of interrupted sessions after their last goodput record (at their last checkpoint): "
                       "done again by the next session",
         "run_down_s": "time between one session's last record and the next one's start, summed",
@@ -679,6 +700,11 @@ MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x the datashee
                "989e12, A100 312e12, TPU v4 275e12, v5e 197e12, v5p 459e12, v6e 918e12); model FLOPs per token = "
                "6 x (active params + output projection) + 3 x T x heads x (2 x head_dim + dhR) per layer "
                "(causal attention; dhR only in RoPE layers); pipeline bubbles and remat are not counted")
+
+
+def bits_per_byte(nats_per_token, bytes_per_token):
+    """Bits per UTF-8 byte of text from a cross-entropy in nats per token: comparable across tokenizers."""
+    return nats_per_token / (math.log(2) * bytes_per_token)
 
 
 def mfu(tokens_per_second, flops_per_token, n_devices, peak):

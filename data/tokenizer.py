@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import os
 
+import numpy as np
 import tiktoken
 
 NAME = "cl100k_base"
@@ -53,3 +54,18 @@ def get_tokenizer(bpe_path=None):
     """The cl100k_base Encoding (vocab 100,277; <|endoftext|> = 100257), loaded offline."""
     return tiktoken.Encoding(name=NAME, pat_str=PATTERN, mergeable_ranks=_load_ranks(bpe_path or _bpe_path()),
                              special_tokens=_SPECIAL)
+
+
+@functools.cache
+def token_bytes():
+    """int64 [VOCAB_SIZE]: each token's length in UTF-8 bytes; 0 for the special tokens, which stand for no
+    text (bits per byte divide by the bytes of the text), and for the ids cl100k_base leaves unused."""
+    enc, special = get_tokenizer(), set(_SPECIAL.values())
+    lengths = np.zeros(VOCAB_SIZE, np.int64)
+    for i in range(VOCAB_SIZE):
+        if i not in special:
+            try:
+                lengths[i] = len(enc.decode_single_token_bytes(i))
+            except KeyError:
+                pass
+    return lengths

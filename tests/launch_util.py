@@ -33,7 +33,7 @@ def launch_env(tmp_path, **extra):
 # smallest config that trains on the bundled corpus; the same programs in each, compiled once a session
 # (conftest's launch_cache). ONE_DEVICE: their environment's part (launch_env gives 4 devices each).
 SMALL = ["--preset", "tiny", "--n_device_axis", "2", "1", "1", "--T", "32", "--train_batch_size", "2",
-         "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0"]
+         "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--eval_tasks", ""]
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (CI installs it)")

@@ -420,7 +420,7 @@ def test_imported_run_fine_tunes_on_another_mesh(exported, cpu_env):
     work, _, flags = exported
     cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--output_dir", str(work), "--name", "back", *flags,
            "--training_steps", "2", "--checkpoint_steps", "2", "--eval_steps", "1", "--max_tokens", "0",
-           "--n_device_axis", "1", "1", "2", "--cpu_devices", "2"]
+           "--eval_tasks", "", "--n_device_axis", "1", "1", "2", "--cpu_devices", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {work}/back/checkpoints/0: step 0" in proc.stdout

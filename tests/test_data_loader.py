@@ -303,7 +303,7 @@ def test_validation_set_is_the_same_windows_on_every_mesh(data_dir):
                              max_tokens=0, n_device_axis=mesh)
         utils.validate(cfg, jax.device_count())
         rows = NamedSharding(sharding.make_mesh(mesh), P("dp", None))
-        _, batches = main.load_data(cfg, rows)
+        _, batches, _ = main.load_data(cfg, rows)
         val[mesh] = [np.asarray(x) for x, _ in batches]
         assert len(batches) == 3 and all(x.shape == (8, T) and x.sharding == rows for x, _ in batches)
     for mesh in ((2, 2, 2), (2, 1, 2)):

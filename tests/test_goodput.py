@@ -28,7 +28,7 @@ RECORDS = [
 def test_earlier_sessions_split_the_time_before_this_one():
     e = metrics.earlier_sessions(RECORDS, start_step=10)
     assert e.sessions == 3 and e.first_start == 100.0 and e.last_time == 300.0 and e.redone_steps == 4
-    assert e.seconds == dict(startup=5.0, compile=15.0, train=30.0, eval=10.0, checkpoint=0.0, sample=0.0)
+    assert e.seconds == dict(startup=5.0, compile=15.0, train=30.0, eval=10.0, checkpoint=0.0, tasks=0.0, sample=0.0)
     # after the first session's goodput record (at 160): 20 s to its last record; the second had no
     # record: all of its 30 s; the third (still this process's own records) its 10 s before the event
     assert e.lost_s == pytest.approx(20.0 + 30.0 + 10.0)

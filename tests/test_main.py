@@ -26,12 +26,13 @@ from ceiling import CEILING_S
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 --q_latent_dim 16 "
         "--dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 --model_dtype float32 "
-        "--val_batch_size 2 --eval_steps 1 --max_tokens 0 --checkpoint_steps 1 --bias_update_rate 1e-2").split()
+        "--val_batch_size 2 --eval_steps 1 --max_tokens 0 --checkpoint_steps 1 --bias_update_rate 1e-2").split() + [
+    "--eval_tasks", ""]            # tasks cost each run seconds: test_tasks.py and the goodput test score them
 N = 20              # steps; checkpoints every 10 x --checkpoint_steps = 10 steps, so at 10 and 20
 # (1,1,1) with 8 sequences per replica and (2,2,2) with 4 see the same global batch of 8; each keeps the
 # validation set it had when --val_batch_size counted per replica (2 on (1,1,1), 2 x 2 on (2,2,2)).
 MESH1 = "--n_device_axis 1 1 1 --train_batch_size 8".split()
-PHASES = ("startup", "compile", "train", "eval", "checkpoint", "sample")
+PHASES = ("startup", "compile", "train", "eval", "checkpoint", "tasks", "sample")
 MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --val_batch_size 4 --cpu_devices 8".split()
 SPAN = r"\d+(\.\d)? (s|min|h)"      # a span of time in a log line (metrics.duration: minutes past 120 s, as when loaded)
 
@@ -181,9 +182,23 @@ def test_resume_after_sigkill_is_exact(cpu_env, baseline, tmp_path):
 
 
 def test_the_goodput_record_adds_up_to_the_runs_wall_time(cpu_env, tmp_path):
+    """Every phase, the bundled task's scoring at each checkpoint included (whose records and lines this
+    also checks, with val bits per byte in each interval and at the end)."""
     started = time.time()
-    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", steps=12)
+    proc = run(cpu_env, tmp_path, *MESH1, "--max_tokens", "4", "--eval_tasks", "kjv_endings", "--eval_tasks_limit",
+               "40", steps=12)
     wall = time.time() - started
+    scored = [r for r in records(tmp_path) if "task" in r]
+    assert [(r["step"], r["task"], r["examples"], r["chance"]) for r in scored] == [(10, "kjv_endings", 40, 0.25),
+                                                                                  (12, "kjv_endings", 40, 0.25)]
+    assert all(0 <= r[m] <= 1 for r in scored for m in ("acc", "acc_norm")) and all(r["bpb"] > 0 for r in scored)
+    assert re.search(r"^task @ 12: kjv_endings: acc \d+\.\d% \(chance 25%\) \| acc_norm \d+\.\d% \| bpb \d+\.\d{3} \| "
+                     rf"40 examples, \d+ cut on the left \| {SPAN}$", proc.stdout, re.M), proc.stdout[-2000:]
+    intervals = [r for r in records(tmp_path) if "val_loss" in r]
+    assert len(intervals) == 12 and all(r["val_bpb"] > 0 for r in intervals)
+    [final] = [r for r in records(tmp_path) if "final_val_loss" in r]
+    assert final["final_val_bpb"] == intervals[-1]["val_bpb"]
+    assert f"val cross-entropy {final['final_val_loss']:.4f} nats, {final['final_val_bpb']:.4f} bits per byte" in proc.stdout
     snapshots = [r for r in records(tmp_path) if "redone_steps" in r]         # at each checkpoint, and the end's
     assert [r["step"] for r in snapshots] == [10, 12, 12], snapshots
     goodput = snapshots[-1]
@@ -195,7 +210,8 @@ def test_the_goodput_record_adds_up_to_the_runs_wall_time(cpu_env, tmp_path):
     assert goodput["redone_steps"] == 0 and goodput["goodput"] == pytest.approx(phases["train"] / goodput["wall_s"])
     assert re.search(rf"goodput \d+% of {SPAN}: startup {SPAN} \(\d+%\) \| compile", proc.stdout), proc.stdout[-2000:]
     # one session: the run's record is the session's, and no second line
-    [whole] = [r for r in records(tmp_path) if "run_sessions" in r and r["time"] == goodput["time"]]
+    whole = [r for r in records(tmp_path) if "run_sessions" in r][-1]       # the end's, stamped with its time
+    assert whole["time"] == goodput["time"]
     assert whole["run_sessions"] == 1 and whole["run_lost_s"] == whole["run_down_s"] == 0 and goodput["down_s"] is None
     assert all(whole[f"run_{p}_s"] == v for p, v in phases.items()) and "run goodput" not in proc.stdout
 

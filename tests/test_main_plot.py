@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import plot  # noqa: E402
 
 
-def test_plot_writes_the_three_figures(tmp_path):
+def test_plot_writes_the_four_figures(tmp_path):
     run = tmp_path / "tiny"
     run.mkdir()
     lines = []
@@ -16,16 +16,19 @@ def test_plot_writes_the_three_figures(tmp_path):
         lines.append({"step": step, "loss": 10.0 / step, "ce": 10.0 / step, "balance": 1e-4, "grad_norm": 1.0,
                       "lr": 1e-3, "drop_rate": 0.0})
         if step % 2 == 0:
-            lines.append({"step": step, "val_loss": 11.0 / step, "val_balance": 1e-4,
+            lines.append({"step": step, "val_loss": 11.0 / step, "val_bpb": 4.0 / step, "val_balance": 1e-4,
                           "expert_load": [[0.1, 0.2, 0.3, 0.4], [0.25] * 4, [0.4, 0.3, 0.2, 0.1]]})
+        if step % 4 == 0:
+            lines.append({"step": step, "task": "kjv_endings", "acc": 0.3, "acc_norm": 0.32, "bpb": 3.0, "chance": 0.25})
     text = "\n".join(json.dumps(l) for l in lines) + '\n{"step": 9, "lo'
     (run / "metrics.jsonl").write_text(text)
-    train, evals = plot.read_metrics(run)
+    train, evals, tasks = plot.read_metrics(run)
     assert [r["step"] for r in train] == list(range(1, 9)) and [r["step"] for r in evals] == [2, 4, 6, 8]
+    assert [r["step"] for r in tasks["kjv_endings"]] == [4, 8]
     # By default next to the run (never over the README's figures in public/); elsewhere with --out.
     plot.main([str(run)])
     written = plot.plot(str(run), str(tmp_path / "public"))
-    assert sorted(os.path.basename(p) for p in written) == ["balance.png", "expert_load.png", "loss.png"]
+    assert sorted(os.path.basename(p) for p in written) == ["balance.png", "expert_load.png", "loss.png", "tasks.png"]
     for p in written + [str(run / os.path.basename(p)) for p in written]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -39,7 +42,7 @@ def test_plot_reads_a_run_on_an_object_store(tmp_path, monkeypatch):
                                                                       {"step": 2, "val_loss": 2.5, "val_balance": 0.0}]]
     for i, records in enumerate(parts, 1):
         fs.pipe_file(f"/plotted/run/metrics.jsonl.parts/{i:06d}", "".join(json.dumps(r) + "\n" for r in records).encode())
-    train, evals = plot.read_metrics("memory://plotted/run")
+    train, evals, _ = plot.read_metrics("memory://plotted/run")
     assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [2]
     monkeypatch.chdir(tmp_path)
     written = plot.plot("memory://plotted/run")

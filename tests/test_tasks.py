@@ -1,0 +1,220 @@
+"""Downstream tasks (tasks.py) scored on the mesh (evaluate.py) and bits per byte: each continuation's
+log-likelihood equals a by-hand log_softmax over the unpadded sequence, the same on every mesh (the
+pipeline and its circular schedule included) in fp32, and acc / acc_norm / bpb follow from it as
+lm-evaluation-harness defines them; val bits per byte count the bytes of the text the targets spell."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dataset
+import evaluate
+import pipeline
+import sharding
+import tasks
+import trainer
+import utils
+from ceiling import CEILING_S
+from collectives import Axes
+from data import tokenizer as tok
+from data_util import corpus_documents
+from engine import engine_for
+from test_model import CFG, CIRCULAR, EP, KEY, ROUTER_BIAS, rel_err, with_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def random_rows(n, T, vocab, seed=0):
+    """Rows as task_rows lays them out, of random tokens: a prefix of random length, its last targets the
+    continuation, eot padding after."""
+    rng = np.random.default_rng(seed)
+    x, y = np.full((2, n, T), 0, np.int32)
+    mask = np.zeros((n, T), np.int32)
+    for r in range(n):
+        length = int(rng.choice([3, T // 2, T]))          # a few lengths: by_hand compiles each
+        ids = rng.integers(0, vocab, length + 1)
+        x[r, :length], y[r, :length] = ids[:-1], ids[1:]
+        mask[r, length - int(rng.integers(1, length + 1)):length] = 1
+    return evaluate.Rows(x, y, mask, 0)
+
+
+def by_hand(params, rows, cfg):
+    """Each row's summed nats over its continuation, the rows of each length run at that length (no padding,
+    no mesh), from log_softmax over the whole vocabulary."""
+    params = sharding.with_router_bias(params, ROUTER_BIAS)
+
+    @jax.jit
+    def log_probs(params, x_BL):
+        transformer, axes = sharding.build(sharding.model_order(params), cfg), Axes(engine=engine_for(cfg))
+        h_BLD = transformer(x_BL, axes, ctx={"train": False, "key": KEY, "seq_ids": jnp.arange(len(x_BL))})[0]
+        table_VD = transformer.output_table(axes, transformer.embed.gathered(axes))[:cfg.vocab_size]
+        return jax.nn.log_softmax(jnp.einsum("bld,vd->blv", h_BLD, table_VD, precision="highest"), axis=-1)
+
+    lengths = np.array([np.nonzero(m)[0][-1] + 1 for m in rows.mask])
+    out = np.zeros(len(lengths))
+    for L in set(lengths):
+        rows_of = np.nonzero(lengths == L)[0]
+        log_p_BLV = log_probs(params, jnp.asarray(rows.x[rows_of, :L]))
+        target_BL = np.take_along_axis(np.asarray(log_p_BLV), rows.y[rows_of, :L, None], axis=-1)[..., 0]
+        out[rows_of] = -np.sum(target_BL * rows.mask[rows_of, :L], axis=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def params():
+    return sharding.init_params(CFG, KEY)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return random_rows(20, CFG.T, CFG.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def expected(params, rows):
+    return by_hand(params, rows, CFG)
+
+
+def test_one_device_token_nats_equal_a_log_softmax_by_hand(params, rows, expected):
+    """The ground truth the meshes are held to: one device, both engines, padded rows, against each row alone."""
+    for engine in ("fast", "reference"):
+        cfg = with_model(CFG, engine=engine)
+        nats = pipeline.one_device_token_nats(sharding.with_router_bias(params, ROUTER_BIAS), jnp.asarray(rows.x),
+                                              jnp.asarray(rows.y), cfg)
+        assert rel_err(np.sum(np.asarray(nats) * rows.mask, axis=1), expected) < 1e-5, engine
+
+
+@pytest.mark.parametrize("shape,n_micro,changes", [((1, 1, 1), 1, {}), ((2, 2, 2), 2, EP),
+                                                   ((1, 4, 1), 4, CIRCULAR), ((2, 2, 2), 4, EP | CIRCULAR)])
+def test_rows_score_the_same_on_every_mesh(params, rows, expected, shape, n_micro, changes):
+    """trainer.score_step on the mesh, 8 rows a batch (the last padded with rows that score nothing), equals
+    the by-hand scores in fp32."""
+    cfg = utils.override(utils.Config(model=with_model(CFG, **changes)), n_device_axis=shape, micro_batch_size=n_micro,
+                         val_batch_size=8)
+    mesh = sharding.make_mesh(shape)
+    built = trainer.build_trainer(cfg, mesh)
+    stored = sharding.Layout(cfg.model.pipeline_repeats).store(params)
+    state = {"params": jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.model.expert_parallel)),
+             "router_bias": ROUTER_BIAS}
+    nats = evaluate.row_nats(built, state, rows, 8)
+    assert nats.shape == (20,) and rel_err(nats, expected) < 1e-5
+
+
+def test_the_bundled_task_is_held_out_verses_with_their_true_endings():
+    """kjv_endings: every third held-out verse of 8 words or more, once, split at its middle word; the gold
+    choice is its ending, the others other verses' endings, all different; the same task every time."""
+    task = tasks.kjv_endings()
+    verses = [v for doc in corpus_documents("val") for v in doc.split("\n") if len(v.split()) >= 8][::3]
+    assert len(task.examples) == len(verses) == 207 and task.chance == 0.25
+    for e, verse in zip(task.examples, verses):
+        assert e.context + e.choices[e.gold] == verse and len(set(e.choices)) == 4
+        assert all(c.startswith(" ") and c != e.choices[e.gold] for i, c in enumerate(e.choices) if i != e.gold)
+    assert tasks.kjv_endings() == task
+    assert np.bincount([e.gold for e in task.examples], minlength=4).min() > len(verses) / 4 * 0.8
+
+
+def test_task_scores_follow_the_harness_definitions_by_hand():
+    """A cl100k model on a few of the bundled task's examples, with a --T short enough to cut some on the left:
+    each choice's log-likelihood by hand (its ids from the tokenizer, cut to T + 1 on the left, run alone),
+    then acc, acc_norm (log-likelihood per character) and bpb (the gold's nats / ln 2 / its UTF-8 bytes)."""
+    cfg = with_model(CFG, vocab_size=tok.VOCAB_SIZE, T=20)
+    params = sharding.init_params(cfg, KEY)
+    task = tasks.Task("few", tasks.kjv_endings().examples[:6])
+    enc = tok.get_tokenizer()
+    rows = evaluate.task_rows(task, enc, cfg.T)
+    hand_rows, cut = [], 0
+    for e in task.examples:
+        for choice in e.choices:
+            context, continuation = enc.encode_ordinary(e.context), enc.encode_ordinary(choice)
+            ids = (context + continuation)[-(cfg.T + 1):]
+            cut += len(ids) < len(context) + len(continuation)
+            (x, y), mask = np.full((2, cfg.T), tok.EOT_ID, np.int32), np.zeros(cfg.T, np.int32)
+            x[:len(ids) - 1], y[:len(ids) - 1] = ids[:-1], ids[1:]
+            mask[max(0, len(ids) - 1 - len(continuation)):len(ids) - 1] = 1    # all targets when it is longer
+            hand_rows.append((x, y, mask))
+    hand = evaluate.Rows(*map(np.stack, zip(*hand_rows)), cut)
+    for name in ("x", "y", "mask"):
+        np.testing.assert_array_equal(getattr(rows, name), getattr(hand, name), name)
+    assert 0 < cut == rows.cut < len(hand_rows)
+    nats = by_hand(params, hand, cfg)
+    mesh_cfg = utils.override(utils.Config(model=cfg), n_device_axis=(2, 1, 2), micro_batch_size=1, val_batch_size=8)
+    mesh = sharding.make_mesh((2, 1, 2))
+    state = {"params": jax.device_put(params, sharding.param_shardings(params, mesh, False)), "router_bias": ROUTER_BIAS}
+    scored = evaluate.row_nats(trainer.build_trainer(mesh_cfg, mesh), state, rows, 8)
+    assert rel_err(scored, nats) < 1e-5
+    record = evaluate.scores(task, scored, rows.cut, 1.5)
+    ll = -nats.reshape(6, 4)
+    chars = np.array([[len(c) for c in e.choices] for e in task.examples])
+    gold = np.array([e.gold for e in task.examples])
+    assert record["acc"] == np.mean(ll.argmax(1) == gold)
+    assert record["acc_norm"] == np.mean((ll / chars).argmax(1) == gold)
+    gold_bytes = sum(len(e.choices[e.gold].encode()) for e in task.examples)
+    assert abs(record["bpb"] - -ll[np.arange(6), gold].sum() / np.log(2) / gold_bytes) < 1e-5 * record["bpb"]
+    assert (record["examples"], record["cut_on_the_left"], record["chance"]) == (6, cut, 0.25)
+
+
+def test_val_bits_per_byte_count_the_bytes_the_targets_spell(bundled_shards):
+    """Token byte lengths add up to the val documents' UTF-8 bytes (the special tokens spell none), and the
+    validation set's bytes per token is its targets' text, decoded, over their count."""
+    val = dataset.TokenDataset(bundled_shards, "val", tok.VOCAB_SIZE)
+    all_tokens = val.read(0, val.n_tokens)
+    assert tok.token_bytes()[all_tokens].sum() == sum(len(d.encode()) for d in corpus_documents("val"))
+    T, batch, n = 64, 16, 3
+    ids = dataset.validation_window_ids(val, T, batch, n).reshape(-1)
+    enc = tok.get_tokenizer()
+    text_bytes = sum(len(enc.decode_bytes([t for t in w[1:] if t != tok.EOT_ID]))
+                     for w in dataset.read_windows(val, T, ids))
+    assert dataset.validation_bytes_per_token(val, T, batch, n) == text_bytes / (len(ids) * T)
+    assert utils.bits_per_byte(2 * np.log(2), 0.5) == pytest.approx(4.0)
+
+
+def test_an_unknown_task_exits_2_naming_the_flag_and_the_tasks(cpu_env, tmp_path):
+    proc = subprocess.run([sys.executable, "main.py", "--eval_tasks", "kjv_endings,arc_easyy", "--output_dir",
+                           str(tmp_path)], cwd=REPO, env=cpu_env, capture_output=True, text=True, timeout=CEILING_S)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("error: --eval_tasks: no task 'arc_easyy'; the tasks are: "
+                                                    "kjv_endings")
+    assert not os.listdir(tmp_path)
+
+
+def test_each_tasks_numbers_go_to_wandb_under_its_name():
+    from rundir import wandb_scalars
+    record = utils.metrics_record("tasks", 360, task="kjv_endings", acc=0.3, acc_norm=0.25, bpb=1.7, examples=207,
+                                  cut_on_the_left=0, chance=0.25, seconds=4.0)
+    assert wandb_scalars(record) == {f"tasks/kjv_endings/{name}": record[name] for name in
+                                     ("acc", "acc_norm", "bpb", "examples", "cut_on_the_left", "chance", "seconds")}
+
+
+def test_evaluate_scores_a_checkpoint_on_another_mesh_as_the_run_did(cpu_env, tmp_path):
+    """--evaluate on (2,2,2) of a run trained on (1,1,1): the val cross-entropy and bits per byte and the task's
+    scores the run recorded at that step, in fp32; one JSON file more in the run directory, nothing else."""
+    from test_main import TINY
+    flags = [*TINY, "--eval_tasks", "kjv_endings", "--eval_tasks_limit", "12", "--val_batch_size", "4",
+             "--output_dir", str(tmp_path), "--name", "run"]
+    main_py = lambda *args: subprocess.run([sys.executable, "main.py", *flags, *args], cwd=REPO, env=cpu_env,
+                                           capture_output=True, text=True, timeout=CEILING_S)
+    trained = main_py("--training_steps", "2", "--n_device_axis", "1", "1", "1", "--train_batch_size", "4")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    [task] = [r for r in records if r.get("task")]
+    [final] = [r for r in records if "final_val_loss" in r]
+    before = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
+    evaluated = main_py("--evaluate", "--n_device_axis", "2", "2", "2", "--cpu_devices", "8")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads((tmp_path / "run" / "evaluation-2.json").read_text())
+    assert sorted(str(p) for p in (tmp_path / "run").rglob("*")) == sorted(before + [str(tmp_path / "run" /
+                                                                                         "evaluation-2.json")])
+    assert (result["step"], result["mesh"], task["step"]) == (2, [2, 2, 2], 2)
+    assert result["checkpoint"] == f"{tmp_path}/run/checkpoints/2"
+    assert abs(result["val_loss"] - final["final_val_loss"]) <= 1e-5 * final["final_val_loss"]
+    assert abs(result["val_bpb"] - final["final_val_bpb"]) <= 1e-5 * final["final_val_bpb"]
+    [scored] = result["tasks"]
+    assert {k: scored[k] for k in ("task", "acc", "acc_norm", "examples", "cut_on_the_left", "chance")} == {
+        k: task[k] for k in ("task", "acc", "acc_norm", "examples", "cut_on_the_left", "chance")}
+    assert abs(scored["bpb"] - task["bpb"]) <= 1e-5 * task["bpb"]
+    assert f"written to {tmp_path}/run/evaluation-2.json" in evaluated.stdout
