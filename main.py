@@ -133,8 +133,8 @@ def open_run(cfg, mesh):
 def task_scorer(cfg):
     """--eval_tasks, tokenized once; RunRefused names an unknown task."""
     try:
-        return evaluate.TaskScorer(load_tasks(cfg.run.eval_tasks, cfg.run.eval_tasks_limit), get_tokenizer(), cfg.model.T,
-                                   cfg.run.val_batch_size, cfg.model.vocab_size)
+        tasks = load_tasks(cfg.run.eval_tasks, cfg.run.eval_tasks_limit)
+        return evaluate.TaskScorer(tasks, get_tokenizer(), cfg.model.T, cfg.run.val_batch_size, cfg.model.vocab_size)
     except TaskError as e:
         raise RunRefused(str(e)) from None
 
@@ -242,8 +242,14 @@ def sample_text(state, cfg, ids, step):
 
 
 def score_tasks(run, state, step):
-    """--eval_tasks scored with the state of step `step`: a record and a line each."""
-    for record in run.tasks(run.trainer, state):
+    """--eval_tasks scored with the state of step `step`: a record and a line each. A failure is a warning, as
+    a sample's: the step's checkpoint is written before, and the run goes on."""
+    try:
+        records = run.tasks(run.trainer, state)
+    except Exception as e:
+        log(f"WARNING: scoring --eval_tasks at step {step} failed ({type(e).__name__}: {e}); training goes on")
+        return
+    for record in records:
         run.logger.metrics(utils.metrics_record("tasks", step, **record))
         log(f"task @ {step}: {evaluate.line(record)}")
 
