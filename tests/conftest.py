@@ -55,12 +55,22 @@ def pytest_configure(config):
                                        "it takes")
 
 
+# Under `pytest -n 2 --dist loadgroup` (README) the modules that run main.py, bench.py or the launch scripts end
+# to end go to one worker, one test at a time (side by side, their runs' timings and ports collide, and they share
+# that worker's XLA_CACHE: each worker imports this file), and the rest, mostly compiling in-process at -O0, to
+# the other.
+END_TO_END = {"test_main", "test_run_safety", "test_gcs", "test_main_data_errors", "test_newcomer", "test_hang",
+              "test_launch_supervisor", "test_launch_multihost", "test_launch", "test_launch_ops"}
+
+
+@pytest.hookimpl(tryfirst=True)       # before xdist's own hook, which names each test by its group
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow are skipped unless JAXFORMER_SLOW_TESTS=1, the one place that says so."""
-    if os.environ.get("JAXFORMER_SLOW_TESTS") == "1":
-        return
+    """Each test's xdist group (END_TO_END's or the in-process one); tests marked slow are skipped unless
+    JAXFORMER_SLOW_TESTS=1, the one place that says so."""
     for item in items:
-        if (slow := item.get_closest_marker("slow")) is not None:
+        group = "end-to-end" if item.module.__name__ in END_TO_END else "in-process"
+        item.add_marker(pytest.mark.xdist_group(group))
+        if (slow := item.get_closest_marker("slow")) is not None and os.environ.get("JAXFORMER_SLOW_TESTS") != "1":
             item.add_marker(pytest.mark.skip(reason=f"opt-in (JAXFORMER_SLOW_TESTS=1): {slow.args[0]}"))
 
 

@@ -17,6 +17,7 @@ REFERENCE = with_model(CFG, engine="reference")
 CASES = [((1, 1, 1), 2, {}), ((1, 2, 4), 4, {}), ((2, 2, 2), 4, EP | CIRCULAR)]
 
 
+@pytest.mark.slow("~25 s; the reference engine's three meshes below and test_model's DeepSeek-V3 cases stay")
 def test_the_reference_engine_equals_the_fast_one_in_deepseek_v3s_architecture():
     """The reference engine on (2,2,2), expert parallel, two repeats, against the fast one on one device."""
     _, fast_loss, _, fast_grads = one_device_run(DSV3)

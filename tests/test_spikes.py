@@ -173,6 +173,7 @@ def first_steps(shape, dtype, steps):
 # ((1,1,1) bf16 first spiked at step 50). All four pairs over 200 steps:
 #   for s in "1 1 1" "2 2 2"; do for d in bfloat16 float32; do python -c "import sys; sys.path[:0] = ['.', 'tests'];
 #   import conftest, test_spikes; print(test_spikes.first_steps(tuple(map(int, '$s'.split())), '$d', 200))"; done; done
+@pytest.mark.slow("~1.5 min")
 def test_tiny_preset_trains_without_spikes(shape=(2, 2, 2), dtype="float32"):
     """main.py's spike watch flags none of the first SPIKE_STEPS steps: no loss more than 0.5 nat above
     the median of the previous 10, no grad norm above 5x the running median. Before the fix the tied
