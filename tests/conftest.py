@@ -53,6 +53,8 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "error::DeprecationWarning:optax")
     config.addinivalue_line("markers", "slow(cost): an opt-in check, run with JAXFORMER_SLOW_TESTS=1; cost says what "
                                        "it takes")
+    # xdist registers it too; without xdist (`-p no:xdist`) the groups are only names
+    config.addinivalue_line("markers", "xdist_group(name): the worker group (END_TO_END or in-process)")
 
 
 # Under `pytest -n 2 --dist loadgroup` (README) the modules that run main.py, bench.py or the launch scripts end
