@@ -13,15 +13,13 @@ go through the eval-mode model --val_batch_size at a time (trainer.score_step); 
 same rows and reads the same replicated sums, so all agree on one result.
 """
 import dataclasses
-import math
 import time
 
 import jax
 import numpy as np
 
 from tasks import TaskError
-
-LN2 = math.log(2)
+from utils import bits_per_byte
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +88,7 @@ def scores(task, nats_R, cut, seconds):
         gold_bytes += len(e.choices[e.gold].encode("utf-8"))
         r += len(e.choices)
     return {"task": task.name, "acc": float(np.mean(correct)), "acc_norm": float(np.mean(normed)),
-            "bpb": gold_nats / (LN2 * gold_bytes), "examples": len(task.examples), "cut_on_the_left": cut,
+            "bpb": bits_per_byte(gold_nats, gold_bytes), "examples": len(task.examples), "cut_on_the_left": cut,
             "chance": task.chance, "seconds": seconds}
 
 
@@ -101,10 +99,11 @@ class TaskScorer:
         self.tasks, self.batch_rows = tasks, batch_rows
         self.rows = [task_rows(task, enc, T) for task in tasks]
         for task, rows in zip(tasks, self.rows):
-            if rows.x.size and max(rows.x.max(), rows.y.max()) >= vocab_size:
-                raise TaskError(f"--eval_tasks {task.name}: its text is cl100k_base ids up to "
-                                f"{max(rows.x.max(), rows.y.max())}, beyond --vocab_size {vocab_size}; raise "
-                                f"--vocab_size to {enc.n_vocab} or pass --eval_tasks ''")
+            largest = max(rows.x.max(initial=0), rows.y.max(initial=0))
+            if largest >= vocab_size:
+                raise TaskError(f"--eval_tasks {task.name}: its text is cl100k_base ids up to {largest}, beyond "
+                                f"--vocab_size {vocab_size}; raise --vocab_size to {enc.n_vocab} or pass "
+                                f"--eval_tasks ''")
 
     def __call__(self, trainer, state):
         """One record per task (utils.METRICS["tasks"]' fields)."""

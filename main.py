@@ -426,7 +426,8 @@ def evaluate_checkpoint(cfg):
     _, val_batches, bytes_per_token = load_data(cfg, trainer.data_sharding)
     val_ce = val_loss_and_balance(trainer, state, val_batches)[0]
     result = {"checkpoint": f"{mngr.directory}/{step}", "step": step, "mesh": list(cfg.run.n_device_axis),
-              "val_loss": val_ce, "val_bpb": utils.bits_per_byte(val_ce, bytes_per_token), "tasks": tasks(trainer, state)}
+              "val_loss": val_ce, "val_bpb": utils.bits_per_byte(val_ce, bytes_per_token),
+              "tasks": tasks(trainer, state)}
     log(f"evaluation @ {step} of {mngr.directory}: val cross-entropy {val_ce:.4f} nats, {result['val_bpb']:.4f} "
         f"bits per byte" + "".join(f"\n{evaluate.line(record)}" for record in result["tasks"]))
     if jax.process_index() == 0:

@@ -251,15 +251,16 @@ def log_interval(run, meter, state, step):
     peak = utils.peak_flops(jax.devices()[0].device_kind)
     util = utils.mfu(tok_s, sharding.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
     rec = utils.metrics_record(
-        "interval", step, val_loss=val_ce, val_bpb=val_bpb, val_balance=val_bal, train_loss=float(np.mean([r["loss"] for r in recs])),
+        "interval", step, val_loss=val_ce, val_bpb=val_bpb, val_balance=val_bal,
+        train_loss=float(np.mean([r["loss"] for r in recs])),
         lr=recs[-1]["lr"], grad_norm=recs[-1]["grad_norm"], tokens_per_s=tok_s, step_time_s=step_time, mfu=util,
         **experts, expert_load_spread=spread if idle is None else None,
         drop_rate=float(np.mean([r["drop_rate"] for r in recs])), balance=float(np.mean([r["balance"] for r in recs])),
         skipped_steps=recs[-1]["skipped_steps"], **meter.watch.interval())
     run.logger.metrics(rec)
-    say(meter.bar, f"step {step:>6} | loss {recs[-1]['loss']:.4f} | val {val_ce:.4f} ({val_bpb:.3f} bpb) | lr {rec['lr']:.2e} | "
-                   f"grad {rec['grad_norm']:.3f} | {(f'{tok_s:,.0f}' if tok_s else 'n/a'):>8} tok/s | "
-                   f"step {step_time * 1e3:.0f} ms | MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
+    say(meter.bar, f"step {step:>6} | loss {recs[-1]['loss']:.4f} | val {val_ce:.4f} ({val_bpb:.3f} bpb) | "
+                   f"lr {rec['lr']:.2e} | grad {rec['grad_norm']:.3f} | "
+                   f"{(f'{tok_s:,.0f}' if tok_s else 'n/a'):>8} tok/s | step {step_time * 1e3:.0f} ms | MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
                    f"load max/min {spread:.2f}{idle or ''} | drop {100 * rec['drop_rate']:.2f}%")
     return val_ce
 

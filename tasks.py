@@ -33,7 +33,7 @@ class Task:
 
 
 KJV_MIN_WORDS = 8           # shorter verses leave too little of a beginning or an ending
-# Every third verse: 207 examples, which score in ~5% of `python main.py`'s time on a 2-core CPU (all 621, 13%).
+# Every third verse keeps the scoring a small share of `python main.py` (docs/performance.md, "Downstream tasks' cost").
 KJV_EVERY = 3
 
 

@@ -4,6 +4,7 @@ pipeline and its circular schedule included) in fp32, and acc / acc_norm / bpb f
 lm-evaluation-harness defines them; val bits per byte count the bytes of the text the targets spell."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -218,3 +219,12 @@ def test_evaluate_scores_a_checkpoint_on_another_mesh_as_the_run_did(cpu_env, tm
         k: task[k] for k in ("task", "acc", "acc_norm", "examples", "cut_on_the_left", "chance")}
     assert abs(scored["bpb"] - task["bpb"]) <= 1e-5 * task["bpb"]
     assert f"written to {tmp_path}/run/evaluation-2.json" in evaluated.stdout
+
+
+def test_a_vocabulary_too_small_for_the_tasks_text_exits_2_naming_both_flags(cpu_env, tmp_path):
+    proc = subprocess.run([sys.executable, "main.py", "--vocab_size", "1000", "--output_dir", str(tmp_path)], cwd=REPO,
+                          env=cpu_env, capture_output=True, text=True, timeout=CEILING_S)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(r"error: --eval_tasks kjv_endings: its text is cl100k_base ids up to \d+, beyond --vocab_size "
+                        r"1000; raise --vocab_size to 100277 or pass --eval_tasks ''", proc.stderr.strip().splitlines()[-1])
+    assert not os.listdir(tmp_path)
