@@ -12,7 +12,7 @@ debugger and the oracle the tests hold the fast one to):
   routed_experts(...)        experts.experts_in_buffers (over dp with   the same, or --moe_impl ragged
                              --expert_parallel)                         (grouped matmuls)
   cross_entropy_sum(...)     loss.plain_cross_entropy_sum               loss.chunked_cross_entropy_sum
-  token_nats(...)            loss.plain_token_nats                      loss.chunked_token_nats
+  token_scores(...)          loss.plain_token_scores                    loss.chunked_token_scores
   keep(x, name),             nothing named; --remat's plain jax         named values kept (all-reduced branches,
   layer_remat(cfg)           policies                                   kernel and expert outputs); per platform
   gathered, gather_stage,    fsdp.py, the fp32 shards gathered          fsdp.py, gathered in the matmul dtype
@@ -71,8 +71,8 @@ class Reference:
     def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
         return loss.plain_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes)
 
-    def token_nats(self, table_vD, h_BTD, targets_BT, cfg, axes):
-        return loss.plain_token_nats(table_vD, h_BTD, targets_BT, cfg, axes)
+    def token_scores(self, table_vD, h_BTD, targets_BT, cfg, axes):
+        return loss.plain_token_scores(table_vD, h_BTD, targets_BT, cfg, axes)
 
     def keep(self, x, name):
         return x
@@ -110,8 +110,8 @@ class Fast(Reference):
     def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
         return loss.chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
 
-    def token_nats(self, table_vD, h_BTD, targets_BT, cfg, axes):
-        return loss.chunked_token_nats(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
+    def token_scores(self, table_vD, h_BTD, targets_BT, cfg, axes):
+        return loss.chunked_token_scores(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
 
     def _chunk_tokens(self):
         return GPU_CHUNK_TOKENS if self.platform == "gpu" else CPU_CHUNK_TOKENS

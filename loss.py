@@ -4,7 +4,8 @@ metrics summed over the global batch (`summarise`).
 Two cross-entropies, equal in value (engine.py picks one): `plain_cross_entropy_sum`, the guide's, from
 this tp rank's logits [B, T, v] (what --engine reference runs), and `chunked_cross_entropy_sum`, a chunk of
 sequences at a time with its gradient computed with its loss, which never holds more than one chunk's
-logits; each also per token (`plain_token_nats`, `chunked_token_nats`), for scoring tasks. Both are Megatron's parallel softmax: each tp rank reduces its v vocabulary rows to the max logit,
+logits; each also per token (`plain_token_scores`, `chunked_token_scores`), for scoring tasks. Both are
+Megatron's parallel softmax: each tp rank reduces its v vocabulary rows to the max logit,
 the sum of exponentials and the target's logit (which one rank holds), and the ranks combine those.
 Shape suffixes as model.py's; X chunks of N tokens.
 """
@@ -25,13 +26,14 @@ def real_rows(start, v, vocab_size):
 
 
 def plain_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes):
-    """Summed cross-entropy from the output layer's logits (`plain_token_nats`)."""
-    return jnp.sum(plain_token_nats(table_vD, h_BTD, targets_BT, cfg, axes))
+    """Summed cross-entropy from the output layer's logits (`plain_token_scores`)."""
+    return jnp.sum(plain_token_scores(table_vD, h_BTD, targets_BT, cfg, axes)[0])
 
 
-def plain_token_nats(table_vD, h_BTD, targets_BT, cfg, axes):
+def plain_token_scores(table_vD, h_BTD, targets_BT, cfg, axes):
     """Each token's cross-entropy [B, T] from the output layer's logits (`model.output_logits`, fp32, padding
-    rows at -inf): log-sum-exp over the vocabulary, combined over the tp ranks, minus the target's logit."""
+    rows at -inf): log-sum-exp over the vocabulary, combined over the tp ranks, minus the target's logit; and
+    whether the target is the greedy choice [B, T] (its logit the largest)."""
     logits_BTv = output_logits(h_BTD, table_vD, cfg, axes)
     v = table_vD.shape[0]
     local_BT = targets_BT - vocab_start(axes, v)
@@ -40,8 +42,8 @@ def plain_token_nats(table_vD, h_BTD, targets_BT, cfg, axes):
     sum_exp_BT = psum(jnp.sum(jnp.exp(logits_BTv - max_BT[..., None]), axis=-1), axes.tp)
     held_BT = (local_BT >= 0) & (local_BT < v)
     target_BT = jnp.take_along_axis(logits_BTv, jnp.clip(local_BT, 0, v - 1)[..., None], axis=-1)[..., 0]
-    target_BT = psum(jnp.where(held_BT, target_BT, 0.0), axes.tp)
-    return max_BT + jnp.log(sum_exp_BT) - target_BT
+    target_BT = psum(jnp.where(held_BT, target_BT, 0.0), axes.tp)     # the one rank's logit + zeros: exact
+    return max_BT + jnp.log(sum_exp_BT) - target_BT, target_BT >= max_BT
 
 
 def chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, min_chunk_tokens):
@@ -66,18 +68,26 @@ def chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, min_chunk_
                            local_targets_BT.reshape(X, -1), n_real)
 
 
-def chunked_token_nats(table_vD, h_BTD, targets_BT, cfg, axes, min_chunk_tokens):
-    """Each token's cross-entropy [B, T] as chunked_cross_entropy_sum computes it, a chunk at a time; for
-    scoring (no gradient)."""
+def chunked_token_scores(table_vD, h_BTD, targets_BT, cfg, axes, min_chunk_tokens):
+    """Each token's cross-entropy [B, T] as chunked_cross_entropy_sum computes it, a chunk at a time, and
+    whether its target is the greedy choice [B, T]; for scoring (no gradient)."""
     v = table_vD.shape[0]
     start = vocab_start(axes, v)
     n_real = real_rows(start, v, cfg.vocab_size)
     B, T, D = h_BTD.shape
     X, dtype = _n_chunks(h_BTD.shape, min_chunk_tokens), jnp.dtype(cfg.model_dtype)
     table_r = table_vD.astype(dtype)
-    nats_XN = lax.map(lambda c: _chunk_token_nats(axes, table_r, c[0].astype(dtype), c[1], n_real)[0],
-                      (h_BTD.reshape(X, -1, D), (targets_BT - start).reshape(X, -1)))
-    return nats_XN.reshape(B, T)
+
+    def one_chunk(chunk):
+        h_ND, local_targets_N = chunk
+        nats_N, (exp_vN, _, rescale_N, inside_N, _) = _chunk_token_nats(axes, table_r, h_ND.astype(dtype),
+                                                                         local_targets_N, n_real)
+        # exp(target - local max) x exp(local max - max) is exactly 1 only where the target's logit is the max
+        target_exp_N = exp_vN[_clipped(local_targets_N, table_r), jnp.arange(len(local_targets_N))] * rescale_N
+        return nats_N, psum(jnp.where(inside_N, target_exp_N, 0.0), axes.tp) == 1.0
+
+    nats_XN, greedy_XN = lax.map(one_chunk, (h_BTD.reshape(X, -1, D), (targets_BT - start).reshape(X, -1)))
+    return nats_XN.reshape(B, T), greedy_XN.reshape(B, T)
 
 
 def _n_chunks(shape_BTD, min_chunk_tokens):

@@ -31,9 +31,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 import dataset
-import evaluate
 import generate
 import pod
+import scoring
 import sharding
 import utils
 from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_manager, checksums_and_finite,
@@ -45,7 +45,7 @@ from metrics import Diverged, evaluate as val_loss_and_balance, log_interval
 from multihost import log, set_up_devices
 from progress import Progress
 from rundir import Logger, RunRefused, lock_run_dir, os_error, run_dir_of, set_aside_previous_run, write_whole
-from tasks import TaskError, load_tasks
+from tasks import TaskError
 from trainer import Trainer, build_trainer
 
 
@@ -79,7 +79,7 @@ class Run:
     train_ds: dataset.TokenDataset
     val_batches: list
     val_bytes_per_token: float  # UTF-8 bytes per target token of the val batches (bits per byte)
-    tasks: evaluate.TaskScorer  # --eval_tasks, tokenized
+    tasks: scoring.TaskScorer  # --eval_tasks, tokenized
     loader: dataset.BatchLoader
     state: dict                 # the state to start from: restored, or fresh
     meta: dict                  # the restored checkpoint's metadata; None for a fresh run
@@ -133,8 +133,8 @@ def open_run(cfg, mesh):
 def task_scorer(cfg):
     """--eval_tasks, tokenized once; RunRefused names an unknown task."""
     try:
-        tasks = load_tasks(cfg.run.eval_tasks, cfg.run.eval_tasks_limit)
-        return evaluate.TaskScorer(tasks, get_tokenizer(), cfg.model.T, cfg.run.val_batch_size, cfg.model.vocab_size)
+        tasks = scoring.load_tasks(cfg.run.eval_tasks, cfg.run.eval_tasks_limit)
+        return scoring.TaskScorer(tasks, get_tokenizer(), cfg.model.T, cfg.run.val_batch_size, cfg.model.vocab_size)
     except TaskError as e:
         raise RunRefused(str(e)) from None
 
@@ -251,7 +251,7 @@ def score_tasks(run, state, step):
         return
     for record in records:
         run.logger.metrics(utils.metrics_record("tasks", step, **record))
-        log(f"task @ {step}: {evaluate.line(record)}")
+        log(f"task @ {step}: {scoring.line(record)}")
 
 
 def close_run(run):
@@ -418,7 +418,7 @@ def sample_from_checkpoint(cfg):
 def evaluate_checkpoint(cfg):
     """--evaluate: the val set's cross-entropy and bits per byte and --eval_tasks' scores of the run's newest
     readable checkpoint on this mesh, printed and written to OUTPUT_DIR/NAME/evaluation-STEP.json (whole or
-    not at all); nothing else is written."""
+    not at all) with every request's log-likelihood; nothing else is written."""
     cfg, mngr = newest_checkpoint_config(cfg, "--evaluate")
     tasks = task_scorer(cfg)
     trainer, state, meta = restore_on_this_mesh(cfg, mngr)
@@ -427,9 +427,9 @@ def evaluate_checkpoint(cfg):
     val_ce = val_loss_and_balance(trainer, state, val_batches)[0]
     result = {"checkpoint": f"{mngr.directory}/{step}", "step": step, "mesh": list(cfg.run.n_device_axis),
               "val_loss": val_ce, "val_bpb": utils.bits_per_byte(val_ce, bytes_per_token),
-              "tasks": tasks(trainer, state)}
+              "tasks": tasks(trainer, state, with_requests=True)}
     log(f"evaluation @ {step} of {mngr.directory}: val cross-entropy {val_ce:.4f} nats, {result['val_bpb']:.4f} "
-        f"bits per byte" + "".join(f"\n{evaluate.line(record)}" for record in result["tasks"]))
+        f"bits per byte" + "".join(f"\n{scoring.line(record)}" for record in result["tasks"]))
     if jax.process_index() == 0:
         name = write_whole(run_dir_of(cfg.run), f"evaluation-{step}.json", json.dumps(result, indent=1) + "\n")
         log(f"written to {name}")

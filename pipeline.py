@@ -1,6 +1,6 @@
 """The loss on the mesh: one `jax.shard_map` over ("dp", "pp", "tp") running the pipeline schedule over pp
 (GPipe, or with --pipeline_repeats P > 1 a circular one, MaxText's num_pipeline_repeats), then the output
-layer's cross-entropy (loss.py), or each token's for scoring tasks (`token_nats`); and the one-device
+layer's cross-entropy (loss.py), or each token's for scoring tasks (`token_scores`); and the one-device
 versions every mesh is checked against.
 """
 from functools import partial
@@ -53,36 +53,37 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     return summarise(ce_sum, _stats_in_model_order(out.stats), x_bT.size * n_dp, b * n_dp, cfg)
 
 
-def token_nats(params, x_BT, y_BT, cfg, mesh, n_micro):
+def token_scores(params, x_BT, y_BT, cfg, mesh, n_micro):
     """Each target token's cross-entropy [B, T] (fp32, rows over dp) of a global batch on `mesh`, the model in
-    eval mode: what scoring a task's continuations sums (evaluate.py)."""
+    eval mode, and whether the target is the greedy choice [B, T]: what scoring a task's continuations sums
+    (scoring.py)."""
     params = Layout(cfg.pipeline_repeats).store(params)
     x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
     platform = mesh.devices.flat[0].platform
-    nats = partial(_pipeline_token_nats, cfg=cfg, n_micro=n_micro, platform=platform)
-    sharded = jax.shard_map(nats, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), P("dp"),
-                                                       P("dp")), out_specs=P("dp"), check_vma=True)
+    scores = partial(_pipeline_token_scores, cfg=cfg, n_micro=n_micro, platform=platform)
+    sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), P("dp"),
+                                                         P("dp")), out_specs=(P("dp"), P("dp")), check_vma=True)
     return sharded(params, x_BT, y_BT)
 
 
-def one_device_token_nats(params, x_BT, y_BT, cfg):
-    """token_nats on one device, no mesh: the ground truth for every mesh."""
+def one_device_token_scores(params, x_BT, y_BT, cfg):
+    """token_scores on one device, no mesh: the ground truth for every mesh."""
     axes = Axes(engine=engine_for(cfg))
     transformer = build(model_order(params), cfg)
     h_BTD, _, _ = transformer(x_BT, axes, ctx={"train": False, "key": jax.random.key(0),
                                                "seq_ids": jnp.arange(x_BT.shape[0])})
     table_vD = transformer.output_table(axes, transformer.embed.gathered(axes))
-    return axes.engine.token_nats(table_vD, h_BTD, y_BT, cfg, axes)
+    return axes.engine.token_scores(table_vD, h_BTD, y_BT, cfg, axes)
 
 
-def _pipeline_token_nats(params, x_bT, y_bT, cfg, n_micro, platform):
-    """On one device: this dp replica's per-token cross-entropy [b, T]. Each stage scores its share of the
-    outputs (`_last_stage_share`), M/pp micro-batches in order, which an all-gather over pp puts together:
-    [M/pp b/M, T] -> [b, T]."""
+def _pipeline_token_scores(params, x_bT, y_bT, cfg, n_micro, platform):
+    """On one device: this dp replica's per-token cross-entropy and greedy flags [b, T]. Each stage scores its
+    share of the outputs (`_last_stage_share`), M/pp micro-batches in order, which an all-gather over pp puts
+    together: [M/pp b/M, T] -> [b, T]."""
     out = _pipeline_outputs(params, x_bT, y_bT, jax.random.key(0), cfg, n_micro, False, platform)
     h_NTD, targets_NT = _last_stage_share(out)
-    nats_NT = out.axes.engine.token_nats(out.table_vD, h_NTD, targets_NT, cfg, out.axes)
-    return lax.all_gather(nats_NT, "pp", axis=0, tiled=True, to="invarying")
+    scores_NT = out.axes.engine.token_scores(out.table_vD, h_NTD, targets_NT, cfg, out.axes)
+    return tuple(lax.all_gather(a_NT, "pp", axis=0, tiled=True, to="invarying") for a_NT in scores_NT)
 
 
 class _Outputs(NamedTuple):

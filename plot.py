@@ -101,8 +101,11 @@ def _plot_tasks(name, tasks, evals, out_dir):
     for i, (task, records) in enumerate(sorted(tasks.items())):
         steps, color = [r["step"] for r in records], f"C{i}"
         acc_ax.plot(steps, [100 * r["acc"] for r in records], "o-", ms=3, color=color, label=f"{task} acc")
-        acc_ax.plot(steps, [100 * r["acc_norm"] for r in records], "s--", ms=3, color=color, label=f"{task} acc_norm")
-        acc_ax.axhline(100 * records[-1]["chance"], color=color, ls=":", lw=0.8)
+        if records[-1]["acc_norm"] is not None:
+            acc_ax.plot(steps, [100 * r["acc_norm"] for r in records], "s--", ms=3, color=color,
+                        label=f"{task} acc_norm")
+        if records[-1]["chance"] is not None:
+            acc_ax.axhline(100 * records[-1]["chance"], color=color, ls=":", lw=0.8)
         bpb_ax.plot(steps, [r["bpb"] for r in records], "o-", ms=3, color=color, label=f"{task} (gold continuations)")
     val = [r for r in evals if r.get("val_bpb") is not None]
     if val:

@@ -1,5 +1,7 @@
-"""Downstream tasks: each a list of multiple-choice examples (a context, candidate continuations, the gold
-one's index), scored by evaluate.py as lm-evaluation-harness scores its multiple-choice tasks.
+"""Downstream tasks, as scoring.py scores them: each a list of requests (a context, a continuation) whose
+log-likelihoods the model gives, the request of each example's right continuation, and the metrics those
+log-likelihoods make. Two kinds: `Task`, multiple-choice examples scored as lm-evaluation-harness scores its
+multiple-choice tasks; harness.py's, the harness's own tasks, scored by the harness's code.
 
 The bundled task, `kjv_endings`, needs nothing but this repository: every third verse of the held-out books of
 the bundled corpus (data/corpus.py's VAL_BOOKS, never trained on) split at its middle word, its true ending
@@ -17,7 +19,7 @@ from data import corpus
 @dataclasses.dataclass(frozen=True)
 class Example:
     context: str
-    choices: tuple          # candidate continuations, each scored given the context
+    choices: tuple          # candidate continuations, each scored given the context after target_delimiter
     gold: int               # the index of the right one
 
 
@@ -25,11 +27,35 @@ class Example:
 class Task:
     name: str
     examples: tuple
+    target_delimiter: str = " "     # between context and choice, as the harness's (not counted in acc_norm)
+
+    @property
+    def requests(self):
+        """(context, continuation) of every (example, choice), in that order."""
+        return tuple((e.context, self.target_delimiter + choice) for e in self.examples for choice in e.choices)
+
+    @property
+    def gold(self):
+        """The request of each example's right continuation."""
+        return tuple(int(start) + e.gold for start, e in zip(self._starts(), self.examples))
 
     @property
     def chance(self):
         """The accuracy of a uniform random guess."""
         return float(np.mean([1 / len(e.choices) for e in self.examples]))
+
+    def metrics(self, ll_R, greedy_R):
+        """acc: the share of examples whose right continuation has the highest log-likelihood; acc_norm: the
+        same with each log-likelihood over its continuation's length in characters (the harness's)."""
+        correct, normed = [], []
+        for start, e in zip(self._starts(), self.examples):
+            ll_C, chars_C = ll_R[start:start + len(e.choices)], np.array([len(c) for c in e.choices], np.float64)
+            correct.append(int(np.argmax(ll_C)) == e.gold)
+            normed.append(int(np.argmax(ll_C / chars_C)) == e.gold)
+        return {"acc": float(np.mean(correct)), "acc_norm": float(np.mean(normed))}
+
+    def _starts(self):
+        return np.cumsum([0] + [len(e.choices) for e in self.examples])[:-1]
 
 
 KJV_MIN_WORDS = 8           # shorter verses leave too little of a beginning or an ending
@@ -38,7 +64,7 @@ KJV_EVERY = 3
 
 
 def kjv_endings(n_choices=4, seed=0):
-    """The bundled task: "<a held-out verse's first half>" -> " <its second half>" among n_choices - 1
+    """The bundled task: "<a held-out verse's first half>" -> "<its second half>" among n_choices - 1
     other verses' second halves; every KJV_EVERY-th verse of KJV_MIN_WORDS words or more in corpus order, the
     distractors (any of those verses' endings) and the gold's place drawn from numpy's default_rng(seed)."""
     verses = []
@@ -47,7 +73,7 @@ def kjv_endings(n_choices=4, seed=0):
             chapter = json.loads(line)
             if chapter["book"] in corpus.VAL_BOOKS:
                 verses += [v.split() for v in chapter["text"].split("\n") if len(v.split()) >= KJV_MIN_WORDS]
-    halves = [(" ".join(w[:len(w) // 2]), " " + " ".join(w[len(w) // 2:])) for w in verses]
+    halves = [(" ".join(w[:len(w) // 2]), " ".join(w[len(w) // 2:])) for w in verses]
     endings = [end for _, end in halves]
     rng, examples = np.random.default_rng(seed), []
     for beginning, ending in halves[::KJV_EVERY]:
@@ -62,15 +88,3 @@ BUNDLED = {"kjv_endings": kjv_endings}
 
 class TaskError(ValueError):
     """A task that cannot be scored: an unknown name, a file that does not parse."""
-
-
-def load_tasks(names, limit=0):
-    """The tasks of --eval_tasks (comma-separated names), each cut to its first `limit` examples (0: all, as
-    lm-evaluation-harness's --limit); TaskError names the flag and what exists."""
-    tasks = []
-    for name in filter(None, (n.strip() for n in names.split(","))):
-        if name not in BUNDLED:
-            raise TaskError(f"--eval_tasks: no task {name!r}; the tasks are: {', '.join(sorted(BUNDLED))}")
-        task = BUNDLED[name]()
-        tasks.append(dataclasses.replace(task, examples=task.examples[:limit or None]))
-    return tasks

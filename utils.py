@@ -558,14 +558,15 @@ METRICS = {
         "final_val_bpb": "validation bits per byte at the end",
         "unigram_entropy": "entropy of the training tokens' unigram distribution (the no-context baseline)",
     },
-    "tasks": {      # per task of --eval_tasks, at every checkpoint (evaluate.py)
+    "tasks": {      # per task of --eval_tasks, at every checkpoint (scoring.py)
         "task": "the task's name",
-        "acc": "share of examples whose gold continuation has the highest log-likelihood",
-        "acc_norm": "the same, each log-likelihood divided by its continuation's length in characters",
+        "acc": "share of examples whose gold continuation has the highest log-likelihood (loglikelihood tasks: "
+               "whose continuation is the greedy one)",
+        "acc_norm": "the same, each log-likelihood divided by its continuation's length in characters (or null)",
         "bpb": "the gold continuations' bits per byte: summed nats / (ln 2 x their UTF-8 bytes)",
         "examples": "examples scored",
-        "cut_on_the_left": "(example, choice) rows whose context was cut on the left to fit --T",
-        "chance": "the accuracy of a uniform random guess",
+        "cut_on_the_left": "requests (rows) whose context was cut on the left to fit --T",
+        "chance": "the accuracy of a uniform random guess (null: not a choice among candidates)",
         "seconds": "time the scoring took",
     },
     "goodput": {    # per process run (session): at every checkpoint and when it ends, where its time went so far

@@ -1,0 +1,140 @@
+"""Scoring downstream tasks (tasks.py's, harness.py's) on the training mesh, as lm-evaluation-harness scores
+a task from its loglikelihood requests: each request's continuation's log-likelihood given its context, summed
+over the continuation's tokens, and whether every one of those tokens is the greedy choice; per task
+
+  acc       the share of examples whose gold continuation has the highest log-likelihood (a loglikelihood
+            task's: whose continuation is the greedy one),
+  acc_norm  the same with each log-likelihood divided by its continuation's length in characters,
+  bpb       the gold continuations' summed nats / (ln 2 x their UTF-8 bytes): bits per byte.
+
+Every request is one row of --T tokens: the context's and the continuation's ids, cut on the left
+to T + 1 as the harness cuts them (counted), inputs x = ids[:-1], targets y = ids[1:], padded on the right
+(causal attention and per-sequence routing in position order: padding changes no real token's score). Rows
+go through the eval-mode model --val_batch_size at a time (trainer.score_step); every process builds the
+same rows and reads the same replicated sums, so all agree on one result.
+"""
+import dataclasses
+import time
+
+
+import jax
+import numpy as np
+
+import harness
+from tasks import BUNDLED, TaskError
+from utils import bits_per_byte
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A task's rows [R, T] in (example, choice) order: inputs, targets, and 1 where a target is one of the
+    continuation's tokens; `cut`: rows whose ids were cut on the left to fit --T."""
+    x: np.ndarray
+    y: np.ndarray
+    mask: np.ndarray
+    cut: int
+
+
+def encode_pair(enc, context, continuation):
+    """(context ids, continuation ids) as the harness encodes a request for the exported model, whose tokenizer
+    starts every text with <|endoftext|> (its bos, the token every training document starts with): the
+    context's trailing whitespace moves to the continuation, whose ids are those of context + continuation
+    past the context's."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    context_ids = enc.encode_ordinary(context)
+    return [enc.eot_token] + context_ids, enc.encode_ordinary(context + continuation)[len(context_ids):]
+
+
+def load_tasks(names, limit=0):
+    """The tasks of --eval_tasks (comma-separated: bundled names, else lm-evaluation-harness task names or task
+    YAML files), in that order, each cut to its first `limit` examples (0: all, as the harness's --limit);
+    TaskError names the flag and what exists."""
+    names = [n for n in (n.strip() for n in names.split(",")) if n]
+    harness_tasks = iter(harness.load([n for n in names if n not in BUNDLED], limit, sorted(BUNDLED)))
+    tasks = []
+    for name in names:
+        if name in BUNDLED:
+            task = BUNDLED[name]()
+            tasks.append(dataclasses.replace(task, examples=task.examples[:limit or None]))
+        else:
+            tasks += next(harness_tasks)
+    return tasks
+
+
+def task_rows(task, enc, T):
+    """The rows of every request of `task`."""
+    pairs = [encode_pair(enc, context, continuation) for context, continuation in task.requests]
+    x, y = np.full((2, len(pairs), T), enc.eot_token, np.int32)
+    mask, cut = np.zeros((len(pairs), T), np.int32), 0
+    for r, (context_ids, continuation_ids) in enumerate(pairs):
+        ids = (context_ids + continuation_ids)[-(T + 1):]
+        cut += len(ids) < len(context_ids) + len(continuation_ids)
+        n = len(ids) - 1
+        x[r, :n], y[r, :n] = ids[:-1], ids[1:]
+        mask[r, n - min(len(continuation_ids), n):n] = 1
+    return Rows(x, y, mask, cut)
+
+
+def row_scores(trainer, state, rows, batch_rows):
+    """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: batch_rows
+    rows a step (the last batch padded with rows that score nothing), one batch on the mesh at a time."""
+    R, T = rows.x.shape
+    padded = lambda a: np.concatenate([a, np.zeros((-R % batch_rows, T), a.dtype)])
+    x, y, mask = padded(rows.x), padded(rows.y), padded(rows.mask)
+    sums = [trainer.score_step(state["params"], state["router_bias"],
+                               *(_on_mesh(a[i:i + batch_rows], trainer.data_sharding) for a in (x, y, mask)))
+            for i in range(0, len(x), batch_rows)]
+    return tuple(np.concatenate(a)[:R] for a in zip(*jax.device_get(sums)))
+
+
+def _on_mesh(rows, sharding):
+    """[B, T] host rows, the same on every process, as a global array laid out as `sharding`."""
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+
+def scores(task, nats_R, greedy_R, cut, seconds):
+    """The record of a task from its rows' nats and greedy flags: acc, acc_norm (None where the task has
+    none), bpb, the counts, chance (None: not a choice) and the time."""
+    metrics = task.metrics(-nats_R.astype(np.float64), greedy_R)
+    gold_bytes = sum(len(task.requests[r][1].encode("utf-8")) for r in task.gold)
+    return {"task": task.name, "acc": metrics.get("acc"), "acc_norm": metrics.get("acc_norm"),
+            "bpb": bits_per_byte(float(np.sum(nats_R[list(task.gold)])), gold_bytes), "examples": len(task.gold),
+            "cut_on_the_left": cut, "chance": task.chance, "seconds": seconds}
+
+
+class TaskScorer:
+    """The tasks of a run, tokenized once (`rows`), scored on the trainer's mesh at every call."""
+
+    def __init__(self, tasks, enc, T, batch_rows, vocab_size):
+        self.tasks, self.batch_rows = tasks, batch_rows
+        self.rows = [task_rows(task, enc, T) for task in tasks]
+        for task, rows in zip(tasks, self.rows):
+            largest = max(rows.x.max(initial=0), rows.y.max(initial=0))
+            if largest >= vocab_size:
+                raise TaskError(f"--eval_tasks {task.name}: its text is cl100k_base ids up to {largest}, beyond "
+                                f"--vocab_size {vocab_size}; raise --vocab_size to {enc.n_vocab} or pass "
+                                f"--eval_tasks ''")
+
+    def __call__(self, trainer, state, with_requests=False):
+        """One record per task (utils.METRICS["tasks"]' fields); with_requests: and each request's context,
+        continuation, log-likelihood and is_greedy (the harness's --log_samples)."""
+        records = []
+        for task, rows in zip(self.tasks, self.rows):
+            t0 = time.perf_counter()
+            nats_R, greedy_R = row_scores(trainer, state, rows, self.batch_rows)
+            records.append(scores(task, nats_R, greedy_R, rows.cut, time.perf_counter() - t0))
+            if with_requests:
+                records[-1]["requests"] = [{"context": context, "continuation": continuation, "loglikelihood":
+                                            -float(nats), "is_greedy": bool(greedy)} for (context, continuation),
+                                           nats, greedy in zip(task.requests, nats_R, greedy_R)]
+        return records
+
+
+def line(record):
+    """'kjv_endings: acc 29.0% (chance 25%) | acc_norm 23.2% | bpb 1.785 | 207 examples, 2 cut on the left | 14 s'"""
+    chance = "" if record["chance"] is None else f" (chance {100 * record['chance']:.0f}%)"
+    acc_norm = "" if record["acc_norm"] is None else f"acc_norm {100 * record['acc_norm']:.1f}% | "
+    return (f"{record['task']}: acc {100 * record['acc']:.1f}%{chance} | {acc_norm}bpb {record['bpb']:.3f} | "
+            f"{record['examples']} examples, {record['cut_on_the_left']} cut on the left | {record['seconds']:.0f} s")

@@ -1,0 +1,146 @@
+"""lm-evaluation-harness's tasks (harness.py, requirements-eval.txt) scored through our mesh: the harness's
+requests and metric code, our log-likelihoods. tests/harness_tasks/ holds two local task files (no hub): a
+multiple-choice task that is 24 of the bundled kjv_endings examples, and a loglikelihood task."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import scoring
+from ceiling import CEILING_S
+from tasks import TaskError
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
+
+CHOICE, NEXT = "tests/harness_tasks/kjv_choice.yaml", "tests/harness_tasks/kjv_next.yaml"
+
+
+@pytest.fixture(autouse=True)
+def at_the_repository_root(monkeypatch):
+    """The task files name their data relative to the repository root, as main.py runs there."""
+    from test_tasks import REPO
+    monkeypatch.chdir(REPO)
+
+
+def test_the_harness_scores_its_multiple_choice_task_as_the_bundled_one():
+    """The same examples through the harness's YAML task: the same requests, gold and chance, and its
+    process_results and aggregation give acc and acc_norm as tasks.Task's do, for any log-likelihoods."""
+    bundled, harnessed = scoring.load_tasks(f"kjv_endings,{CHOICE}", 24)
+    assert (harnessed.name, harnessed.requests, harnessed.gold, harnessed.chance) == (
+        "kjv_choice", bundled.requests, bundled.gold, 0.25)
+    rng, lengths = np.random.default_rng(0), np.array([len(continuation) for _, continuation in bundled.requests])
+    for _ in range(20):     # near-ties per character, where counting the delimiter or not decides acc_norm
+        ll = -lengths * rng.uniform(0.95, 1.05, len(lengths))
+        greedy = rng.random(len(ll)) < 0.5
+        assert harnessed.metrics(ll, greedy) == bundled.metrics(ll, greedy)
+
+
+def test_a_loglikelihood_tasks_acc_is_its_share_of_greedy_continuations():
+    [task] = scoring.load_tasks(NEXT)
+    docs = [json.loads(line) for line in open("tests/harness_tasks/kjv_next.jsonl")]
+    assert task.requests == tuple((d["context"], " " + d["ending"]) for d in docs)
+    assert (task.gold, task.chance) == (tuple(range(len(docs))), None)
+    greedy = np.arange(len(docs)) % 4 == 0
+    assert task.metrics(-np.ones(len(docs)), greedy) == {"acc": greedy.mean()}
+    record = scoring.scores(task, np.full(len(docs), 2.0), greedy, 0, 1.0)
+    assert (record["acc"], record["acc_norm"], record["chance"], record["examples"]) == (0.25, None, None, 16)
+    assert scoring.line(record).startswith("kjv_next: acc 25.0% | bpb ")
+
+
+def test_an_unknown_name_lists_the_bundled_tasks_and_how_to_list_the_harness_ones():
+    with pytest.raises(TaskError) as e:
+        scoring.load_tasks("kjv_endings,arc_easyy")
+    assert str(e.value) == ("--eval_tasks: no task 'arc_easyy'; the bundled tasks are kjv_endings, the harness's are "
+                            "listed by `lm-eval ls tasks`, and a task YAML file's path also works")
+
+
+def test_without_the_harness_a_name_it_would_score_names_the_requirements_file(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)       # what `import` meets when it is not installed
+    with pytest.raises(TaskError) as e:
+        scoring.load_tasks("kjv_endings,arc_easy")
+    assert str(e.value) == ("--eval_tasks arc_easy: not a bundled task (kjv_endings), and lm-evaluation-harness, "
+                            "which scores the others, is not installed: pip install -r requirements-eval.txt")
+
+
+def task_file(tmp_path, rows, output_type="multiple_choice", name="mine"):
+    (tmp_path / "rows.jsonl").write_text("".join(row + "\n" for row in rows))
+    (tmp_path / "task.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path}/rows.jsonl\n"
+        f"test_split: test\noutput_type: {output_type}\ndoc_to_text: '{{{{q}}}}'\ndoc_to_choice: '{{{{c}}}}'\n"
+        f"doc_to_target: '{{{{a}}}}'\n")
+    return str(tmp_path / "task.yaml")
+
+
+GOOD_ROW = '{"q": "Which?", "c": ["one", "two"], "a": 0}'
+
+
+def test_a_generation_task_is_refused_naming_its_output_type(tmp_path):
+    path = task_file(tmp_path, [GOOD_ROW], "generate_until", "writes")
+    with pytest.raises(TaskError) as e:
+        scoring.load_tasks(path)
+    assert str(e.value) == (f"--eval_tasks {path}: task writes's output type is generate_until; only multiple_choice "
+                            f"and loglikelihood tasks are scored (generation needs a sampler)")
+
+
+def test_a_task_file_that_does_not_parse_is_one_line_naming_the_file_and_row(tmp_path):
+    path = task_file(tmp_path, [GOOD_ROW, GOOD_ROW[:-1], GOOD_ROW])
+    with pytest.raises(TaskError) as e:
+        scoring.load_tasks(path)
+    assert str(e.value) == (f"--eval_tasks {path}: {tmp_path}/rows.jsonl row 2 is not JSON (Expecting ',' "
+                            f"delimiter)")
+    (tmp_path / "task.yaml").write_text("task: [mine\n")
+    with pytest.raises(TaskError, match=rf"^--eval_tasks {path}: not a readable task YAML \(while parsing"):
+        scoring.load_tasks(path)
+    with pytest.raises(TaskError, match=rf"^--eval_tasks {tmp_path}/none.yaml: not a readable task YAML \(\[Errno 2\]"):
+        scoring.load_tasks(f"{tmp_path}/none.yaml")
+
+
+HF_PYTHON = ".venv-hf/bin/python"      # requirements-hf.txt and requirements-eval.txt: transformers, torch, the harness
+
+
+@pytest.mark.skipif(os.environ.get("JAXFORMER_SLOW_TESTS") != "1" or not os.path.exists(HF_PYTHON),
+                    reason="opt-in (JAXFORMER_SLOW_TESTS=1) with .venv-hf: pip install -r requirements-hf.txt "
+                           "-r requirements-eval.txt")
+def test_our_log_likelihoods_are_the_harness_hugging_face_backends_on_the_export(cpu_env, tmp_path):
+    """The oracle: dsv3-tiny trained 30 steps in fp32, scored by `--evaluate` on both task files and exported with
+    convert.py; lm-evaluation-harness's own `lm-eval run --model hf` (transformers, fp32, CPU) on the export
+    gives every request the same log-likelihood within 1e-4 and the same is_greedy, and the same acc and
+    acc_norm. Prints the comparison (docs/verification.md, "The harness as the oracle")."""
+    tasks_flag = ["--eval_tasks", f"{CHOICE},{NEXT}"]
+    run = ["--preset", "dsv3-tiny", "--model_dtype", "float32", "--output_dir", str(tmp_path), "--name", "run"]
+    for args in (["--training_steps", "30", "--eval_tasks", ""], ["--evaluate", *tasks_flag]):
+        proc = subprocess.run([sys.executable, "main.py", *run, *args], env=cpu_env, capture_output=True, text=True,
+                              timeout=CEILING_S)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = {t["task"]: t for t in json.loads((tmp_path / "run" / "evaluation-30.json").read_text())["tasks"]}
+    proc = subprocess.run([sys.executable, "convert.py", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")],
+                          env=cpu_env, capture_output=True, text=True, timeout=CEILING_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([HF_PYTHON, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+                           f"pretrained={tmp_path}/hf,dtype=float32", "--tasks", CHOICE, NEXT, "--device", "cpu",
+                           "--batch_size", "8", "--log_samples", "--output_path", str(tmp_path / "harness")],
+                          env={**cpu_env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=CEILING_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [results] = (tmp_path / "harness").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]
+    for name, record in ours.items():
+        [samples] = (tmp_path / "harness").rglob(f"samples_{name}_*.jsonl")
+        harness_ll = {}
+        for sample in map(json.loads, samples.read_text().splitlines()):
+            for args, [[ll, greedy]] in zip(sample["arguments"].values(), sample["resps"], strict=True):
+                harness_ll[args["arg_0"], args["arg_1"]] = (float(ll), greedy == "True")
+        diffs = [abs(r["loglikelihood"] - harness_ll[r["context"], r["continuation"]][0]) for r in record["requests"]]
+        assert len(diffs) == len(harness_ll) == len(record["requests"])
+        assert max(diffs) <= 1e-4, (name, max(diffs))
+        assert [r["is_greedy"] for r in record["requests"]] == [
+            harness_ll[r["context"], r["continuation"]][1] for r in record["requests"]]
+        for metric in ("acc", "acc_norm"):
+            if record[metric] is not None:
+                assert record[metric] == theirs[name][f"{metric},none"], (name, metric)
+        print(f"{name}: {len(diffs)} requests, largest |log-likelihood difference| {max(diffs):.2e} (<= 1e-4); "
+              f"{sum(r['is_greedy'] for r in record['requests'])} greedy in both; " + ", ".join(
+                  f"{metric} {100 * record[metric]:.1f}% both" for metric in ("acc", "acc_norm")
+                  if record[metric] is not None))
