@@ -67,8 +67,8 @@ def load(specs, limit, bundled):
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise TaskError(f"--eval_tasks {','.join(specs)}: not a bundled task ({', '.join(bundled)}), and "
-                        f"lm-evaluation-harness, which scores the others, is not installed: "
+        raise TaskError(f"--eval_tasks {','.join(specs)}: not one of this repository's tasks ({', '.join(bundled)}), "
+                        f"and lm-evaluation-harness, which scores any other, is not installed: "
                         f"pip install -r {REQUIREMENTS}") from None
     files = [spec for spec in specs if spec.endswith((".yaml", ".yml"))]
     for spec in files:
@@ -81,8 +81,8 @@ def _load_spec(manager, spec, limit, bundled):
     try:
         loaded = manager.load([spec])["tasks"]
     except KeyError:
-        raise TaskError(f"--eval_tasks: no task {spec!r}; the bundled tasks are {', '.join(bundled)}, the harness's "
-                        f"are listed by `lm-eval ls tasks`, and a task YAML file's path also works") from None
+        raise TaskError(f"--eval_tasks: no task {spec!r}; this repository's are {', '.join(bundled)}; the harness's "
+                        f"are listed by `lm-eval ls tasks`; a task YAML file's path also works") from None
     for name, task in loaded.items():
         if task.OUTPUT_TYPE not in SCORED_OUTPUT_TYPES:
             raise TaskError(f"--eval_tasks {spec}: task {name}'s output type is {task.OUTPUT_TYPE}; only "

@@ -1,4 +1,5 @@
-"""Pod rehearsal: compile main.py's training and eval steps for a TPU slice, or for H200s, on this machine.
+"""Pod rehearsal: compile main.py's training and eval steps (and the task-scoring step when --eval_tasks names
+any) for a TPU slice, or for H200s, on this machine.
 
 `python main.py --preset moe1B --compile_for v4-64` needs no TPU: libtpu's ahead-of-time compiler
 (`pip install -r requirements-tpu.txt`) compiles for a TPU topology on a CPU (as MaxText's
@@ -134,9 +135,11 @@ def rehearse(cfg, target):
     report = Report(cfg, target, mesh)
     report.header()
     train_args, eval_args = abstract_step_args(cfg, trainer)
+    params = {k: trainer.abstract_state[k] for k in ("params", "router_bias")}
     steps = (("train step", trainer.step, train_args, trainer.abstract_state),
-             ("eval step", trainer.eval_step, eval_args,
-              {k: trainer.abstract_state[k] for k in ("params", "router_bias")}))
+             ("eval step", trainer.eval_step, eval_args, params))
+    if cfg.run.eval_tasks:                  # the rows of --eval_tasks: tokens, targets and the continuation mask
+        steps += (("score step", trainer.score_step, (*eval_args, eval_args[-1]), params),)
     for name, jitted, args, state in steps:
         try:
             needed = report.step(name, *_compile(jitted, args, f"the {name} for {target.name}"), state)
@@ -243,7 +246,16 @@ class Report:
                 flops = self._flops(hlo.matmul_flops(hlo_text))
                 for hfu in (1.0, HFU_ASSUMED):
                     self._speed(f"at HFU {100 * hfu:.0f}%", flops / (hfu * self.peak), flops)
+        elif name == "score step":
+            self._score_time(hlo.matmul_flops(hlo_text)["total"])
         return total / GiB
+
+    def _score_time(self, flops):
+        """What scoring --eval_tasks costs: a step's FLOPs per chip and time at HFU_ASSUMED, per row."""
+        rows, seconds = self.cfg.run.val_batch_size, flops / (HFU_ASSUMED * self.peak)
+        print(f"  FLOPs per chip per step (compiled HLO): {flops:.3e}; at HFU {100 * HFU_ASSUMED:.0f}%: "
+              f"{seconds * 1e3:.4g} ms a step of {rows} task rows (--val_batch_size), {seconds / rows * 1e3:.4g} ms "
+              f"a row of --T {self.cfg.model.T} tokens")
 
     def _collectives(self, hlo_text):
         counted = hlo.collective_bytes(hlo_text)

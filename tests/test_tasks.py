@@ -105,8 +105,9 @@ def test_one_device_token_scores_equal_a_log_softmax_by_hand(params, rows, expec
 @pytest.mark.parametrize("shape,n_micro,changes", [((1, 1, 1), 1, {}), ((2, 2, 2), 2, EP),
                                                    ((1, 4, 1), 4, CIRCULAR), ((2, 2, 2), 4, EP | CIRCULAR)])
 def test_rows_score_the_same_on_every_mesh(params, rows, expected, shape, n_micro, changes):
-    """trainer.score_step on the mesh, 8 rows a batch (the last padded with rows that score nothing), equals
-    the by-hand scores in fp32, and says which rows' continuations are greedy."""
+    """trainer.score_step on the mesh, 8 rows a batch (the last padded), each batch as narrow as its longest
+    row allows (widths 4, 8 and 16 of T = 16, with capacity factor 1: drops happen), equals the by-hand scores
+    in fp32, and says which rows' continuations are greedy."""
     cfg = utils.override(utils.Config(model=with_model(CFG, **changes)), n_device_axis=shape, micro_batch_size=n_micro,
                          val_batch_size=8)
     mesh = sharding.make_mesh(shape)
@@ -114,7 +115,7 @@ def test_rows_score_the_same_on_every_mesh(params, rows, expected, shape, n_micr
     stored = sharding.Layout(cfg.model.pipeline_repeats).store(params)
     state = {"params": jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.model.expert_parallel)),
              "router_bias": ROUTER_BIAS}
-    nats, greedy = scoring.row_scores(built, state, rows, 8)
+    nats, greedy = scoring.row_scores(built, state, rows, 8, min_width=4)
     assert nats.shape == (20,) and rel_err(nats, expected[0]) < 1e-5
     np.testing.assert_array_equal(greedy, expected[1])
 
@@ -160,7 +161,7 @@ def test_task_scores_follow_the_harness_definitions_by_hand():
     mesh_cfg = utils.override(utils.Config(model=cfg), n_device_axis=(2, 1, 2), micro_batch_size=1, val_batch_size=8)
     mesh = sharding.make_mesh((2, 1, 2))
     state = {"params": jax.device_put(params, sharding.param_shardings(params, mesh, False)), "router_bias": ROUTER_BIAS}
-    scored, greedy = scoring.row_scores(trainer.build_trainer(mesh_cfg, mesh), state, rows, 8)
+    scored, greedy = scoring.row_scores(trainer.build_trainer(mesh_cfg, mesh), state, rows, 8, min_width=4)
     assert rel_err(scored, nats) < 1e-5
     record = scoring.scores(task, scored, greedy, rows.cut, 1.5)
     ll = -nats.reshape(6, 4)
