@@ -265,8 +265,8 @@ def close_run(run):
 def stopped(run, state, step, progress):
     """A stop (SIGTERM, SIGHUP, Ctrl-C, a lost terminal, or another host's) after step `step`: its checkpoint
     first, written and said where, the cause in metrics.jsonl; only then, with --eval_on_stop, the
-    evaluation and sample an interval would have done (a preemptible TPU gives ~30 s: nothing compiles or
-    evaluates before the save)."""
+    evaluation, task scores and sample a checkpoint's interval would have done (a preemptible TPU gives ~30 s:
+    nothing compiles or evaluates before the save)."""
     save_checkpoint(run, step, state, None, force=True)
     wait_for_save(run.mngr)
     progress.done("checkpoint")
@@ -276,6 +276,8 @@ def stopped(run, state, step, progress):
     if run.cfg.run.eval_on_stop:
         log_interval(run, progress.meter, state, step)
         progress.done("eval")
+        score_tasks(run, state, step)
+        progress.done("tasks")
         sample(run, state, step)
         progress.done("sample")
     progress.report(step, final=True)

@@ -151,7 +151,8 @@ class RunConfig:
     checkpoint_steps: int = flag(50, "eval/log interval in steps; a checkpoint is saved every 10 intervals, at the "
                                      "end and on SIGTERM or Ctrl-C")
     eval_on_stop: bool = flag(False, "after a stop's checkpoint is written (SIGTERM, Ctrl-C, a lost terminal), also "
-                                     "evaluate and sample before exiting (the save never waits for them)")
+                                     "evaluate, score --eval_tasks and sample before exiting (the save never "
+                                     "waits for them)")
     eval_steps: int = flag(4, "validation batches per evaluation")
     eval_tasks: str = flag("kjv_endings", "downstream tasks scored at every checkpoint, comma-separated: "
                                           "kjv_endings, olmo_arc_easy, ... (tasks.py), lm-evaluation-harness task "
