@@ -242,14 +242,16 @@ def sample_text(state, cfg, ids, step):
 
 
 def score_tasks(run, state, step):
-    """--eval_tasks scored with the state of step `step`: a record and a line each. A failure is a warning, as
-    a sample's: the step's checkpoint is written before, and the run goes on."""
-    try:
-        records = run.tasks(run.trainer, state)
-    except Exception as e:
-        log(f"WARNING: scoring --eval_tasks at step {step} failed ({type(e).__name__}: {e}); training goes on")
-        return
-    for record in records:
+    """--eval_tasks scored with the state of step `step`: a record and a line each. A task that fails is a
+    warning, as a sample is: the step's checkpoint is written before, the other tasks are scored, and the run
+    goes on."""
+    for i, task in enumerate(run.tasks.tasks):
+        try:
+            record = run.tasks.score(i, run.trainer, state)
+        except Exception as e:
+            log(f"WARNING: scoring --eval_tasks {task.name} at step {step} failed ({type(e).__name__}: {e}); "
+                f"training goes on")
+            continue
         run.logger.metrics(utils.metrics_record("tasks", step, **record))
         log(f"task @ {step}: {scoring.line(record)}")
 

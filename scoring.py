@@ -134,18 +134,20 @@ class TaskScorer:
                                 f"--eval_tasks ''")
 
     def __call__(self, trainer, state, with_requests=False):
-        """One record per task (utils.METRICS["tasks"]' fields); with_requests: and each request's context,
+        """One record per task (`score`'s)."""
+        return [self.score(i, trainer, state, with_requests) for i in range(len(self.tasks))]
+
+    def score(self, i, trainer, state, with_requests=False):
+        """The record of task i (utils.METRICS["tasks"]' fields); with_requests: and each request's context,
         continuation, log-likelihood and is_greedy (the harness's --log_samples)."""
-        records = []
-        for task, rows in zip(self.tasks, self.rows):
-            t0 = time.perf_counter()
-            nats_R, greedy_R = row_scores(trainer, state, rows, self.batch_rows)
-            records.append(scores(task, nats_R, greedy_R, rows.cut, time.perf_counter() - t0))
-            if with_requests:
-                records[-1]["requests"] = [{"context": context, "continuation": continuation, "loglikelihood":
-                                            -float(nats), "is_greedy": bool(greedy)} for (context, continuation),
-                                           nats, greedy in zip(task.requests, nats_R, greedy_R)]
-        return records
+        task, rows, t0 = self.tasks[i], self.rows[i], time.perf_counter()
+        nats_R, greedy_R = row_scores(trainer, state, rows, self.batch_rows)
+        record = scores(task, nats_R, greedy_R, rows.cut, time.perf_counter() - t0)
+        if with_requests:
+            record["requests"] = [{"context": context, "continuation": continuation, "loglikelihood": -float(nats),
+                                   "is_greedy": bool(greedy)}
+                                  for (context, continuation), nats, greedy in zip(task.requests, nats_R, greedy_R)]
+        return record
 
 
 def line(record):

