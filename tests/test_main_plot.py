@@ -20,11 +20,13 @@ def test_plot_writes_the_four_figures(tmp_path):
                           "expert_load": [[0.1, 0.2, 0.3, 0.4], [0.25] * 4, [0.4, 0.3, 0.2, 0.1]]})
         if step % 4 == 0:
             lines.append({"step": step, "task": "kjv_endings", "acc": 0.3, "acc_norm": 0.32, "bpb": 3.0, "chance": 0.25})
+            # a loglikelihood task (harness.py): no acc_norm, no chance
+            lines.append({"step": step, "task": "kjv_next", "acc": 0.1, "acc_norm": None, "bpb": 2.0, "chance": None})
     text = "\n".join(json.dumps(l) for l in lines) + '\n{"step": 9, "lo'
     (run / "metrics.jsonl").write_text(text)
     train, evals, tasks = plot.read_metrics(run)
     assert [r["step"] for r in train] == list(range(1, 9)) and [r["step"] for r in evals] == [2, 4, 6, 8]
-    assert [r["step"] for r in tasks["kjv_endings"]] == [4, 8]
+    assert [r["step"] for r in tasks["kjv_endings"]] == [4, 8] == [r["step"] for r in tasks["kjv_next"]]
     # By default next to the run (never over the README's figures in public/); elsewhere with --out.
     plot.main([str(run)])
     written = plot.plot(str(run), str(tmp_path / "public"))
