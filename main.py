@@ -158,7 +158,8 @@ def print_header(cfg):
         f"(active: used per token, without the embedding)")
     log(f"mesh: dp={dp} pp={pp} tp={tp} over {dp * pp * tp} of {jax.device_count()} "
         f"{jax.devices()[0].device_kind} device(s), {jax.process_count()} process(es)")
-    log(utils.MFU_FORMULA)
+    log(f"{utils.MFU_FORMULA}; model FLOPs per token = {sharding.FLOPS_PER_TOKEN} (rope_layers: every layer with "
+        f"--rope_all_layers, else the dense ones); pipeline bubbles and remat are not counted")
 
 
 def load_data(cfg, data_sharding):

@@ -199,11 +199,17 @@ def count_params(cfg):
     return {"total": body + embedding + unembed, "active": active, "embedding": embedding}
 
 
+# flops_per_token in words, for the run's MFU line (main.py); tests/test_model.py evaluates the words against
+# the code, so neither drifts from the other.
+FLOPS_PER_TOKEN = ("6 x (active_params + V x D) + 3 x T x n_head x ((qk_head_dim + v_head_dim) x n_layers + dhR x "
+                   "rope_layers)")
+
+
 def flops_per_token(cfg):
-    """Training FLOPs per token: 6 x (active params + the output projection V x D), plus causal attention
-    3 x T x H x (K + R + J) per layer (QK^T over K + R channels and AV over J, the value width; forward 2
-    FLOPs a multiply-add, backward twice the forward, half the positions masked). Bubbles and remat
-    excluded."""
+    """Training FLOPs per token (FLOPS_PER_TOKEN): 6 x (active params + the output projection V x D), plus
+    causal attention 3 x T x H x (K + J) per layer and 3 x T x H x R per RoPE layer (QK^T over K + R
+    channels and AV over J, the value width; forward 2 FLOPs a multiply-add, backward twice the forward,
+    half the positions masked). Bubbles and remat excluded."""
     matmul = 6 * (count_params(cfg)["active"] + cfg.vocab_size * cfg.model_dimension)
     n_rope = cfg.n_layers - (0 if cfg.rope_all_layers else cfg.blocks)       # the guide's MoE layers have none
     attn = 3 * cfg.T * cfg.n_head * ((cfg.head_dim + cfg.value_dim) * cfg.n_layers + cfg.dhR * n_rope)

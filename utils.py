@@ -699,10 +699,8 @@ def peak_flops(device_kind):
     return None
 
 
-MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x the datasheet's dense bf16 FLOP/s: H100 and H200 "
-               "989e12, A100 312e12, TPU v4 275e12, v5e 197e12, v5p 459e12, v6e 918e12); model FLOPs per token = "
-               "6 x (active params + output projection) + 3 x T x heads x (2 x head_dim + dhR) per layer "
-               "(causal attention; dhR only in RoPE layers); pipeline bubbles and remat are not counted")
+MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x the datasheet's dense bf16 FLOP/s: "
+               + ", ".join(f"{kind} {peak / 1e12:g}e12" for kind, peak in PEAK_BF16_FLOPS.items()) + ")")
 
 
 def bits_per_byte(nats_per_token, bytes_per_token):

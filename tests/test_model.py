@@ -646,6 +646,17 @@ def test_param_counts_and_flops():
     assert sharding.flops_per_token(CFG) > 6 * counts["active"]
 
 
+@pytest.mark.parametrize("preset", ["tiny", "dsv3-tiny", "moe1B"])
+def test_the_flops_formula_the_run_prints_is_the_one_mfu_counts(preset):
+    """sharding.FLOPS_PER_TOKEN, the words main.py prints, evaluated: flops_per_token's number (the guide's
+    RoPE-free MoE layers and DeepSeek-V3's RoPE everywhere, different value widths)."""
+    m = utils.PRESETS[preset].model
+    names = dict(active_params=sharding.count_params(m)["active"], V=m.vocab_size, D=m.model_dimension, T=m.T,
+                 n_head=m.n_head, qk_head_dim=m.head_dim, v_head_dim=m.value_dim, n_layers=m.n_layers, dhR=m.dhR,
+                 rope_layers=m.n_layers if m.rope_all_layers else m.n_layers - m.blocks)
+    assert eval(sharding.FLOPS_PER_TOKEN.replace(" x ", " * "), names) == sharding.flops_per_token(m)
+
+
 def test_the_compiled_program_does_not_grow_with_depth():
     # Layers are scanned, not unrolled: the optimized program for 16 blocks has the instructions of the
     # one for 4 (compile time follows; a timed test was flaky on two busy cores). 2 blocks on 2 stages
