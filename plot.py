@@ -6,7 +6,8 @@ RUN_DIR defaults to runs/tiny (the embedded default's run) and may be any run di
 an object store's too (gs://bucket/runs/NAME, whose metrics.jsonl is a set of part objects). The PNGs go
 next to its metrics.jsonl (for a URL: into NAME/ here) unless --out names another directory (the
 README's figures: `--out public`, on purpose). Up to four PNGs:
-  loss.png         training loss per step and validation cross-entropy per evaluation
+  loss.png         training loss per step and validation cross-entropy per evaluation, and the training
+                   tokens' unigram entropy (the no-context baseline) once the run has ended
   tasks.png        per --eval_tasks task, acc and acc_norm with chance; bits per byte of the gold
                    continuations and of the validation set (when the run scored tasks)
   balance.png      the sequence-wise balance loss (training, per step, and validation)
@@ -26,18 +27,20 @@ import rundir  # noqa: E402
 
 
 def read_metrics(run_dir):
-    """(per-step training records, per-evaluation records, {task: its records}) of run_dir's metrics.jsonl,
-    each sorted by step, the last record of a step winning."""
-    train, evals, tasks = {}, {}, {}
+    """(per-step training records, per-evaluation records, {task: its records}, the run's final record or
+    None) of run_dir's metrics.jsonl, each sorted by step, the last record of a step winning."""
+    train, evals, tasks, final = {}, {}, {}, None
     for rec in rundir.metrics_records(str(run_dir)):
-        if "loss" in rec:
+        if "final_val_loss" in rec:
+            final = rec
+        elif "loss" in rec:
             train[rec["step"]] = rec
         elif "val_loss" in rec:
             evals[rec["step"]] = rec
         elif "task" in rec:
             tasks.setdefault(rec["task"], {})[rec["step"]] = rec
     by_step = lambda records: [records[s] for s in sorted(records)]
-    return by_step(train), by_step(evals), {name: by_step(records) for name, records in tasks.items()}
+    return by_step(train), by_step(evals), {name: by_step(records) for name, records in tasks.items()}, final
 
 
 def plot(run_dir, out_dir=None):
@@ -45,7 +48,7 @@ def plot(run_dir, out_dir=None):
     the current directory); their paths."""
     name = os.path.basename(os.path.normpath(str(run_dir).rstrip("/")))
     out_dir = out_dir or (name if rundir.is_url(run_dir) else run_dir)
-    train, evals, tasks = read_metrics(run_dir)
+    train, evals, tasks, final = read_metrics(run_dir)
     if not train:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no training records")
     os.makedirs(out_dir, exist_ok=True)
@@ -55,6 +58,9 @@ def plot(run_dir, out_dir=None):
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.8, alpha=0.6, label="train loss (CE + balance)")
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", ms=3, label="val cross-entropy")
+    if final and final.get("unigram_entropy") is not None:
+        ax.axhline(final["unigram_entropy"], color="k", ls="--", lw=0.8,
+                   label=f"unigram entropy of the training tokens ({final['unigram_entropy']:.2f})")
     ax.set(xlabel="step", ylabel="nats", title=f"{name}: loss")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -22,9 +22,11 @@ def test_plot_writes_the_four_figures(tmp_path):
             lines.append({"step": step, "task": "kjv_endings", "acc": 0.3, "acc_norm": 0.32, "bpb": 3.0, "chance": 0.25})
             # a loglikelihood task (harness.py): no acc_norm, no chance
             lines.append({"step": step, "task": "kjv_next", "acc": 0.1, "acc_norm": None, "bpb": 2.0, "chance": None})
+    lines.append({"step": 8, "final_val_loss": 1.4, "final_val_bpb": 0.5, "unigram_entropy": 6.5})
     text = "\n".join(json.dumps(l) for l in lines) + '\n{"step": 9, "lo'
     (run / "metrics.jsonl").write_text(text)
-    train, evals, tasks = plot.read_metrics(run)
+    train, evals, tasks, final = plot.read_metrics(run)
+    assert final["unigram_entropy"] == 6.5
     assert [r["step"] for r in train] == list(range(1, 9)) and [r["step"] for r in evals] == [2, 4, 6, 8]
     assert [r["step"] for r in tasks["kjv_endings"]] == [4, 8] == [r["step"] for r in tasks["kjv_next"]]
     # By default next to the run (never over the README's figures in public/); elsewhere with --out.
@@ -44,7 +46,7 @@ def test_plot_reads_a_run_on_an_object_store(tmp_path, monkeypatch):
                                                                       {"step": 2, "val_loss": 2.5, "val_balance": 0.0}]]
     for i, records in enumerate(parts, 1):
         fs.pipe_file(f"/plotted/run/metrics.jsonl.parts/{i:06d}", "".join(json.dumps(r) + "\n" for r in records).encode())
-    train, evals, _ = plot.read_metrics("memory://plotted/run")
+    train, evals, _, _ = plot.read_metrics("memory://plotted/run")
     assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [2]
     monkeypatch.chdir(tmp_path)
     written = plot.plot("memory://plotted/run")
