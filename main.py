@@ -25,6 +25,10 @@ import sys
 import time
 import uuid
 
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    import utils                   # --help before jax loads (its import takes seconds, more on a busy machine)
+    utils.build_parser().parse_args()
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp

@@ -310,11 +310,25 @@ class _Parser(argparse.ArgumentParser):
                   + f"; python {self.prog} --help lists every flag\n")
 
 
+# The commands a newcomer needs, at the end of --help (tests/test_config.py parses each).
+EXAMPLES = (
+    ("python main.py", "train the tiny preset on the bundled corpus into runs/tiny"),
+    ("python main.py --name tiny --sample --prompt 'And God said'", "a sample from runs/tiny's newest checkpoint"),
+    ("python main.py --name tiny --evaluate --eval_tasks kjv_endings,olmo_piqa",
+     "val loss and task scores of that checkpoint"),
+    ("python plot.py runs/tiny", "its figures: loss, tasks, balance, expert load"),
+    ("python main.py --preset moe1B --compile_for v4-64", "will it fit a TPU slice? (compiled here, no TPU)"),
+)
+
+
 def build_parser():
     """The CLI: --preset, then one flag per config field, named as the field, with its help text."""
     parser = _Parser(
+        usage="python main.py [--preset NAME] [--FLAG VALUE ...]",
         description="Train, evaluate and sample a sharded MoE + MLA transformer. With no flags: the tiny "
-                    "preset on the bundled corpus.")
+                    "preset on the bundled corpus.",
+        epilog="examples:\n" + "\n".join(f"  {command}\n      {what}" for command, what in EXAMPLES),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="starting configuration; every other flag overrides one of its fields. Pod presets "
                              "and their TPU slices: " + ", ".join(f"{p} on {s}" for p, s in PRESET_SLICES.items())

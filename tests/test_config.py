@@ -158,3 +158,24 @@ def test_implementation_choices_are_the_tables_keys():
     assert set(utils.CHOICES["remat"]) == {*engine.REMAT_POLICIES, "none", "auto"}
     assert set(utils.CHOICES["moe_impl"]) == set(experts.MOE_IMPLS)
     assert set(utils.CHOICES["engine"]) == set(engine.ENGINES)
+
+
+def test_help_prints_before_jax_loads_with_a_short_usage_and_commands_that_parse():
+    """`python main.py --help`: argparse's help without importing jax (seconds on a loaded machine), a one-line
+    usage, and at the end the commands a newcomer needs, each of main.py's parsing as a config."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "main.py", "--help"], cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "utils" in imported and not {m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "numpy")}
+    assert proc.stdout.splitlines()[0] == "usage: python main.py [--preset NAME] [--FLAG VALUE ...]"
+    assert proc.stdout.rstrip().endswith("\n".join(f"  {c}\n      {w}" for c, w in utils.EXAMPLES))
+    for command, _ in utils.EXAMPLES:
+        words = shlex.split(command)
+        if words[1] == "main.py":
+            config_from_args(words[2:])
