@@ -348,6 +348,19 @@ def build_parser():
     return parser
 
 
+def _mesh_hint(cfg, n_devices, n_mesh, pp_tp):
+    """What to pass for a mesh that does not fit: on a --compile_for slice, this preset's version made for it
+    and the mesh with this PP and TP that fills it; on a CPU, enough simulated devices."""
+    r = cfg.run
+    if r.compile_for:
+        fixes = [f"--preset {p}" for p, s in PRESET_SLICES.items()
+                 if s == r.compile_for.strip().lower() and p.startswith(f"{cfg.preset}-")]
+        if n_devices % pp_tp == 0:
+            fixes.append(f"--n_device_axis {n_devices // pp_tp} {r.n_device_axis[1]} {r.n_device_axis[2]}")
+        return f" (for {r.compile_for}: {' or '.join(fixes)})" if fixes else ""
+    return "" if r.cpu_devices else f" (to try this mesh on a CPU: --cpu_devices {n_mesh})"
+
+
 def config_from_args(argv=None):
     """Parse the CLI into a Config: the preset, then every flag given on top of it."""
     args = vars(build_parser().parse_args(argv))
@@ -487,8 +500,7 @@ def validate(cfg, n_devices=None):
         errors.append(f"--n_device_axis {dp} {pp} {tp} needs {n_mesh} devices"
                       + (f" (a TPU {' or '.join(slices)})" if slices else "")
                       + f", which must divide the {n_devices} available; valid meshes have DP x PP x TP "
-                        f"dividing {n_devices}" + ("" if r.cpu_devices else
-                                                   f" (to try this mesh on a CPU: --cpu_devices {n_mesh})"))
+                        f"dividing {n_devices}" + _mesh_hint(cfg, n_devices, n_mesh, pp * tp))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return cfg

@@ -133,9 +133,11 @@ def test_compile_for_an_unknown_slice_exits_2_listing_the_known_ones(tmp_path):
 
 
 def test_compile_for_a_mesh_the_slice_cannot_hold_names_the_slice_it_needs(tmp_path):
+    """... and what to pass instead for this slice: its preset, or the mesh with the same PP and TP."""
     p = compile_for("--preset", "moe1B", "--compile_for", "v4-32", cwd=tmp_path)
     assert p.returncode == 2 and "--n_device_axis 8 2 2 needs 32 devices (a TPU v4-64" in p.stderr
-    assert "compiling for v4-32: 16 chips on 4 host(s)" in p.stderr
+    assert "dividing 16 (for v4-32: --preset moe1B-v4-32 or --n_device_axis 4 2 2)" in p.stderr
+    assert "--cpu_devices" not in p.stderr and "compiling for v4-32: 16 chips on 4 host(s)" in p.stderr
 
 
 def test_compile_for_without_libtpu_says_what_to_install(tmp_path):
