@@ -152,7 +152,7 @@ def rehearse(cfg, target):
                   f"{target.hbm_bytes / GiB:.2f} GiB usable ({needed - target.hbm_bytes / GiB:.2f} GiB short); "
                   f"see docs/launch.md 'Before you rent a pod'")
             return 1
-    print(f"fits on {target.name}")
+    print(f"fits on {target.name}: {report.summary()}")
     return 0
 
 
@@ -198,6 +198,7 @@ class Report:
 
     def __init__(self, cfg, target, mesh):
         self.cfg, self.target, self.mesh = cfg, target, mesh
+        self.planned, self.estimate = {}, None      # GiB per chip of each step; the train step's time, in words
         self.gpu = isinstance(target, utils.GpuTarget)
         self.peak = utils.peak_flops(mesh.devices.flat[0].device_kind)
         self.tokens = utils.sequences_per_step(cfg) * cfg.model.T
@@ -246,9 +247,19 @@ class Report:
                 flops = self._flops(hlo.matmul_flops(hlo_text))
                 for hfu in (1.0, HFU_ASSUMED):
                     self._speed(f"at HFU {100 * hfu:.0f}%", flops / (hfu * self.peak), flops)
+                self.estimate = f"{flops / (HFU_ASSUMED * self.peak) * 1e3:.1f} ms at {100 * HFU_ASSUMED:.0f}% of the peak"
         elif name == "score step":
             self._score_time(hlo.matmul_flops(hlo_text)["total"])
+        self.planned[name] = total / GiB
         return total / GiB
+
+    def summary(self):
+        """The verdict's line in words: the step that plans the most memory and the training step's time."""
+        name, gib = max(self.planned.items(), key=lambda kv: kv[1])
+        usable = self.target.hbm_bytes / GiB
+        return (f"the {name} plans {gib:.2f} of {usable:.2f} GiB {'a GPU' if self.gpu else 'a chip'} "
+                f"({100 * gib / usable:.0f}%), the most of the {len(self.planned)} steps"
+                + (f"; a training step estimated at {self.estimate}" if self.estimate else ""))
 
     def _score_time(self, flops):
         """What scoring --eval_tasks costs: a step's FLOPs per chip and time at HFU_ASSUMED, per row."""
@@ -327,6 +338,7 @@ class Report:
               f"(docs/performance.md 'The H200 estimate')")
         print(f"  calibrated on: {describe(calibration)}")
         self._speed("estimated on an H200", point, flops, band=(low, high))
+        self.estimate = f"{point * 1e3:.1f} ms (band {low * 1e3:.1f}-{high * 1e3:.1f} ms)"
 
 
 # ----------------------------------------------------------------------------------------------------------

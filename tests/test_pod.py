@@ -90,7 +90,13 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
     assert out.index("compiling the train step for v4-8 (the guide's moe1B: about a minute") < out.index(
         "train step: compiled in") < out.index("compiling the eval step for v4-8") < out.index("eval step: compiled in")
     assert re.search(r"HBM per chip: state .* total +[\d.]+ GiB of 30.75 GiB", out)
-    assert "fits on v4-8" in out and not os.listdir(tmp_path), "a rehearsal writes nothing"
+    assert not os.listdir(tmp_path), "a rehearsal writes nothing"
+    # the verdict in words: the step that plans the most (the train step's total above) and its time at 40%
+    train_gib = re.search(r"HBM per chip: .* total +([\d.]+) GiB", out).group(1)
+    step_ms = re.search(r"at HFU 40%: step ([\d.]+) ms", out).group(1)
+    assert out.rstrip().endswith(f"fits on v4-8: the train step plans {train_gib} of 30.75 GiB a chip "
+                                 f"({100 * float(train_gib) / 30.75:.0f}%), the most of the 3 steps; a training step "
+                                 f"estimated at {step_ms} ms at 40% of the peak")
     # The loop-aware count: each chip runs the output layer's three vocab-sized products (the logits
     # and the two gradients, all in the forward: loss._chunked_ce) for its stage's half of the
     # batch, over the padded vocab.
