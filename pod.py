@@ -139,7 +139,8 @@ def rehearse(cfg, target):
     steps = (("train step", trainer.step, train_args, trainer.abstract_state),
              ("eval step", trainer.eval_step, eval_args, params))
     if cfg.run.eval_tasks:                  # the rows of --eval_tasks: tokens, targets and the continuation mask
-        steps += (("score step", trainer.score_step, (*eval_args, eval_args[-1]), params),)
+        # every position through the output layer (window T): the most a batch of task rows can cost
+        steps += (("score step", trainer.score_step, (*eval_args, eval_args[-1], cfg.model.T), params),)
     for name, jitted, args, state in steps:
         try:
             needed = report.step(name, *_compile(jitted, args, f"the {name} for {target.name}"), state)

@@ -85,7 +85,8 @@ MIN_WIDTH = 128
 def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH):
     """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: the rows
     longest first, batch_rows a step (the last batch padded with rows that score nothing), each batch cut to
-    the narrowest width that holds its longest row (a power of two >= min_width, at most T). No score
+    the narrowest width that holds its longest row (a power of two >= min_width, at most T), and only as many
+    positions a row through the output layer as its longest continuation needs (`pipeline.row_scores`). No score
     changes: attention is causal and an expert's capacity counts --T whatever the width
     (model.expert_capacity), so the tokens after a row's end, padding, never reach it. Every step is
     dispatched before the first is fetched."""
@@ -96,13 +97,20 @@ def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH):
     steps = []
     for i in range(0, len(order), batch_rows):
         batch = order[i:i + batch_rows]
-        width = min(T, max(min_width, 1 << int(lengths[batch[0]] - 1).bit_length()))
+        width = min(T, max(min_width, _power_of_two(lengths[batch[0]])))
+        window = min(width, max(8, _power_of_two(rows.mask[batch].sum(axis=1).max())))    # the output layer's
         steps.append(trainer.score_step(state["params"], state["router_bias"], *(
-            _on_mesh(np.ascontiguousarray(a[batch, :width]), trainer.data_sharding) for a in (rows.x, rows.y, rows.mask))))
+            _on_mesh(np.ascontiguousarray(a[batch, :width]), trainer.data_sharding) for a in (rows.x, rows.y, rows.mask)),
+            window))
     nats, greedy = (np.concatenate(a) for a in zip(*jax.device_get(steps)))
     unsorted = np.empty(R, np.int64)
     unsorted[order[:R]] = np.arange(R)
     return nats[unsorted], greedy[unsorted]
+
+
+def _power_of_two(n):
+    """The smallest power of two >= n (>= 1): few shapes, few compiles."""
+    return 1 << int(max(n, 1) - 1).bit_length()
 
 
 def _on_mesh(rows, sharding):

@@ -20,7 +20,7 @@ from optimizer import lr_schedule, make_optimizer
 class Trainer(NamedTuple):
     step: Callable              # step(state, (xs, ys)) -> (state, metrics), jitted, donates the state
     eval_step: Callable         # eval_step(params, router_bias, x, y) -> (val CE, balance term), jitted
-    score_step: Callable        # score_step(params, router_bias, x, y, mask) -> each row's (summed nats, greedy) [B]
+    score_step: Callable        # score_step(params, router_bias, x, y, mask, window) -> each row's (nats, greedy) [B]
     fresh_state: Callable       # fresh_state(seed) -> a new training state on the mesh
     abstract_state: dict        # the state's shapes, dtypes and shardings (restore targets, compiling)
     schedule: Callable          # the learning rate of an update, by step index
@@ -39,8 +39,8 @@ def build_trainer(cfg, mesh):
                    donate_argnums=(0,))
     evaluate = jax.jit(partial(eval_step, cfg=cfg, mesh=mesh),
                        in_shardings=(shardings["params"], replicated, data, data))
-    score = jax.jit(partial(score_step, cfg=cfg, mesh=mesh), in_shardings=(shardings["params"], replicated, data,
-                                                                           data, data), out_shardings=replicated)
+    score = jax.jit(partial(score_step, cfg=cfg, mesh=mesh), static_argnums=5,
+                    in_shardings=(shardings["params"], replicated, data, data, data), out_shardings=replicated)
     return Trainer(step, evaluate, score, partial(init_state, cfg, optimizer, shardings, mesh), abstract_state,
                    lr_schedule(cfg.optim), data)
 
@@ -156,10 +156,10 @@ def eval_step(params, router_bias, x, y, *, cfg, mesh):
     return metrics["ce"], jnp.sum(metrics["balance"])
 
 
-def score_step(params, router_bias, x, y, mask, *, cfg, mesh):
+def score_step(params, router_bias, x, y, mask, window, *, cfg, mesh):
     """Each row's cross-entropy summed over its targets where mask is 1 [B] (fp32), in eval mode: minus the
     log-likelihood of a task's continuation (scoring.py); and whether each of those targets is the greedy
-    choice [B] (lm-evaluation-harness's is_greedy)."""
-    nats_BT, greedy_BT = pipeline.token_scores(sharding.with_router_bias(params, router_bias), x, y, cfg.model,
-                                               mesh, cfg.run.micro_batch_size)
-    return jnp.sum(jnp.where(mask > 0, nats_BT, 0.0), axis=1), jnp.all(greedy_BT | (mask == 0), axis=1)
+    choice [B] (lm-evaluation-harness's is_greedy). window (static): the longest continuation's tokens, at
+    most T (pipeline.row_scores)."""
+    return pipeline.row_scores(sharding.with_router_bias(params, router_bias), x, y, mask, cfg.model, mesh,
+                               cfg.run.micro_batch_size, window)

@@ -120,6 +120,31 @@ def test_rows_score_the_same_on_every_mesh(params, rows, expected, shape, n_micr
     np.testing.assert_array_equal(greedy, expected[1])
 
 
+@pytest.mark.parametrize("shape,n_micro,changes", [((1, 1, 1), 1, {}), ((2, 2, 2), 4, EP | CIRCULAR)])
+def test_short_continuations_reach_the_output_layer_alone(params, shape, n_micro, changes):
+    """Continuations of at most 3 tokens in rows of up to 16: the output layer sees each row's last 8 positions
+    (the window), not 16, and the scores stay the by-hand ones, rows shorter than the window included (their
+    continuation starts at position 0: counted once)."""
+    rows = random_rows(16, CFG.T, CFG.vocab_size, seed=1)
+    lengths = np.array([np.nonzero(m)[0][-1] + 1 for m in rows.mask])
+    mask = np.zeros_like(rows.mask)
+    for r, n in enumerate(lengths):
+        mask[r, max(0, n - 3):n] = 1
+    rows = scoring.Rows(rows.x, rows.y, mask, 0)
+    assert {3, CFG.T} <= set(lengths)
+    nats, greedy, _ = by_hand(params, rows, CFG)
+    cfg = utils.override(utils.Config(model=with_model(CFG, **changes)), n_device_axis=shape, micro_batch_size=n_micro,
+                         val_batch_size=8)
+    mesh = sharding.make_mesh(shape)
+    built = trainer.build_trainer(cfg, mesh)
+    stored = sharding.Layout(cfg.model.pipeline_repeats).store(params)
+    state = {"params": jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.model.expert_parallel)),
+             "router_bias": ROUTER_BIAS}
+    scored, scored_greedy = scoring.row_scores(built, state, rows, 8, min_width=CFG.T)
+    assert rel_err(scored, nats) < 1e-5
+    np.testing.assert_array_equal(scored_greedy, greedy)
+
+
 def test_the_bundled_task_is_held_out_verses_with_their_true_endings():
     """kjv_endings: every third held-out verse of 8 words or more, once, split at its middle word; the gold
     choice is its ending, the others other verses' endings, all different; the same task every time."""
