@@ -102,20 +102,24 @@ def test_one_device_token_scores_equal_a_log_softmax_by_hand(params, rows, expec
         np.testing.assert_array_equal(np.all(np.asarray(greedy_RT) | (rows.mask == 0), axis=1), greedy, engine)
 
 
+def on_the_mesh(params, shape, n_micro, changes):
+    """(trainer, state) of CFG with `changes` on mesh `shape`, n_micro micro-batches, 8 rows a batch."""
+    cfg = utils.override(utils.Config(model=with_model(CFG, **changes)), n_device_axis=shape, micro_batch_size=n_micro,
+                         val_batch_size=8)
+    mesh = sharding.make_mesh(shape)
+    stored = sharding.Layout(cfg.model.pipeline_repeats).store(params)
+    return trainer.build_trainer(cfg, mesh), {
+        "params": jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.model.expert_parallel)),
+        "router_bias": ROUTER_BIAS}
+
+
 @pytest.mark.parametrize("shape,n_micro,changes", [((1, 1, 1), 1, {}), ((2, 2, 2), 2, EP),
                                                    ((1, 4, 1), 4, CIRCULAR), ((2, 2, 2), 4, EP | CIRCULAR)])
 def test_rows_score_the_same_on_every_mesh(params, rows, expected, shape, n_micro, changes):
     """trainer.score_step on the mesh, 8 rows a batch (the last padded), each batch as narrow as its longest
     row allows (widths 4, 8 and 16 of T = 16, with capacity factor 1: drops happen), equals the by-hand scores
     in fp32, and says which rows' continuations are greedy."""
-    cfg = utils.override(utils.Config(model=with_model(CFG, **changes)), n_device_axis=shape, micro_batch_size=n_micro,
-                         val_batch_size=8)
-    mesh = sharding.make_mesh(shape)
-    built = trainer.build_trainer(cfg, mesh)
-    stored = sharding.Layout(cfg.model.pipeline_repeats).store(params)
-    state = {"params": jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.model.expert_parallel)),
-             "router_bias": ROUTER_BIAS}
-    nats, greedy = scoring.row_scores(built, state, rows, 8, min_width=4)
+    nats, greedy = scoring.row_scores(*on_the_mesh(params, shape, n_micro, changes), rows, 8, min_width=4)
     assert nats.shape == (20,) and rel_err(nats, expected[0]) < 1e-5
     np.testing.assert_array_equal(greedy, expected[1])
 
@@ -133,14 +137,8 @@ def test_short_continuations_reach_the_output_layer_alone(params, shape, n_micro
     rows = scoring.Rows(rows.x, rows.y, mask, 0)
     assert {3, CFG.T} <= set(lengths)
     nats, greedy, _ = by_hand(params, rows, CFG)
-    cfg = utils.override(utils.Config(model=with_model(CFG, **changes)), n_device_axis=shape, micro_batch_size=n_micro,
-                         val_batch_size=8)
-    mesh = sharding.make_mesh(shape)
-    built = trainer.build_trainer(cfg, mesh)
-    stored = sharding.Layout(cfg.model.pipeline_repeats).store(params)
-    state = {"params": jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.model.expert_parallel)),
-             "router_bias": ROUTER_BIAS}
-    scored, scored_greedy = scoring.row_scores(built, state, rows, 8, min_width=CFG.T)
+    scored, scored_greedy = scoring.row_scores(*on_the_mesh(params, shape, n_micro, changes), rows, 8,
+                                               min_width=CFG.T)
     assert rel_err(scored, nats) < 1e-5
     np.testing.assert_array_equal(scored_greedy, greedy)
 
