@@ -19,7 +19,9 @@ from test_main import SPAN
 pytestmark = needs_tmux
 
 SMALL = [*launch_util.SMALL, "--training_steps", "100000", "--checkpoint_steps", "5"]
-TIMEOUT_S = 15
+# Long enough for the first interval's eval compile and save beside the rest of the suite on two cores (15 s
+# was not, once: the watchdog counts that compile as no progress), short enough to wait for after a SIGSTOP.
+TIMEOUT_S = 30
 
 
 def processes():
