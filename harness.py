@@ -27,13 +27,13 @@ class HarnessTask:
         for instance in task.instances:
             by_doc[instance.doc_id].append(instance)
         self.name, self._task = name, task
-        self._docs = [(doc_id, sorted(by_doc[doc_id], key=lambda i: i.idx)) for doc_id in sorted(by_doc)]
-        self._instances = [instance for _, instances in self._docs for instance in instances]
+        self._docs = [sorted(by_doc[doc_id], key=lambda i: i.idx) for doc_id in sorted(by_doc)]   # each doc's requests
+        self._instances = [instance for instances in self._docs for instance in instances]
         self.requests = tuple(tuple(instance.arguments) for instance in self._instances)
-        starts = np.cumsum([0] + [len(instances) for _, instances in self._docs])
+        starts = np.cumsum([0] + [len(instances) for instances in self._docs])
         self.gold = tuple(int(start) + self._gold_choice(instances[0].doc)
-                          for start, (_, instances) in zip(starts, self._docs))
-        self.chance = (float(np.mean([1 / len(instances) for _, instances in self._docs]))
+                          for start, instances in zip(starts, self._docs))
+        self.chance = (float(np.mean([1 / len(instances) for instances in self._docs]))
                        if task.OUTPUT_TYPE == "multiple_choice" else None)
 
     def metrics(self, ll_R, greedy_R):
@@ -42,7 +42,7 @@ class HarnessTask:
             instance.resps = [(float(ll), bool(greedy))]
         self._task.apply_filters()
         values, key = defaultdict(list), next(iter(self._instances[0].filtered_resps))
-        for _, instances in self._docs:
+        for instances in self._docs:
             results = [instance.filtered_resps[key] for instance in instances]
             for metric, value in self._task.process_results(instances[0].doc, results).items():
                 values[metric].append(value)
