@@ -62,23 +62,25 @@ def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, l
         host1.suspend()                                                       # SIGSTOP: host 1 hangs
         stopped_at = time.time()
         host0 = main_process("hang", 0)
-        host0.wait(timeout=TIMEOUT_S + 120)
+        host0.wait(timeout=CEILING_S)
         ended = time.time()
-        # the clock runs from host 0's last progress (its heartbeat's time), which may precede the stop
-        # by a step or an evaluation
+        # the clock runs from host 0's last progress (its heartbeat's time), which may follow the stop by a step
+        # or an evaluation. Only the lower bound is timed: that the watchdog, not anything else, ended host 0 is
+        # its exit status below (an upper bound failed at 95 s on CI's loaded machine).
         beat = (tmp_path / "host-logs" / "hang-0.heartbeat").read_text()
         last_progress = float(re.search(r"^time (\S+)$", beat, re.M).group(1))
-        assert ended - last_progress >= TIMEOUT_S - 1 and ended - stopped_at <= TIMEOUT_S + 60, (
-            ended - last_progress, ended - stopped_at)
+        assert ended - last_progress >= TIMEOUT_S - 1, (ended - last_progress, ended - stopped_at)
         try:
             out, _ = launcher.communicate(timeout=CEILING_S)
         except subprocess.TimeoutExpired:
             launcher.kill()
             raise AssertionError(launcher.communicate()[0] + processes() + logs(tmp_path)) from None
-        assert launcher.returncode == 1, out
+        assert launcher.returncode == 1, out + logs(tmp_path)
+        # the stop falls in a step or in an interval's evaluation, checkpoint and sample
         assert re.search(r"host 0 127\.0\.0\.1: FAILED, exit status 3 \(its hang watchdog: no progress for --hang_timeout "
                          rf"s\); its stacks are in .*/0-127\.0\.0\.1\.log after:\n    error: process 0 of 2 made no progress "
-                         rf"for {TIMEOUT_S} s \(--hang_timeout\) after: training step \d+", out), out
+                         rf"for {TIMEOUT_S} s \(--hang_timeout\) after: (training step \d+|the evaluation, checkpoint and "
+                         r"sample after step \d+)", out), out + logs(tmp_path)
         assert ("host 1 127.0.0.1: HUNG, its program did not end by its own watchdog as host 0's did (run.sh --stacks: "
                 "no stacks: pid ") in out and "it is stopped (process state T" in out, out
 
