@@ -6,7 +6,7 @@
 to-hf writes a run's checkpoint (the newest, or step N) as a transformers `deepseek_v3` directory:
 config.json, model.safetensors (model-0000i-of-0000n.safetensors and model.safetensors.index.json past
 --max_shard_size), tokenizer.json and tokenizer_config.json (cl100k_base, encoding text as
-data/tokenizer.py does, each special token at its id: hf_tokenizer.py). A model without a DeepSeek-V3
+data/tokenizer.py does, each special token at its id: data/hf_tokenizer.py). A model without a DeepSeek-V3
 equivalent is refused with one line naming each differing flag. from-hf writes RUN_DIR (= OUTPUT_DIR/NAME)
 holding a step-0 checkpoint with a fresh optimizer state, which `python main.py --output_dir OUTPUT_DIR
 --name NAME` plus the flags it prints restores on any mesh and fine-tunes; a config.json field this model
@@ -49,10 +49,10 @@ import sharding
 import utils
 from checkpoints import (SaveFailed, checkpoint_manager, checksums_and_finite, discard_failed_saves, quiet_failed_saves,
                          restore_step, save, wait_for_save)
+from data.hf_tokenizer import tokenizer_files
 from data.tokenizer import EOT_ID, VOCAB_SIZE
 from hf_files import (ConvertError, check_room, fresh_dir, human, inside, json_text, parse_size, read_json,
                       read_safetensors, write_atomically, write_safetensors, write_text)
-from hf_tokenizer import tokenizer_files
 from model import NORM_EPS
 from multihost import set_up_devices
 from rundir import is_url

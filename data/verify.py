@@ -19,8 +19,7 @@ if __package__ in (None, ""):
 import fsspec  # noqa: E402
 import numpy as np  # noqa: E402
 
-import dataset  # noqa: E402
-from data import shards  # noqa: E402
+from data import manifest  # noqa: E402
 from data import tokenizer as tok  # noqa: E402
 
 CHUNK = 1 << 24
@@ -35,7 +34,7 @@ def check_shard(fs, path, name, entry, vocab_size):
             for chunk in iter(lambda: f.read(CHUNK), b""):
                 h.update(chunk)
                 size += len(chunk)
-                toks = np.frombuffer(chunk[: len(chunk) // 4 * 4], dtype=shards.DTYPE)
+                toks = np.frombuffer(chunk[: len(chunk) // 4 * 4], dtype=manifest.DTYPE)
                 if toks.size:
                     top = max(top, int(toks.max()))
                     counts += np.bincount(toks[toks < vocab_size].astype(np.int64), minlength=vocab_size)
@@ -56,7 +55,7 @@ def verify(data_dir, vocab_size=tok.VOCAB_SIZE, split=None, out=print):
     """All problems found in `data_dir` (an empty list when every check passes)."""
     fs, root = fsspec.core.url_to_fs(data_dir)
     root, base = root.rstrip("/"), data_dir.rstrip("/")
-    m = dataset._read_manifest(fs, root, f"{base}/{shards.MANIFEST}", vocab_size)
+    m = manifest.read_manifest(fs, root, f"{base}/{manifest.MANIFEST}", vocab_size)
     entries = [s for s in m["shards"] if split is None or s["split"] == split]
     problems, totals = [], {}
     for i, s in enumerate(entries):
@@ -66,13 +65,13 @@ def verify(data_dir, vocab_size=tok.VOCAB_SIZE, split=None, out=print):
         out(f"[{i + 1}/{len(entries)}] {s['file']}: {'ok' if not p else 'BAD'}")
     recorded = m.get("token_counts")
     if recorded is None:
-        out(f"note: {base}/{shards.MANIFEST} records no token counts (written by an older tokenizer)")
+        out(f"note: {base}/{manifest.MANIFEST} records no token counts (written by an older tokenizer)")
     else:
         for sp, counts in sorted(totals.items()):
-            want = shards.decode_counts(recorded[sp]) if sp in recorded else None
+            want = manifest.decode_counts(recorded[sp]) if sp in recorded else None
             if want is None or not np.array_equal(np.pad(want, (0, max(0, vocab_size - len(want))))[:vocab_size],
                                                   counts):
-                problems.append(f"{base}/{shards.MANIFEST}: token_counts of split {sp!r} do not match its shards")
+                problems.append(f"{base}/{manifest.MANIFEST}: token_counts of split {sp!r} do not match its shards")
     return problems
 
 
@@ -84,7 +83,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     try:
         problems = verify(a.data_dir, a.vocab_size, a.split)
-    except dataset.DataError as e:
+    except manifest.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for line in problems:

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 import convert  # noqa: E402
 import hf_files  # noqa: E402
-import hf_tokenizer  # noqa: E402
+from data import hf_tokenizer  # noqa: E402
 
 TOLERANCE = 1e-4        # max |logit difference| allowed in fp32
 N_SEQUENCES, N_GREEDY = 4, 32

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from data import corpus, shards
+from data import corpus, manifest, shards
 from data import tokenizer as tok
 from ceiling import CEILING_S
 
@@ -20,7 +20,7 @@ SHARD = 2_500                   # shard size of the small tokenizer source's run
 
 def corpus_documents(split):
     """Chapter texts of one split of the bundled corpus, in canonical order, read here independently of
-    data/shards.py (which the tests check against it)."""
+    data/sources.py (which the tests check against it)."""
     assert split in corpus.SPLITS, split
     with gzip.open(corpus.PATH, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
@@ -43,7 +43,7 @@ def shard_tokens(out_url):
     """(manifest, every shard's tokens in order) of a tokenizer output, each shard's size and sha256
     checked against the manifest."""
     out = shards.Output(out_url)
-    m = json.loads(out.read_text(shards.MANIFEST))
+    m = json.loads(out.read_text(manifest.MANIFEST))
     parts = []
     for s in m["shards"]:
         with out.fs.open(out.path(s["file"]), "rb") as f:
@@ -84,7 +84,7 @@ def kill_chain(src, out, points, env, workers=2):
         p = run_driver(args + (["--resume"] if i else []), env, point, check=False)
         assert p.returncode == -9, (point, p.returncode, p.stderr[-3000:])
         o = shards.Output(out)
-        m = json.loads(o.read_text(shards.MANIFEST)) if o.exists(shards.MANIFEST) else None
+        m = json.loads(o.read_text(manifest.MANIFEST)) if o.exists(manifest.MANIFEST) else None
         assert m is None or not m["complete"]
         carries.append(m and m["cursor"]["carry"])
     run_driver(args + ["--resume"], env)

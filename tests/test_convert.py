@@ -19,8 +19,8 @@ import pytest
 import regex
 
 import convert
+from data import hf_tokenizer
 import hf_files
-import hf_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")

@@ -1,4 +1,5 @@
 """dataset.py: deterministic batches, exact restart, per-host rows, validation set, clear errors."""
+import importlib.util
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import dataset
 from data import shards
 from data import tokenizer as tok
-from data_util import corpus_documents
+from data_util import REPO, corpus_documents
 
 T, B = 32, 16
 
@@ -189,7 +190,9 @@ def test_range_reads_equal_the_shard_bytes_and_entropy_is_the_manifest_counts(da
 def test_pod_scale_split_opens_without_reading_and_a_host_reads_only_its_rows(tmp_path):
     """2,000 sparse shards of 1e8 tokens (800 GB that take no disk): opening lists them once (nothing is
     hashed or downloaded), and one host of 8 reads exactly its 32 rows x (T + 1) tokens per step."""
-    from data import bench
+    spec = importlib.util.spec_from_file_location("data_bench", os.path.join(REPO, "scripts", "data_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     r = bench.bench_pod_scale(str(tmp_path / "pod"), 2000, 100_000_000, steps=3)
     assert r["startup_s"] < 5.0                 # data/README.md: 0.1 s; reading 800 GB would take hours
     assert r["payload_ratio"] == 1.0 and 1.0 <= r["wire_ratio"] < 1.01

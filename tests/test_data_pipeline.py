@@ -16,7 +16,7 @@ import pytest
 import dataset
 import fakegcs
 import tokenize_faults
-from data import shards
+from data import shards, sources
 from data import tokenizer as tok
 from data_util import (SHARD, corpus_documents, kill_chain, output_files, reference_tokens,
                        run_driver, shard_tokens, tokenize_docs)
@@ -138,7 +138,7 @@ def local_ray():
 
 def test_multiprocessing_and_ray_drivers_are_byte_identical(local_ray, tmp_path):
     from data import tokenize_ray
-    plan = shards.make_plan(shards.BUNDLED)
+    plan = shards.make_plan(sources.BUNDLED)
     mp_out, ray_out = str(tmp_path / "mp"), str(tmp_path / "ray")
     p = run_driver(["--source", "bundled", "--out", mp_out, "--shard_size", "100000", "--workers", "2"], {})
     assert "val: 1 shards" in p.stdout
@@ -150,16 +150,16 @@ def test_multiprocessing_and_ray_drivers_are_byte_identical(local_ray, tmp_path)
 
 
 def test_source_spec_kinds(tmp_path):
-    assert shards.source_spec("HuggingFaceFW/fineweb-edu", hf_config="sample-350BT")["kind"] == "hf"
+    assert sources.source_spec("HuggingFaceFW/fineweb-edu", hf_config="sample-350BT")["kind"] == "hf"
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        shards.source_spec(str(tmp_path / "missing.jsonl"))
+        sources.source_spec(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="unknown type"):
         (tmp_path / "a.xyz").write_text("x")
-        shards.source_spec(str(tmp_path / "a.xyz"))
+        sources.source_spec(str(tmp_path / "a.xyz"))
     (tmp_path / "a.csv").write_text("text\nx\n")
-    assert shards.source_spec(str(tmp_path / "a.csv"))["builder"] == "csv"
+    assert sources.source_spec(str(tmp_path / "a.csv"))["builder"] == "csv"
     with pytest.raises(FileNotFoundError, match="b.csv"):         # a missing local file never goes to the Hub
-        shards.source_spec("b.csv")
+        sources.source_spec("b.csv")
     with pytest.raises(ValueError, match="already provides both splits"):
         shards.make_plan("bundled", train_source="x")
     with pytest.raises(ValueError, match="either --source or"):

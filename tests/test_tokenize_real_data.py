@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tokenize_faults
-from data import shards
+from data import manifest, shards
 from data_util import SHARD, corpus_documents, output_files, reference_tokens, run_driver, shard_tokens, tokenize_docs
 
 FFFD = "\ufffd"
@@ -188,12 +188,12 @@ def test_the_bad_document_count_survives_a_sigkill_and_resume(bad_jsonl, tmp_pat
     assert ref.returncode == 0 and "tokenize: 7 bad document(s)" in ref.stderr, ref.stderr[-3000:]
     killed = driver(tmp_path, *args, point="manifest:1")
     assert killed.returncode == -9, killed.stderr[-3000:]
-    cursor = json.loads((tmp_path / "out" / shards.MANIFEST).read_text())["cursor"]
+    cursor = json.loads((tmp_path / "out" / manifest.MANIFEST).read_text())["cursor"]
     assert cursor["docs"] - (cursor["carry"] > 0) > 7          # past every bad document: a resume reads none
     resumed = driver(tmp_path, *args, "--resume")
     assert resumed.returncode == 0 and "warning:" not in resumed.stderr, resumed.stderr[-3000:]
     assert "tokenize: 7 bad document(s): 2 repaired" in resumed.stderr
-    m = json.loads((tmp_path / "out" / shards.MANIFEST).read_text())
+    m = json.loads((tmp_path / "out" / manifest.MANIFEST).read_text())
     assert m["cursor"]["bad_docs"] == BAD_DOCS
     for name in os.listdir(tmp_path / "ref" / "out"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / "out" / name).read_bytes(), name

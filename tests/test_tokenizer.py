@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from data import shards, tokenizer
+from data import sources, tokenizer
 from data_util import corpus_documents
 
 # (text, cl100k_base ids). The first two are the examples published with tiktoken itself; the rest were
@@ -53,4 +53,4 @@ def test_corrupt_bpe_file_names_the_package(tmp_path):
 
 def test_unknown_bundled_split_is_an_error():
     with pytest.raises(ValueError, match="train.*val"):
-        shards.source_spec("bundled:test")
+        sources.source_spec("bundled:test")

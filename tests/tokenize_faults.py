@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (os.path.dirname(HERE), HERE) if p not in sys.path]
 
 import fakegcs  # noqa: E402,F401  (registers fakegcs://)
-from data import shards  # noqa: E402
+from data import manifest, shards  # noqa: E402
 
 EVENTS = ("doc", "tmp", "shard", "manifest")
 
@@ -78,7 +78,7 @@ def install(setattr, point, fire):
     write_atomic, pack = shards.Output.write_atomic, shards.Writer._pack
 
     def watched_write_atomic(self, name, data):
-        if name == shards.MANIFEST:
+        if name == manifest.MANIFEST:
             write_atomic(self, name, data)
             if event == "manifest" and seen["shard"] == n:
                 fire()

@@ -1,4 +1,4 @@
-"""Data throughput benchmark: `python -m data.bench [--loader_batches 300] [--pod_only]`.
+"""Data throughput benchmark: `python scripts/data_bench.py [--loader_batches 300] [--pod_only]`.
 
 1. Tokenizer: the bundled corpus 4 times over (~4M tokens) through the multiprocessing driver with 1 and 2 workers,
    end to end (read with `datasets`, encode, pack, write shards + manifest), tokens/s.
@@ -25,8 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dataset                                                      # noqa: E402 (after the path above)
 from data import corpus, emulator, shards, tokenize_local          # noqa: E402
 from data import tokenizer as tok                                   # noqa: E402
