@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import hardware
 import hlo
 import multihost
 import pipeline
@@ -107,11 +108,12 @@ def build_step(cfg, mesh):
     abstract arguments for compiling without data. Returns (step, make_state, make_batch, abstract_args)."""
     trainer = build_trainer(cfg, mesh)
     data_shard = trainer.data_sharding
-    G, rows, T = cfg.optim.grad_step, utils.global_batch(cfg), cfg.model.T
+    micro_steps, rows, T = cfg.optim.grad_step, utils.global_batch(cfg), cfg.model.T
 
     def make_batch(seed):
-        tokens = jax.random.randint(jax.random.key(seed), (G, rows, T + 1), 0, cfg.model.vocab_size, jnp.int32)
-        return tuple(tuple(jax.device_put(tokens[i, :, part], data_shard) for i in range(G))
+        tokens = jax.random.randint(jax.random.key(seed), (micro_steps, rows, T + 1), 0, cfg.model.vocab_size,
+                                    jnp.int32)
+        return tuple(tuple(jax.device_put(tokens[i, :, part], data_shard) for i in range(micro_steps))
                      for part in (slice(None, -1), slice(1, None)))
 
     return trainer.step, trainer.fresh_state, make_batch, lambda: abstract_step_args(cfg, trainer)[0]
@@ -142,7 +144,7 @@ def count_step_flops(cfg):
 
 def expected_pipeline_ratio(M, pp, P=1):
     """Per-device block work at pp stages over the pp = 1 figure: each device runs P M + pp - 1
-    ticks of B/(P pp) blocks instead of P M ticks of B/P, i.e. (P M + pp - 1) / (P M pp)."""
+    ticks of blocks/(P pp) blocks instead of P M ticks of blocks/P, i.e. (P M + pp - 1) / (P M pp)."""
     return (P * M + pp - 1) / (P * M * pp)
 
 
@@ -150,7 +152,7 @@ def pipeline_flops(cfg):
     """Per-device FLOPs of the step on (dp, pp, tp) and on (dp, 1, tp), same global batch and M,
     and in "by_pp" the same for every pp of 1, 2, 4, ... up to the mesh's (those the config allows).
 
-    GPipe: each stage runs M + pp - 1 ticks of B/pp blocks on one micro-batch, so the blocks' work
+    GPipe: each stage runs M + pp - 1 ticks of blocks/pp blocks on one micro-batch, so the blocks' work
     per device is (M + pp - 1) / (M pp) of the pp = 1 step; a circular pipeline of P repeats,
     (P M + pp - 1) / (P M pp). The output layer (tied embedding, large vocab) runs after the
     pipeline, split over the stages (1/pp each), so the total ratio sits below the pipeline figure
@@ -217,7 +219,7 @@ def print_pipeline_table(result, out):
 
 # bf16 rounding noise moves with the batch shapes XLA blocks the matmuls by, which differ between
 # the mesh and one device: per leaf the two errors differ by up to ~30%, their maxima by a few
-# percent (docs/performance.md).
+# percent (docs/performance-log.md#2026-11-30-gradient-error-fsdp).
 GRAD_ERROR_SLACK = 1.1
 
 
@@ -363,7 +365,7 @@ def run_benchmark(args, cfg):
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     tok_s = tokens_per_step / median
     fpt = sharding.flops_per_token(cfg.model)
-    spec_peak = utils.peak_flops(device_kind)
+    spec_peak = hardware.peak_flops(device_kind)
     measured_peak, matmul_shape = matmul_peak(jax.devices()[0], args.matmul_size)
     counts = sharding.count_params(cfg.model)
     return {
@@ -376,8 +378,8 @@ def run_benchmark(args, cfg):
         "tokens_per_s": tok_s, "step_time_median_s": median,
         "step_time_spread": {"min": min(times), "max": max(times), "p25": q[0], "p75": q[2]},
         "compile_s": compile_s, "flops_per_token": fpt,
-        "mfu": utils.mfu(tok_s, fpt, n_mesh, spec_peak), "spec_peak_flops": spec_peak,
-        "mfu_vs_measured_peak": utils.mfu(tok_s, fpt, n_mesh, measured_peak),
+        "mfu": hardware.mfu(tok_s, fpt, n_mesh, spec_peak), "spec_peak_flops": spec_peak,
+        "mfu_vs_measured_peak": hardware.mfu(tok_s, fpt, n_mesh, measured_peak),
         "matmul_peak_flops": measured_peak, "matmul_shape": matmul_shape,
         "peak_memory_bytes": peak_memory(mesh.devices.flat),
         "compiled_memory_bytes": compiled_memory(compiled),

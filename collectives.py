@@ -2,10 +2,13 @@
 shard_map (the one-device model) every axis is None and every collective here is the identity."""
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 from jax import lax
+
+if TYPE_CHECKING:                # for readers and IDEs only: at run time the engine imports this module
+    from engine import Reference
 
 MESH_AXES = ("dp", "pp", "tp")
 
@@ -14,12 +17,13 @@ MESH_AXES = ("dp", "pp", "tp")
 class Axes:
     """Mesh axis names the layer code runs under; all None on one device. expert_parallel: the routed
     experts are split over dp (sharding.axis_rules) and tokens are sent to them. engine: what the core
-    calls at its seams (engine.py), chosen by --engine for the mesh's platform."""
+    calls at its seams (engine/), chosen by --engine for the mesh's platform: a Reference (the guide's plain
+    math, where go-to-definition lands) or its subclass Fast."""
     dp: str | None = None
     pp: str | None = None
     tp: str | None = None
     expert_parallel: bool = False
-    engine: Any = None
+    engine: "Reference | None" = None
 
 
 def psum(x, axis):

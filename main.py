@@ -36,6 +36,8 @@ from jax.experimental import multihost_utils
 
 import dataset
 import generate
+import hardware
+import metrics_schema
 import pod
 import scoring
 import sharding
@@ -162,7 +164,7 @@ def print_header(cfg):
         f"(active: used per token, without the embedding)")
     log(f"mesh: dp={dp} pp={pp} tp={tp} over {dp * pp * tp} of {jax.device_count()} "
         f"{jax.devices()[0].device_kind} device(s), {jax.process_count()} process(es)")
-    log(f"{utils.MFU_FORMULA}; model FLOPs per token = {sharding.FLOPS_PER_TOKEN} (rope_layers: every layer with "
+    log(f"{hardware.MFU_FORMULA}; model FLOPs per token = {sharding.FLOPS_PER_TOKEN} (rope_layers: every layer with "
         f"--rope_all_layers, else the dense ones); pipeline bubbles and remat are not counted")
 
 
@@ -257,7 +259,7 @@ def score_tasks(run, state, step):
             log(f"WARNING: scoring --eval_tasks {task.name} at step {step} failed ({type(e).__name__}: {e}); "
                 f"training goes on")
             continue
-        run.logger.metrics(utils.metrics_record("tasks", step, **record))
+        run.logger.metrics(metrics_schema.metrics_record("tasks", step, **record))
         log(f"task @ {step}: {scoring.line(record)}")
 
 
@@ -279,7 +281,7 @@ def stopped(run, state, step, progress):
     progress.done("checkpoint")
     cause = progress.signals.signal or "stop requested on another host"
     log(f"{cause}: checkpoint of step {step} written to {run.mngr.directory}/{step} (the same command resumes it)")
-    run.logger.metrics(utils.metrics_record("event", step, event="stop", cause=cause))
+    run.logger.metrics(metrics_schema.metrics_record("event", step, event="stop", cause=cause))
     if run.cfg.run.eval_on_stop:
         log_interval(run, progress.meter, state, step)
         progress.done("eval")
@@ -315,12 +317,12 @@ def finish(run, state, step, val_ce, saved, progress):
         save_checkpoint(run, step, state, val_ce)
     progress.report(step, final=True)             # the final lines once its checkpoint is written
     entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
-    bpb = utils.bits_per_byte(val_ce, run.val_bytes_per_token)
+    bpb = metrics_schema.bits_per_byte(val_ce, run.val_bytes_per_token)
     log(f"final: val cross-entropy {val_ce:.4f} nats, {bpb:.4f} bits per byte | " + (
         f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
         if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
         + f" | {time.perf_counter() - progress.meter.t0:.0f} s")
-    run.logger.metrics(utils.metrics_record("final", step, final_val_loss=val_ce, final_val_bpb=bpb,
+    run.logger.metrics(metrics_schema.metrics_record("final", step, final_val_loss=val_ce, final_val_bpb=bpb,
                                             unigram_entropy=entropy))
     close_run(run)
     return 0
@@ -435,7 +437,7 @@ def evaluate_checkpoint(cfg):
     _, val_batches, bytes_per_token = load_data(cfg, trainer.data_sharding)
     val_ce = val_loss_and_balance(trainer, state, val_batches)[0]
     result = {"checkpoint": f"{mngr.directory}/{step}", "step": step, "mesh": list(cfg.run.n_device_axis),
-              "val_loss": val_ce, "val_bpb": utils.bits_per_byte(val_ce, bytes_per_token),
+              "val_loss": val_ce, "val_bpb": metrics_schema.bits_per_byte(val_ce, bytes_per_token),
               "tasks": tasks(trainer, state, with_requests=True)}
     log(f"evaluation @ {step} of {mngr.directory}: val cross-entropy {val_ce:.4f} nats, {result['val_bpb']:.4f} "
         f"bits per byte" + "".join(f"\n{scoring.line(record)}" for record in result["tasks"]))

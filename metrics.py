@@ -1,6 +1,6 @@
 """The training loop's metrics: each step's record (written to metrics.jsonl, watched for spikes and
 non-finite values), each interval's record and log line (validation, tokens/s, MFU, the experts'
-loads and drops). Every field and its meaning: utils.METRICS.
+loads and drops). Every field and its meaning: metrics_schema.METRICS.
 """
 import dataclasses
 import os
@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import psutil
 
+import hardware
+import metrics_schema
 import sharding
 import spikes
-import utils
 
 
 class Diverged(Exception):
@@ -47,7 +48,7 @@ class Meter:
             self.record(step, jax.device_get(metrics))
 
     def record(self, step, m):
-        rec = utils.metrics_record(
+        rec = metrics_schema.metrics_record(
             "step", step, loss=float(m["loss"]), ce=float(m["ce"]), balance=float(np.sum(m["balance"])),
             grad_norm=float(m["grad_norm"]), lr=float(self.schedule(step - 1)),
             drop_rate=float(np.mean(m["drop_rate"])), skipped_steps=int(m["skipped"]),
@@ -183,12 +184,12 @@ class Goodput:
         self.last = now
 
     def records(self, step):
-        """The metrics.jsonl records (utils.METRICS["goodput"], and ["run_goodput"] with the earlier
+        """The metrics.jsonl records (metrics_schema.METRICS["goodput"], and ["run_goodput"] with the earlier
         sessions known, else None) and their log lines (the run's None for a first session)."""
         wall = self.last - self.started
         per_step = self.seconds["train"] / max(step - self.start_step - 1, 1)      # the first one compiled
         redone = min(self.redone_steps * per_step, self.seconds["train"])
-        rec = utils.metrics_record("goodput", step, wall_s=wall, **{f"{p}_s": v for p, v in self.seconds.items()},
+        rec = metrics_schema.metrics_record("goodput", step, wall_s=wall, **{f"{p}_s": v for p, v in self.seconds.items()},
                                    redone_steps=self.redone_steps, redone_s=redone, down_s=self.down_s,
                                    goodput=(self.seconds["train"] - redone) / wall if wall > 0 else None)
         line = f"goodput {_shares(rec['goodput'], wall, self.seconds)}"
@@ -207,7 +208,7 @@ class Goodput:
         down = e.down_s + (self.down_s or 0.0)
         # stamped with rec's time: the two describe one moment, and a reader pairs them by it (two clock
         # reads could straddle a millisecond)
-        run = utils.metrics_record(
+        run = metrics_schema.metrics_record(
             "run_goodput", step, run_sessions=e.sessions + 1, run_wall_s=run_wall, run_lost_s=e.lost_s,
             run_down_s=down, **{f"run_{p}_s": v for p, v in seconds.items()},
             run_goodput=seconds["train"] / run_wall if run_wall > 0 else None) | {"time": rec["time"]}
@@ -238,19 +239,19 @@ def evaluate(trainer, state, val_batches):
 
 
 def log_interval(run, meter, state, step):
-    """Evaluate and write the interval's record (utils.METRICS["interval"]) and line; returns val CE."""
+    """Evaluate and write the interval's record (metrics_schema.METRICS["interval"]) and line; returns val CE."""
     cfg, (dp, pp, tp) = run.cfg, run.cfg.run.n_device_axis
     meter.fetch()
     recs, device, step_time = meter.take_interval()
     tok_s = run.sequences_per_step * cfg.model.T / step_time if step_time else None
     step_time = step_time or meter.first_step_s
     val_ce, val_bal = evaluate(run.trainer, state, run.val_batches)
-    val_bpb = utils.bits_per_byte(val_ce, run.val_bytes_per_token)
+    val_bpb = metrics_schema.bits_per_byte(val_ce, run.val_bytes_per_token)
     experts = expert_stats(device)
     spread, idle = load_spread(np.asarray(experts["expert_load"]))
-    peak = utils.peak_flops(jax.devices()[0].device_kind)
-    util = utils.mfu(tok_s, sharding.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
-    rec = utils.metrics_record(
+    peak = hardware.peak_flops(jax.devices()[0].device_kind)
+    util = hardware.mfu(tok_s, sharding.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
+    rec = metrics_schema.metrics_record(
         "interval", step, val_loss=val_ce, val_bpb=val_bpb, val_balance=val_bal,
         train_loss=float(np.mean([r["loss"] for r in recs])),
         lr=recs[-1]["lr"], grad_norm=recs[-1]["grad_norm"], tokens_per_s=tok_s, step_time_s=step_time, mfu=util,

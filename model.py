@@ -1,13 +1,14 @@
 """The guide's model as flax.nnx modules, in its order: RMSNorm, Embedding, RoPE, MLA, FeedForward, the
 MoE layer (router, capacity, balance loss, aux-loss-free bias), Layer, Block, Transformer. Plain math, every
 collective written out; each __call__ takes the mesh axes it runs under (`collectives.Axes`, all None on one
-device) and calls the engine (axes.engine, engine.py) at its seams. Every weight is an nnx.Param with
+device) and calls the engine (axes.engine, the engine package engine/) at its seams. Every weight is an nnx.Param with
 logical axes that sharding.py maps to the mesh. Shape suffixes: docs/model.md's legend (B sequences, T and
 S query and key positions, D width, H heads, K, J and R content, value and rotary width per head, Q = K + R,
 L latent, F FFN, V vocabulary, E experts, k per token, C slots; lowercase: this shard's part).
 """
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from flax import nnx
 from jax import lax
 
 from collectives import axis_index, psum, tp_sum, vary_like
-from stacking import call_module, keys_of, scan_stacked, stacked, variable
+from stacking import keys_of, remat_call, scan_stacked, stacked, variable
 
 NORM_EPS = 1e-6
 # the logical names of the stacking axes: the blocks, a block's dense layers, the dense layers before the blocks
@@ -72,7 +73,7 @@ class Embedding(nnx.Module):
         self.table = vocab_table(rngs, cfg, cfg.model_dimension ** -0.5)
         self.cfg = cfg
 
-    def gathered(self, axes):                                        # [v, D/dp] -> [v, D] (fsdp.py)
+    def gathered(self, axes):                                        # [v, D/dp] -> [v, D] (engine/fsdp.py)
         return axes.engine.gathered(self.table, axes, jnp.dtype(self.cfg.model_dtype))
 
     def __call__(self, ids_BT, axes, table_vD):
@@ -107,11 +108,11 @@ def rope(x, positions, base):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-def masked_attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, mm):
+def masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, mm):
     """softmax(q.k / sqrt(Q)) v, query t seeing the keys s where mask_TS[t, s]; the softmax in fp32."""
     scores_BhTS = mm("bthq,bshq->bhts", q_BThQ, k_BShQ, dtype) / math.sqrt(q_BThQ.shape[-1])
     probs_BhTS = jax.nn.softmax(jnp.where(mask_TS, scores_BhTS, -jnp.inf), axis=-1)
-    return mm("bhts,bshk->bthk", probs_BhTS, v_BShK, dtype, dtype)
+    return mm("bhts,bshj->bthj", probs_BhTS, v_BShJ, dtype, dtype)
 
 
 def branch_sum(x_BTD, axes, dtype):
@@ -144,17 +145,22 @@ class MLA(nnx.Module):
         self.use_rope = use_rope
         self.cfg = cfg
 
+    def down_projections(self, x_BTD, mm, dtype):
+        """The query latent c_q, the KV latent c_kv and the shared rotary key (before rotation; [B, T, 0] in a
+        NoPE layer) of x. Three parameters, as in the guide, in one product: x read once, its gradient out of
+        one GEMM; in the matmul dtype, which the up-projections and the rotation read anyway."""
+        down = (self.w_dq, self.w_dkv) + ((self.w_kr,) if self.use_rope else ())
+        fused = mm("btd,dl->btl", x_BTD, jnp.concatenate([w[...] for w in down], axis=1), dtype, dtype)
+        Lq, L = self.cfg.q_latent_dim, self.cfg.latent_dim
+        return jnp.split(fused, [Lq, Lq + L], -1)                            # [B, T, Lq + L (+ R)] -> three
+
     def __call__(self, x_BTD, positions_T, axes, cache=None):
         """Keys and values up-projected from the KV latent c_kv; with a cache, c_kv and the rotated shared key
         are written at `positions_T`, attention runs over every cached position. Returns (out, new cache)."""
         cfg, dtype, mm = self.cfg, jnp.dtype(self.cfg.model_dtype), axes.engine.mm
         K, J, R = cfg.head_dim, cfg.value_dim, cfg.dhR
         B, T, _ = x_BTD.shape
-        # The three projections of x (three parameters, as in the guide) as one product: x read once, its gradient
-        # out of one GEMM; in the matmul dtype, which the up-projections and the rotation read anyway.
-        down = (self.w_dq, self.w_dkv) + ((self.w_kr,) if self.use_rope else ())
-        c_BTL = mm("btd,dl->btl", x_BTD, jnp.concatenate([w[...] for w in down], axis=1), dtype, dtype)
-        c_q_BTL, c_kv_BTL, k_rope_BTR = jnp.split(c_BTL, [cfg.q_latent_dim, cfg.q_latent_dim + cfg.latent_dim], -1)
+        c_q_BTL, c_kv_BTL, k_rope_BTR = self.down_projections(x_BTD, mm, dtype)
         c_q_BTL = c_q_BTL if self.q_norm is None else self.q_norm(c_q_BTL)
         q_BThK = mm("btl,lf->btf", c_q_BTL, self.w_uq[...], dtype, dtype).reshape(B, T, -1, K)
         new_cache = {"c_kv": c_kv_BTL}
@@ -179,10 +185,12 @@ class MLA(nnx.Module):
             # so that the cotangent's psum over tp and sum over heads stay fp32.
             k_rope_BShR, = vary_like((jnp.broadcast_to(kv["k_rope"][:, :, None, :], (*k_BShK.shape[:3], R)),), (k_BShK,))
             k_rope_BShR = k_rope_BShR.astype(dtype)
-            q_BThK = jnp.concatenate([q_BThK, q_rope_BThR.astype(dtype)], axis=-1)          # [B, T, h, Q]
-            k_BShK = jnp.concatenate([k_BShK, k_rope_BShR], axis=-1)
+            q_BThQ = jnp.concatenate([q_BThK, q_rope_BThR.astype(dtype)], axis=-1)
+            k_BShQ = jnp.concatenate([k_BShK, k_rope_BShR], axis=-1)
+        else:
+            q_BThQ, k_BShQ = q_BThK, k_BShK                                                # NoPE: Q = K
         mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
-        out_BThJ = axes.engine.attention(q_BThK, k_BShK, v_BShJ, mask_TS, dtype)
+        out_BThJ = axes.engine.attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype)
         # Each tp rank holds h heads: its W_o rows give a partial sum of the output.
         out_BTD = mm("btf,fd->btd", out_BThJ.reshape(B, T, -1), self.w_o[...], dtype, dtype)
         return branch_sum(out_BTD, axes, dtype), (new_cache if cache is not None else None)
@@ -231,11 +239,19 @@ def expert_capacity(cfg):
     return min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
 
 
+class Routing(NamedTuple):
+    """Where each token's k choices go (`route`)."""
+    experts_BTk: jax.Array             # expert ids
+    gates_BTk: jax.Array               # each choice's weight in the token's output
+    slot_BTk: jax.Array                # its place in its expert's queue of this call (tokens in order, a
+                                       # token's choices by rank)
+    tokens_per_expert_BE: jax.Array    # the choices each expert received, before capacity drops
+
+
 def route(router_DE, x_BTD, cfg, bias_E=None):
     """Sigmoid top-k routing of each sequence (the routing group: drops do not depend on the mesh), with
-    DeepSeek-V3's aux-loss-free bias_E added to choose (the gates and P_i use the scores alone). Returns
-    expert ids and gates [B, T, k], each choice's place in its expert's queue of this call (tokens in order,
-    a token's choices by rank), the choices per expert and the sequence-wise balance loss terms."""
+    DeepSeek-V3's aux-loss-free bias_E added to choose (the gates and P_i use the scores alone). Returns the
+    Routing and, apart, the sequence-wise balance loss terms [B]."""
     E, k = cfg.n_experts, cfg.k
     # In fp32 at full precision (on a TPU the default is one bf16 pass): top-k flips on rounded scores.
     logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32),
@@ -256,7 +272,7 @@ def route(router_DE, x_BTD, cfg, bias_E=None):
     f_BE = E / (k * T) * tokens_per_expert_BE
     p_BE = jnp.mean(scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True), axis=1)
     balance_B = jnp.sum(f_BE * p_BE, axis=-1)
-    return experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B
+    return Routing(experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE), balance_B
 
 
 class MoE(nnx.Module):
@@ -285,7 +301,8 @@ class MoE(nnx.Module):
         output, the stats and the fill counts after this call."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.model_dtype)
         bias_E = None if self.router_bias is None else self.router_bias[...]
-        experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE, balance_B = route(self.router[...], x_BTD, cfg, bias_E)
+        (experts_BTk, gates_BTk, slot_BTk, tokens_per_expert_BE), balance_B = route(self.router[...], x_BTD, cfg,
+                                                                                    bias_E)
         B, T, _ = x_BTD.shape
         C = expert_capacity(cfg)
         fill_BE = jnp.zeros_like(tokens_per_expert_BE) if fill_BE is None else fill_BE
@@ -382,8 +399,8 @@ class Block(nnx.Module):
         if self.dense is not None:
             x_BTD, new_cache["dense"] = run_dense(self.dense, DENSE_LAYERS, x_BTD, positions_T, axes, ctx, keys[:n_dense],
                                                   None if cache is None else cache["dense"], policy, unroll)
-        x_BTD, stats, new_cache["moe"] = call_module(self.moe, moe, x_BTD, None if cache is None else cache["moe"],
-                                                     policy)
+        x_BTD, stats, new_cache["moe"] = remat_call(self.moe, moe, x_BTD, None if cache is None else cache["moe"],
+                                                    policy)
         return x_BTD, stats, None if cache is None else new_cache
 
 
@@ -425,8 +442,8 @@ class Transformer(nnx.Module):
         """The blocks this device holds in a scan (compile time independent of depth), their weights in their read
         dtypes. Returns x, the MoE stats stacked over blocks and the new caches (None without a cache)."""
         def block(block, x_BTD, inputs):
-            keys_L, cache = inputs
-            x_BTD, stats, cache = block(x_BTD, positions_T, axes, ctx | {"layer_keys": keys_L}, cache)
+            layer_keys, cache = inputs
+            x_BTD, stats, cache = block(x_BTD, positions_T, axes, ctx | {"layer_keys": layer_keys}, cache)
             return x_BTD, (stats, cache)
 
         n_blocks = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]

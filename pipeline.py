@@ -9,13 +9,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
 from collectives import MESH_AXES, Axes, vary_like
 from engine import engine_for
 from loss import summarise
 from sharding import Layout, build, model_order
+
+# The specs of rows split over dp and of a replicated value (P in this file is the pipeline repeats).
+BY_DP, WHOLE = PartitionSpec("dp"), PartitionSpec()
 
 
 def one_device_loss(params, x_BT, y_BT, key, cfg, train=True):
@@ -34,13 +37,13 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
     """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params.
     params in any layout (the one cfg.pipeline_repeats asks for costs no reshard)."""
     params = Layout(cfg.pipeline_repeats).store(params)
-    x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT))
-    metric_specs = {"ce": P(), "balance": P(), "tokens_per_expert": P(), "drop_rate": P()}
+    x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, BY_DP)) for a in (x_BT, y_BT))
+    metric_specs = {"ce": WHOLE, "balance": WHOLE, "tokens_per_expert": WHOLE, "drop_rate": WHOLE}
     platform = mesh.devices.flat[0].platform          # for the mesh's devices, whatever this process runs on
     loss = partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train, platform=platform)
-    sharded = jax.shard_map(loss, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), P("dp"),
-                                                       P("dp"), P()),
-                            out_specs=(P(), metric_specs), check_vma=True)
+    sharded = jax.shard_map(loss, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), BY_DP,
+                                                       BY_DP, WHOLE),
+                            out_specs=(WHOLE, metric_specs), check_vma=True)
     return sharded(params, x_BT, y_BT, key)
 
 
@@ -60,12 +63,12 @@ def row_scores(params, x_BT, y_BT, mask_BT, cfg, mesh, n_micro, window):
     reach the output layer (a continuation is at most that long), not all T: its vocabulary-wide work is the
     largest part of a small model's forward."""
     params = Layout(cfg.pipeline_repeats).store(params)
-    x_BT, y_BT, mask_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, P("dp"))) for a in (x_BT, y_BT, mask_BT))
+    x_BT, y_BT, mask_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, BY_DP)) for a in (x_BT, y_BT, mask_BT))
     platform = mesh.devices.flat[0].platform
     scores = partial(_pipeline_row_scores, cfg=cfg, n_micro=n_micro, platform=platform, window=window)
-    sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), P("dp"),
-                                                         P("dp"), P("dp")),
-                            out_specs=(P("dp"), P("dp")), check_vma=True)
+    sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), BY_DP,
+                                                         BY_DP, BY_DP),
+                            out_specs=(BY_DP, BY_DP), check_vma=True)
     return sharded(params, x_BT, y_BT, mask_BT)
 
 
@@ -122,7 +125,7 @@ def _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     # Normalised on entry: the stage's blocks as [P, G, ...] whatever P (GPipe stores them as [G, ...]).
     blocks_PG = params["blocks"] if P > 1 else jax.tree.map(lambda a: a[None], params["blocks"])
-    # FSDP, [P, G, .., D/dp, ..] -> [P, G, .., D, ..] (fsdp.py).
+    # FSDP, [P, G, .., D/dp, ..] -> [P, G, .., D, ..] (engine/fsdp.py).
     # Guide: each layer all-gathers its weights when called, every tick; here once a step, for all ticks.
     names = sharding.logical_axes(sharding.has_router_bias(params))
     prologue = ({"prologue": axes.engine.gather_stage(params["prologue"], "prologue", names, cfg, axes)}

@@ -1,4 +1,4 @@
-"""Figures from a run's metrics.jsonl (written by main.py; its fields: utils.METRICS).
+"""Figures from a run's metrics.jsonl (written by main.py; its fields: metrics_schema.METRICS).
 
     python plot.py [RUN_DIR] [--out DIR]
 

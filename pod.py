@@ -11,7 +11,7 @@ main.py runs. Nothing is trained and nothing is written.
 
 `--compile_for h200` (h200-N: N on one host) does the same with XLA:GPU (jax-cuda12-plugin,
 requirements-gpu-aot.txt) given XLA's H200 description, and estimates the step time from the
-compiled kernels (`hlo.kernel_census`, calibrated on measured H200 steps: docs/performance.md).
+compiled kernels (`hlo.kernel_census`, calibrated on measured H200 steps: docs/performance-log.md#2026-12-03-h200-estimate-band).
 
 Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by how much),
 2 the request is unusable (unknown target, invalid config, the compiler missing).
@@ -34,6 +34,7 @@ import numpy as np
 import psutil
 from jax.experimental import multihost_utils, topologies
 
+import hardware
 import hlo
 import sharding
 import utils
@@ -46,7 +47,7 @@ GiB = 2**30
 HFU_ASSUMED = 0.4                   # a good MoE run's share of the peak, for the second TPU step-time estimate
 # The H200 estimate: every kernel at the roofline of these rates (hlo.kernel_census), then a factor per class
 # of kernel and a time per kernel (or per step) fitted to steps timed on an H200: the timed runs are in
-# H200_CALIBRATION, which scripts/refit_estimate.py writes (docs/performance.md 'The H200 estimate').
+# H200_CALIBRATION, which scripts/refit_estimate.py writes (docs/performance-log.md#2026-12-03-h200-estimate-band).
 GPU_GEMM_FLOPS = 779e12             # bf16 GEMM FLOP/s measured on an H200 (8192^3): the roofline's rate, not MFU's peak
 H200_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "h200_calibration.json")
 H200_COMPUTE_CAPABILITY = (9, 0)
@@ -67,12 +68,12 @@ device_description_str: "NVIDIA H200"
 
 
 def main(cfg):
-    target = utils.compile_target(cfg.run.compile_for)
+    target = hardware.compile_target(cfg.run.compile_for)
     if target is None:
         return _usage(f"--compile_for {cfg.run.compile_for!r} is not a target this knows. TPU slices: "
-                      + ", ".join(t.name for t in utils.tpu_slices()) + "; GPUs: "
-                      + ", ".join(g.name for g in utils.gpu_targets()))
-    gpu = isinstance(target, utils.GpuTarget)
+                      + ", ".join(t.name for t in hardware.tpu_slices()) + "; GPUs: "
+                      + ", ".join(g.name for g in hardware.gpu_targets()))
+    gpu = isinstance(target, hardware.GpuTarget)
     compiler, install = ("jax_plugins.xla_cuda12", PIP_COMMAND_GPU) if gpu else ("libtpu", PIP_COMMAND)
     if importlib.util.find_spec(compiler.split(".")[0]) is None or importlib.util.find_spec(compiler) is None:
         return _usage(f"--compile_for {target.name} needs {'XLA:GPU (jax-cuda12-plugin)' if gpu else 'libtpu'}'s "
@@ -116,7 +117,7 @@ def _compile_only_cuda():
 def target_devices(target):
     """The target's devices: a TPU slice's as libtpu describes them (ids, host, chip coords), or N
     H200s on one host as XLA:GPU's target description gives them."""
-    if isinstance(target, utils.GpuTarget):
+    if isinstance(target, hardware.GpuTarget):
         return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{target.chips}",
                                             target_config=H200_DESCRIPTION).devices
     return topology_devices(target)
@@ -200,8 +201,8 @@ class Report:
     def __init__(self, cfg, target, mesh):
         self.cfg, self.target, self.mesh = cfg, target, mesh
         self.planned, self.estimate = {}, None      # GiB per chip of each step; the train step's time, in words
-        self.gpu = isinstance(target, utils.GpuTarget)
-        self.peak = utils.peak_flops(mesh.devices.flat[0].device_kind)
+        self.gpu = isinstance(target, hardware.GpuTarget)
+        self.peak = hardware.peak_flops(mesh.devices.flat[0].device_kind)
         self.tokens = utils.sequences_per_step(cfg) * cfg.model.T
         self.model_flops = sharding.flops_per_token(cfg.model) * self.tokens / target.chips    # per chip
 
@@ -272,7 +273,7 @@ class Report:
     def _collectives(self, hlo_text):
         counted = hlo.collective_bytes(hlo_text)
         print("  collectives per chip per step (compiled HLO, loops x trip counts; bytes: each op's full-size "
-              "buffer on the chip, sent: a ring's share of it, docs/performance.md 'Collective bytes'):")
+              "buffer on the chip, sent: a ring's share of it, docs/performance-log.md#2026-11-30-collective-bytes-issue-18):")
         for kind, c in counted.items():
             print(f"    {kind:<19} {c['count']:>7,} ops {_gib(c['bytes'])} {_gib(c['link_bytes'])} sent")
         print(f"    {'total':<19} {sum(c['count'] for c in counted.values()):>7,} ops "
@@ -336,7 +337,7 @@ class Report:
         print(f"  calibration ({fit['form']}): GEMMs x {fit['factors']['gemm']:.3g}, attention x "
               f"{fit['factors']['attention']:.3g}, memory-bound x {fit['factors']['memory']:.3g}, {overhead}; the band: "
               f"{len(fits)} fits of {len({f['form'] for f in fits})} forms, each timed step held out in turn "
-              f"(docs/performance.md 'The H200 estimate')")
+              f"(docs/performance-log.md#2026-12-03-h200-estimate-band)")
         print(f"  calibrated on: {describe(calibration)}")
         self._speed("estimated on an H200", point, flops, band=(low, high))
         self.estimate = f"{point * 1e3:.1f} ms (band {low * 1e3:.1f}-{high * 1e3:.1f} ms)"
@@ -371,7 +372,7 @@ def class_seconds(census):
 def load_calibration(path=H200_CALIBRATION):
     with open(path) as f:
         calibration = json.load(f)
-    if calibration["rates"] != {"gemm_flops": GPU_GEMM_FLOPS, "hbm_bandwidth": utils.GpuTarget("h200", 1).hbm_bandwidth}:
+    if calibration["rates"] != {"gemm_flops": GPU_GEMM_FLOPS, "hbm_bandwidth": hardware.GpuTarget("h200", 1).hbm_bandwidth}:
         raise ValueError(f"its runs were costed at other rates ({calibration['rates']}): run scripts/refit_estimate.py")
     return calibration
 
@@ -514,7 +515,7 @@ def _refusal(cfg, trainer):
         return None
     have, sharing, words = memory
     n_mesh = math.prod(cfg.run.n_device_axis)
-    target = utils.PRESET_SLICES.get(cfg.preset) or next((t.name for t in utils.tpu_slices() if t.chips == n_mesh),
+    target = utils.PRESET_SLICES.get(cfg.preset) or next((t.name for t in hardware.tpu_slices() if t.chips == n_mesh),
                                                          "SLICE")
     smaller = _presets_that_fit(cfg, mesh, have, sharing)
     return (f"this run (--preset {cfg.preset}) needs at least {sum(plan.values()) / GiB:.2f} GiB per device ("

@@ -7,7 +7,7 @@ import sys
 import jax
 from tqdm import tqdm
 
-import utils
+import metrics_schema
 from checkpoints import wait_for_save
 from metrics import Goodput, Meter, earlier_sessions, process_start, say
 from multihost import StopAgreement, StopSignals, Watchdog, log, started_line
@@ -19,7 +19,7 @@ class Progress:
         self.run, rc = run, run.cfg.run
         self.goodput = Goodput(process_start(), run.start_step, _earlier_sessions(run))
         self.goodput.mark("startup")
-        run.logger.metrics(utils.metrics_record("event", run.start_step, event="start" if run.meta is None else "resume",
+        run.logger.metrics(metrics_schema.metrics_record("event", run.start_step, event="start" if run.meta is None else "resume",
                                                 process_start=self.goodput.started))
         self.signals = StopSignals()         # first: it guards sys.stdout, which the progress bar writes to
         # A progress bar on a terminal; a log file (launcher.sh's) gets the interval lines alone, not redraws.

@@ -22,7 +22,7 @@ import numpy as np
 
 import harness
 from tasks import BUNDLED, TaskError
-from utils import bits_per_byte
+from metrics_schema import bits_per_byte
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +147,7 @@ class TaskScorer:
         return [self.score(i, trainer, state, with_requests) for i in range(len(self.tasks))]
 
     def score(self, i, trainer, state, with_requests=False):
-        """The record of task i (utils.METRICS["tasks"]' fields); with_requests: and each request's context,
+        """The record of task i (metrics_schema.METRICS["tasks"]' fields); with_requests: and each request's context,
         continuation, log-likelihood and is_greedy (the harness's --log_samples)."""
         task, rows, t0 = self.tasks[i], self.rows[i], time.perf_counter()
         nats_R, greedy_R = row_scores(trainer, state, rows, self.batch_rows)

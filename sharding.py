@@ -24,12 +24,12 @@ from model import DENSE_LAYERS, LAYERS, PROLOGUE, Transformer
 
 # The one sharding table: logical axis -> mesh axis, in order of precedence. A mesh axis shards at most one
 # dim of a parameter (flax's logical_to_mesh_axes), so dp splits D in w_dq [D, Lq] and the latent in w_uq
-# [Lq, H K]. "dp" = FSDP shard, all-gathered for the step (fsdp.py); "tp" = Megatron split; "pp" = pipeline
+# [Lq, H K]. "dp" = FSDP shard, all-gathered for the step (engine/fsdp.py); "tp" = Megatron split; "pp" = pipeline
 # stage. Logical axes not listed are replicated: "dense_layers" (a block's stacked dense layers), "norm",
 # "rope", "score" (the router's column per expert), "shared" (the shared experts' index) and, unless expert
 # parallelism is on, "expert" (the routed experts' index).
 AXIS_RULES = (
-    ("layers", "pp"),        # the stacked blocks: stage s holds blocks [s B/pp, (s+1) B/pp)
+    ("layers", "pp"),        # the stacked blocks: stage s holds blocks [s n, (s+1) n), n = blocks/pp
     ("vocab", "tp"),         # rows of the tied table
     ("heads", "tp"),         # the H K (and H R) columns of the attention projections
     ("mlp", "tp"),           # FFN hidden units, in the dense FFN and inside every expert

@@ -1,6 +1,6 @@
 """nnx plumbing for model.py: weights declared with their logical axes (`variable`), layers stacked on a
 leading axis (`stacked`) and run one at a time under lax.scan (`scan_stacked`), each optionally
-rematerialised (`call_module` for a single one)."""
+rematerialised (`remat_call` for a single one)."""
 from functools import partial
 
 import jax
@@ -41,7 +41,7 @@ def scan_stacked(stack, axis, body, carry, xs, policy=None, unroll=1):
     return lax.scan(step, carry, (state, xs), unroll=unroll)
 
 
-def call_module(module, body, x, extra, policy=None):
+def remat_call(module, body, x, extra, policy=None):
     """body(module, x, extra), rematerialised under policy as one scan_stacked step is."""
     if policy is None:
         return body(module, x, extra)

@@ -65,7 +65,7 @@ class Task:
 
 
 KJV_MIN_WORDS = 8           # shorter verses leave too little of a beginning or an ending
-# Every third verse keeps the scoring a small share of `python main.py` (docs/performance.md, "Downstream tasks' cost").
+# Every third verse keeps the scoring a small share of `python main.py` (docs/performance-log.md#2026-12-04-downstream-tasks-cost).
 KJV_EVERY = 3
 
 

@@ -117,7 +117,7 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
     counts, which stay sums: the bias update and the log interval's loads count the whole global batch.
     Gradients of the params only: the routing bias is state the loss reads, not a parameter."""
     xs, ys = batch
-    G = len(xs)
+    micro_steps = len(xs)
     grad_fn = jax.value_and_grad(lambda p, x, y, k: pipeline.loss_and_metrics(
         sharding.with_router_bias(p, router_bias), x, y, k, cfg.model, mesh, cfg.run.micro_batch_size, True),
         has_aux=True)
@@ -127,15 +127,15 @@ def accumulate_gradients(params, router_bias, batch, key, cfg, mesh):
         (loss, metrics), g = grad_fn(params, x, y, jax.random.fold_in(key, i))
         return jax.tree.map(jnp.add, sums, (g, {"loss": loss, **metrics})), None
 
-    if G == 1:                 # nothing to sum: no zeros to start from, whose shapes cost a trace of the loss
+    if micro_steps == 1:       # nothing to sum: no zeros to start from, whose shapes cost a trace of the loss
         (loss, metrics), grads = grad_fn(params, xs[0], ys[0], jax.random.fold_in(key, 0))
         return grads, {"loss": loss, **metrics}
     loss, metrics = jax.eval_shape(grad_fn, params, xs[0], ys[0], key)[0]
     zeros = (jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), {"loss": loss, **metrics}))
-    (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(G)))
-    grads = jax.tree.map(lambda g: g / G, grads)
-    return grads, {name: s if name == "tokens_per_expert" else s / G for name, s in sums.items()}
+    (grads, sums), _ = jax.lax.scan(micro, zeros, (jnp.stack(xs), jnp.stack(ys), jnp.arange(micro_steps)))
+    grads = jax.tree.map(lambda g: g / micro_steps, grads)
+    return grads, {name: s if name == "tokens_per_expert" else s / micro_steps for name, s in sums.items()}
 
 
 def update_router_bias(router_bias, tokens_per_expert, rate):

@@ -1,4 +1,4 @@
-"""Configuration, CLI, presets, validation and FLOP/MFU accounting.
+"""Configuration: the config dataclasses, presets, the CLI and validation.
 
 Every shape rule the model and the mesh rely on is checked here, before any JAX computation, so that a
 bad flag gets one message naming the flag and the valid values rather than a trace error deep in XLA.
@@ -9,8 +9,9 @@ import argparse
 import dataclasses
 import difflib
 import math
-import time
 from dataclasses import dataclass, field
+
+import hardware
 
 
 # The embedding table is padded to a multiple of this many rows, independent of the mesh, so that a
@@ -28,7 +29,7 @@ class ModelConfig:
     vocab_size: int = flag(100_277, "vocabulary size (cl100k_base: 100,277)")
     model_dimension: int = flag(128, "d_model")
     n_head: int = flag(4, "attention heads")
-    blocks: int = flag(2, "blocks B (split over pp); each is layers_per_block layers")
+    blocks: int = flag(2, "blocks (split over pp); each is layers_per_block layers")
     layers_per_block: int = flag(2, "layers per block; the last is MoE + NoPE, the rest dense + RoPE")
     T: int = flag(128, "context length")
     latent_dim: int = flag(32, "KV latent width (c_kv)")
@@ -70,7 +71,7 @@ class ModelConfig:
                                       "routed_scaling_factor)")
     renormalize_gates: bool = flag(True, "the k chosen scores renormalised to sum to 1 as the gates (the guide's and "
                                          "DeepSeek-V3's norm_topk_prob); false: the scores themselves")
-    engine: str = flag("fast", "what the model's math runs on (engine.py): fast (fused attention, custom-VJP "
+    engine: str = flag("fast", "what the model's math runs on (engine/): fast (fused attention, custom-VJP "
                                "products, chunked cross-entropy, named remat) or reference (the guide's plain "
                                "math at every seam, the same numbers in fp32: for reading and debugging)")
     expert_parallel: bool = flag(False, "expert parallelism over dp: each dp shard holds E/DP whole routed experts "
@@ -273,7 +274,7 @@ TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/finewe
                     "--out gs://BUCKET/fineweb-edu --shard_size 100000000 --val_shards 1 --max_tokens 26400000000")
 
 # Flags that pick an implementation, and their values: the keys of engine.REMAT_POLICIES (with none:
-# nothing recomputed), of experts.MOE_IMPLS and of engine.ENGINES (tests/test_config.py checks they agree).
+# nothing recomputed), of expert_kernels.MOE_IMPLS and of engine.ENGINES (tests/test_config.py checks they agree).
 CHOICES = {"remat": ("auto", "full", "dots", "none"), "moe_impl": ("buffers", "ragged"), "engine": ("fast", "reference"),
            "ffn": ("gelu", "gated_silu")}
 
@@ -496,7 +497,7 @@ def validate(cfg, n_devices=None):
         errors.append(f"--max_tokens ({i.max_tokens}) must be < --T ({m.T}): the KV cache holds T positions")
     n_mesh = dp * pp * tp
     if n_devices is not None and (n_mesh > n_devices or n_devices % n_mesh):
-        slices = [t.name for t in tpu_slices() if t.chips == n_mesh]
+        slices = [t.name for t in hardware.tpu_slices() if t.chips == n_mesh]
         errors.append(f"--n_device_axis {dp} {pp} {tp} needs {n_mesh} devices"
                       + (f" (a TPU {' or '.join(slices)})" if slices else "")
                       + f", which must divide the {n_devices} available; valid meshes have DP x PP x TP "
@@ -535,204 +536,3 @@ def global_batch(cfg):
 def sequences_per_step(cfg):
     """Sequences per optimizer step: --grad_step micro-steps of the global batch."""
     return cfg.optim.grad_step * global_batch(cfg)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Metrics: every field main.py writes to RUN_DIR/metrics.jsonl, and what it means (plot.py and
-# docs/training.md read them from here). Each record has "step" and "time" (Unix seconds when it was made); its
-# other fields are those of one kind. A
-# per-MoE-layer value is a list indexed by layer (expert_load: per layer, per expert); wandb gets
-# NAME/layerI (and NAME/layerI/expertJ).
-
-METRICS = {
-    "step": {       # one per optimizer step
-        "loss": "training loss of the step (cross-entropy + balance term)",
-        "ce": "training cross-entropy",
-        "balance": "balance term (alpha applied, summed over MoE layers)",
-        "grad_norm": "global grad norm before clipping",
-        "lr": "learning rate of the update",
-        "drop_rate": "fraction of routed choices dropped for capacity",
-        "skipped_steps": "updates skipped as spikes so far (--skip_spikes)",
-        "grad_norm_ratio": "grad norm over the median of the previous 20 steps' (null until 10 are seen)",
-        "update_skipped": "whether this step's update was skipped",
-        "loss_jump": "loss minus the median of the previous 10 losses (null before 10)",
-        "nonfinite": "whether the loss, gradient or updated state was not finite (the update was then skipped: "
-                     "parameters, moments and routing bias unchanged)",
-    },
-    "interval": {   # one per evaluation, every --checkpoint_steps
-        "val_loss": "validation cross-entropy (without the balance term)",
-        "val_bpb": "validation bits per byte: summed nats / (ln 2 x the UTF-8 bytes the targets spell)",
-        "val_balance": "validation balance term",
-        "train_loss": "mean training loss over the interval",
-        "lr": "learning rate of the interval's last update",
-        "grad_norm": "grad norm of the interval's last step",
-        "tokens_per_s": "training tokens per second (compilation excluded)",
-        "step_time_s": "seconds per step",
-        "mfu": "model FLOPs utilisation (null where the device's peak is unknown)",
-        "expert_load": "per MoE layer, each expert's share of the routed choices (1/E: balanced)",
-        "idle_expert_fraction": "per MoE layer, the fraction of experts that got no token",
-        "load_max_over_mean": "per MoE layer, the busiest expert's load over the mean",
-        "layer_drop_rate": "per MoE layer, the fraction of routed choices dropped",
-        "layer_balance": "per MoE layer, the balance term (alpha applied; balance is their sum)",
-        "expert_load_spread": "max/min expert load over the worst MoE layer (null when an expert is idle)",
-        "drop_rate": "mean drop rate over the interval",
-        "balance": "mean balance term over the interval",
-        "skipped_steps": "updates skipped as spikes so far",
-        "max_loss_jump": "largest loss_jump of the interval",
-        "max_grad_norm_ratio": "largest grad_norm_ratio of the interval",
-    },
-    "final": {      # once, when the run ends
-        "final_val_loss": "validation cross-entropy at the end",
-        "final_val_bpb": "validation bits per byte at the end",
-        "unigram_entropy": "entropy of the training tokens' unigram distribution (the no-context baseline)",
-    },
-    "tasks": {      # per task of --eval_tasks, at every checkpoint (scoring.py)
-        "task": "the task's name",
-        "acc": "share of examples whose gold continuation has the highest log-likelihood (loglikelihood tasks: "
-               "whose continuation is the greedy one)",
-        "acc_norm": "the same, each log-likelihood divided by its continuation's length in characters (or null)",
-        "bpb": "the gold continuations' bits per byte: summed nats / (ln 2 x their UTF-8 bytes)",
-        "examples": "examples scored",
-        "cut_on_the_left": "requests (rows) whose context was cut on the left to fit --T",
-        "chance": "the accuracy of a uniform random guess (null: not a choice among candidates)",
-        "seconds": "time the scoring took",
-    },
-    "goodput": {    # per process run (session): at every checkpoint and when it ends, where its time went so far
-        "wall_s": "seconds from the process's start to this record (at the end: to its last checkpoint)",
-        "startup_s": "imports, devices, the data and the restore",
-        "compile_s": "the first training step (its compile)",
-        "train_s": "the other training steps",
-        "eval_s": "validation",
-        "checkpoint_s": "saving (the final save's wait included)",
-        "tasks_s": "downstream tasks (--eval_tasks)",
-        "sample_s": "text samples",
-        "redone_steps": "steps a previous session trained past the checkpoint this one resumed from",
-        "redone_s": "their share of train_s (time lost to the restart)",
-        "down_s": "seconds from the previous session's last record to this process's start (the failure, its "
-                  "detection and the restart); null for the first session",
-        "goodput": "(train_s - redone_s) / wall_s",
-    },
-    "run_goodput": {    # with each goodput record on process 0: the whole run, every session so far
-        "run_sessions": "process runs of this run so far, this one included",
-        "run_wall_s": "seconds from the first session's start to this record",
-        **{f"run_{p}_s": f"{p}_s of every session, summed" for p in ("startup", "compile", "train", "eval",
-                                                                      "checkpoint", "tasks", "sample")},
-        "run_lost_s": "work of interrupted sessions after their last goodput record (at their last checkpoint): "
-                      "done again by the next session",
-        "run_down_s": "time between one session's last record and the next one's start, summed",
-        "run_goodput": "run_train_s / run_wall_s (the phases, run_lost_s and run_down_s add up to run_wall_s)",
-    },
-    "event": {"event": "start (a fresh run), resume (from the checkpoint of this step) or stop (checkpointed at "
-                       "this step, before anything else, on a signal or a lost terminal)",
-              "process_start": "Unix seconds when this session's process started",
-              "cause": "what stopped the run: SIGTERM, SIGINT, SIGHUP, stdout/stderr lost (a closed terminal or "
-                       "pipe) or another host's stop"},
-}
-
-
-def metrics_record(kind, step, **values):
-    """A metrics.jsonl record of `kind`; every field must be in METRICS[kind] (ValueError otherwise)."""
-    unknown = set(values) - set(METRICS[kind])
-    if unknown:
-        raise ValueError(f"metrics {sorted(unknown)} are not in utils.METRICS[{kind!r}]")
-    return {"step": step, "time": round(time.time(), 3), **values}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# TPU slices, for --compile_for and for naming the slice a mesh needs
-
-
-@dataclass(frozen=True)
-class TpuSlice:
-    name: str                 # as Google names it: v4-64 (v4 and v5p count TensorCores, 2 a chip), v6e-16 (chips)
-    generation: str           # libtpu's topology prefix: v4, v5p, v5e, v6e
-    chip_grid: tuple          # chips along x, y(, z)
-    host_grid: tuple          # one host's chips along x, y, z
-    hbm_bytes: float          # usable HBM per chip, as libtpu's compiler reports it when a program exceeds it
-
-    @property
-    def chips(self):
-        return math.prod(self.chip_grid)
-
-    @property
-    def hosts(self):
-        return self.chips // math.prod(self.host_grid)
-
-    @property
-    def topology_name(self):
-        return f"{self.generation}:" + "x".join(map(str, self.chip_grid))
-
-    @property
-    def chip_config(self):
-        return "megacore" if self.generation in ("v4", "v5p") else "default"   # one JAX device per chip
-
-
-_CUBE_GRIDS = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
-               256: (4, 8, 8)}                                      # v4 and v5p: chips -> 3-D torus shape
-_PLANE_GRIDS = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
-                256: (16, 16)}                                      # v5e and v6e: chips -> 2-D shape
-_HBM_GIB = {"v4": 30.75, "v5p": 95.74, "v5e": 15.75, "v6e": 31.25}   # measured from libtpu 0.0.42.1's errors
-
-
-def tpu_slices():
-    """Every slice --compile_for knows, smallest first within each generation."""
-    out = []
-    for gen, prefix in (("v4", "v4"), ("v5p", "v5p")):
-        out += [TpuSlice(f"{prefix}-{2 * chips}", gen, grid, (2, 2, 1), _HBM_GIB[gen] * 2**30)
-                for chips, grid in _CUBE_GRIDS.items()]
-    for gen, prefix in (("v5e", "v5litepod"), ("v6e", "v6e")):
-        out += [TpuSlice(f"{prefix}-{chips}", gen, grid, (*grid, 1) if chips <= 8 else (2, 2, 1),
-                         _HBM_GIB[gen] * 2**30) for chips, grid in _PLANE_GRIDS.items()]
-    return out
-
-
-def tpu_slice(name):
-    """The TpuSlice called `name` (v5e-N is accepted for v5litepod-N), or None."""
-    name = name.strip().lower().replace("v5e-", "v5litepod-")
-    return next((t for t in tpu_slices() if t.name == name), None)
-
-
-@dataclass(frozen=True)
-class GpuTarget:
-    """N H200s on one host, for `--compile_for h200` / `h200-N`: compiled by XLA:GPU on this machine."""
-    name: str
-    chips: int                               # GPUs
-    hbm_bytes: float = 151397597184          # device_memory_size in XLA's H200 description (141 GiB)
-    hbm_bandwidth: float = 4.8e12            # B/s
-    hosts: int = 1
-
-
-def gpu_targets():
-    return [GpuTarget("h200" if n == 1 else f"h200-{n}", n) for n in (1, 2, 4, 8)]
-
-
-def compile_target(name):
-    """The TpuSlice or GpuTarget `--compile_for NAME` compiles for, or None."""
-    return tpu_slice(name) or next((g for g in gpu_targets() if g.name == name.strip().lower()), None)
-
-
-# Dense bf16 peaks per chip from the vendors' datasheets: what MFU is of, as MaxText, Megatron and NeMo report
-# it (bench.py and --compile_for h200 give MFU of a measured GEMM rate beside it).
-PEAK_BF16_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12,
-                   "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
-
-
-def peak_flops(device_kind):
-    """The bf16 dense peak of a device kind, or None when unknown (a CPU)."""
-    for prefix, peak in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
-        if device_kind.startswith(prefix):
-            return peak
-    return None
-
-
-MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x the datasheet's dense bf16 FLOP/s: "
-               + ", ".join(f"{kind} {peak / 1e12:g}e12" for kind, peak in PEAK_BF16_FLOPS.items()) + ")")
-
-
-def bits_per_byte(nats_per_token, bytes_per_token):
-    """Bits per UTF-8 byte of text from a cross-entropy in nats per token: comparable across tokenizers."""
-    return nats_per_token / (math.log(2) * bytes_per_token)
-
-
-def mfu(tokens_per_second, flops_per_token, n_devices, peak):
-    return None if not peak else tokens_per_second * flops_per_token / (n_devices * peak)

@@ -24,8 +24,8 @@ sys.path.insert(0, REPO)
 
 import jax  # noqa: E402
 
+import hardware  # noqa: E402
 import pod  # noqa: E402
-import utils  # noqa: E402
 
 
 def use_tree(tree):
@@ -63,7 +63,7 @@ def main(argv=None):
     args = parser.parse_args(ours)
     tree = os.path.abspath(args.tree)
     pod._compile_only_cuda()
-    devices = pod.target_devices(utils.compile_target("h200"))
+    devices = pod.target_devices(hardware.compile_target("h200"))
     if tree != REPO:
         use_tree(tree)
     if args.trace_backend:

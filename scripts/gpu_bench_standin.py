@@ -18,9 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import hardware  # noqa: E402
 import hlo  # noqa: E402
 import pod  # noqa: E402
-import utils  # noqa: E402
 
 PLANTED = {"gemm": 1.25, "attention": 2.5, "memory": 1.15}
 PLANTED_PER_KERNEL_S = 2e-6
@@ -123,7 +123,7 @@ def main(argv=None):
     parser.add_argument("--profile", default="")
     args, _ = parser.parse_known_args(argv)
     text = program(args.train_batch_size, args.remat, args.moe_impl == "ragged")
-    census = hlo.kernel_census(text, pod.GPU_GEMM_FLOPS, utils.GpuTarget("h200", 1).hbm_bandwidth)
+    census = hlo.kernel_census(text, pod.GPU_GEMM_FLOPS, hardware.GpuTarget("h200", 1).hbm_bandwidth)
     kernels = [{"name": LIBRARY_NAMES.get(row["kind"], name.replace(".", "_")), "hlo_op": None if name in IN_GRAPH else name,
                 "launches": row["count"],
                 "ms_per_step": 1e3 * PLANTED["memory" if row["class"] == "collective" else row["class"]] * row["roofline_s"]}

@@ -20,9 +20,9 @@ import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import hardware  # noqa: E402
 import hlo  # noqa: E402
 import pod  # noqa: E402
-import utils  # noqa: E402
 
 
 def read_source(source):
@@ -72,7 +72,7 @@ def runs_of(source):
         if not record.get("step_time_median_s"):
             print(f"{source}: {name} has no measured step time; skipped", file=sys.stderr)
             continue
-        census = hlo.kernel_census(files[name + ".hlo.txt"], pod.GPU_GEMM_FLOPS, utils.GpuTarget("h200", 1).hbm_bandwidth)
+        census = hlo.kernel_census(files[name + ".hlo.txt"], pod.GPU_GEMM_FLOPS, hardware.GpuTarget("h200", 1).hbm_bandwidth)
         row = {"name": name, "tree": record.get("tree") or meta.get("commit", "?"),
                "timed": record.get("timed") or meta.get("date", "?"),
                "source": record.get("source") or "HLO the GPU compiled (autotuned)",
@@ -134,7 +134,7 @@ def main(argv=None):
     fits = pod.calibrations(runs)
     print_report(runs, fits, stored)
     if args.write:
-        calibration = {"rates": {"gemm_flops": pod.GPU_GEMM_FLOPS, "hbm_bandwidth": utils.GpuTarget("h200", 1).hbm_bandwidth},
+        calibration = {"rates": {"gemm_flops": pod.GPU_GEMM_FLOPS, "hbm_bandwidth": hardware.GpuTarget("h200", 1).hbm_bandwidth},
                        "runs": runs}
         with open(args.write, "w") as f:
             json.dump(calibration, f, indent=1)

@@ -38,7 +38,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 # XLA at -O0 in this process only: the in-process tests mostly compile, which -O0 does a third faster, while its
 # programs run slower, which would cost the main.py subprocesses more than it saves, and --compile_for must plan
 # what a pod runs. XLA reads its flags once, when its first backend starts, so the environment subprocesses
-# inherit is put back right after (docs/performance.md, "The test suite's time").
+# inherit is put back right after (docs/performance-log.md#2026-12-03-suite-time).
 SUBPROCESS_XLA_FLAGS = os.environ["XLA_FLAGS"]
 os.environ["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS + " --xla_backend_optimization_level=0"
 import jax

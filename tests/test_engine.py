@@ -1,4 +1,4 @@
-"""The two engines (engine.py) compute the same model: in fp32 the reference engine (the guide's plain math
+"""The two engines (engine/) compute the same model: in fp32 the reference engine (the guide's plain math
 at every seam) gives the fast engine's loss, metrics and every gradient on each mesh, expert parallelism and
 the circular pipeline included. tests/test_model.py holds the fast engine on every mesh to its one-device
 run; this holds the reference engine on the meshes to that same run, so each engine equals the other."""

@@ -1,4 +1,4 @@
-"""The routed experts' grouped matmuls (experts.py): dropless (--capacity_factor 0) the ragged experts give
+"""The routed experts' grouped matmuls (engine/expert_kernels.py): dropless (--capacity_factor 0) the ragged experts give
 the capacity buffers' loss, metrics and every gradient in fp32, on one device and on a (2,2,2) mesh; and on a
 GPU the engine multiplies them with tokamax's grouped-matmul kernel, whose FLOPs the H200 estimate counts.
 
@@ -52,11 +52,11 @@ COMPILE_THE_EXPERTS = """
 import json
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-import engine, hlo, pod, sharding, utils
+import engine, hardware, hlo, pod, sharding, utils
 from collectives import MESH_AXES, Axes
 pod._compile_only_cuda()
 B, T, D, F, E, k = 4, 64, 64, 128, 8, 2
-mesh = sharding.make_mesh((2, 1, 2), pod.target_devices(utils.GpuTarget("h200", 4)))
+mesh = sharding.make_mesh((2, 1, 2), pod.target_devices(hardware.GpuTarget("h200", 4)))
 cfg = utils.override(utils.Config(), moe_impl="ragged").model
 
 def loss(w, x_BTD, experts_BTk, slot_BTk, platform):

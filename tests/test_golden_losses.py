@@ -2,7 +2,7 @@
 steps (the tiny preset on the bundled corpus, here in fp32, on one device) equal those recorded in
 tests/golden/losses/tiny_fp32.json, to a relative 3e-7 (3.6e-6 at a loss of 12).
 
-The tolerance was measured (docs/performance.md, "Golden losses"): another x86 instruction set
+The tolerance was measured (docs/performance-log.md#2026-12-01-golden-losses-issue-26): another x86 instruction set
 (--xla_cpu_max_isa=SSE4_2 instead of AVX-512, or AVX2) or 8 simulated devices instead of 1 moves these
 losses by at most 1e-6, while one changed op moves them by more (the exact GELU for the tanh one in the
 dense FFN: 1.1e-5; RMSNorm's epsilon 1e-5 for 1e-6: 7.7e-4). A change meant to alter the training

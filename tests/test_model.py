@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import attention
+from engine import attention_kernels
 import generate
 import hlo
 import model
 import pipeline
-import products
+from engine import products
 import trainer
 import sharding
 import utils
@@ -254,9 +254,9 @@ def test_causal_attention_in_query_chunks_equals_one_masked_softmax(T):
     """attend runs a causal attention in chunks of queries (T = 256: 2, T = 1024: 8), each against the
     keys up to its end; in fp32 its values and gradients equal one masked softmax over all T x T."""
     q, k, v = (jax.random.normal(jax.random.key(i), (2, T, 3, 24 if i < 2 else 16)) for i in range(3))
-    chunked = lambda q, k, v: attention.attention(q, k, v, None, jnp.float32, None)
+    chunked = lambda q, k, v: attention_kernels.attention(q, k, v, None, jnp.float32, None)
     whole = lambda q, k, v: model.masked_attention(q, k, v, jnp.tril(jnp.ones((T, T), bool)), jnp.float32, products.mm)
-    assert attention.CAUSAL_MIN_CHUNK * 2 <= T          # more than one chunk
+    assert attention_kernels.CAUSAL_MIN_CHUNK * 2 <= T          # more than one chunk
     np.testing.assert_allclose(chunked(q, k, v), whole(q, k, v), rtol=1e-5, atol=1e-6)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     for g, g_ref in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(whole), (0, 1, 2))(q, k, v)):
@@ -280,7 +280,7 @@ def test_the_narrow_v_check_compares_with_the_padded_kernel_while_a_step_is_trac
 
     def body(x):                                 # where attend runs: inside shard_map, under jit
         with jax.ensure_compile_time_eval():
-            verdicts.extend(attention.narrow_v_matches_padded(Q, K, kernel, padded, T=T)
+            verdicts.extend(attention_kernels.narrow_v_matches_padded(Q, K, kernel, padded, T=T)
                             for kernel in (narrow, always_causal, lossy))
         return x + 1
     mesh = sharding.make_mesh((2, 2, 2))
@@ -429,10 +429,11 @@ def moe(w, x_BTD, cfg, axes, fill_BE=None):
 
 def test_routing_by_hand():
     x = jnp.asarray(LOGITS)[None]
-    experts, gates, slots, tokens_per_expert, balance = model.route(jnp.eye(3), x, MOE_CFG)
-    np.testing.assert_array_equal(experts[0], EXPERTS)
-    np.testing.assert_array_equal(slots[0], SLOTS)
-    np.testing.assert_array_equal(tokens_per_expert[0], [4, 5, 3])
+    routing, balance = model.route(jnp.eye(3), x, MOE_CFG)
+    np.testing.assert_array_equal(routing.experts_BTk[0], EXPERTS)
+    np.testing.assert_array_equal(routing.slot_BTk[0], SLOTS)
+    np.testing.assert_array_equal(routing.tokens_per_expert_BE[0], [4, 5, 3])
+    gates = routing.gates_BTk
     s = 1 / (1 + np.exp(-LOGITS))
     chosen = np.take_along_axis(s, np.array(EXPERTS), axis=1)
     np.testing.assert_allclose(gates[0], chosen / chosen.sum(1, keepdims=True), rtol=1e-6)
@@ -446,7 +447,7 @@ def test_biased_routing_by_hand():
     """Aux-loss-free bias: the top-k is taken on score + bias, the gates and P_i on the score alone."""
     bias = np.array([0.0, -0.3, 0.4], np.float32)
     x = jnp.asarray(LOGITS)[None]
-    experts, gates, _, tokens_per_expert, balance = model.route(jnp.eye(3), x, MOE_CFG, jnp.asarray(bias))
+    (experts, gates, _, tokens_per_expert), balance = model.route(jnp.eye(3), x, MOE_CFG, jnp.asarray(bias))
     s = 1 / (1 + np.exp(-LOGITS))
     chosen_experts = np.argsort(-(s + bias), axis=1, kind="stable")[:, :2]
     assert not np.array_equal(chosen_experts, EXPERTS), "the bias should change some choices"
@@ -467,7 +468,7 @@ def test_deepseek_v3_gates_by_hand():
     chosen = np.take_along_axis(s, np.array(EXPERTS), axis=1)
     for renormalize, want in ((False, chosen), (True, chosen / chosen.sum(1, keepdims=True))):
         cfg = with_model(MOE_CFG, renormalize_gates=renormalize, routed_scaling=2.5)
-        _, gates, *_ = model.route(jnp.eye(3), x, cfg)
+        gates = model.route(jnp.eye(3), x, cfg)[0].gates_BTk
         np.testing.assert_allclose(gates[0], 2.5 * want, rtol=1e-6)
 
 
@@ -562,7 +563,7 @@ def test_moe_output_drops_and_shared_expert_by_hand(impl):
 @pytest.mark.parametrize("impl", ["buffers", "ragged"])
 def test_moe_weight_gradients_with_drops_by_hand(impl):
     """The weights' gradients through the capacity buffers' scatter (its indices promised unique,
-    dropped choices sent past the end: experts._distinct_drops) and the gathers back equal autodiff
+    dropped choices sent past the end: expert_kernels._distinct_drops) and the gathers back equal autodiff
     of the by-hand sum over kept choices, for a random cotangent."""
     w, cfg = _moe_weights(2), with_model(MOE_CFG, moe_impl=impl)
     g_TD = jax.random.normal(jax.random.key(5), LOGITS.shape)

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import collectives
+import hardware
 import hlo
 import pipeline
 import sharding
@@ -33,13 +34,13 @@ def compile_for(*args, cwd, env=None):
 def topology():
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
     import pod
-    return lambda name: pod.topology_devices(utils.tpu_slice(name))
+    return lambda name: pod.topology_devices(hardware.tpu_slice(name))
 
 
 @pytest.mark.parametrize("slice_name, shape", [("v4-64", (8, 2, 2)), ("v4-32", (4, 2, 2)), ("v4-16", (2, 2, 2))])
 def test_each_dp_row_is_one_hosts_pp_by_tp_plane_of_neighbouring_chips(topology, slice_name, shape):
     devices = topology(slice_name)
-    tpu = utils.tpu_slice(slice_name)
+    tpu = hardware.tpu_slice(slice_name)
     assert len(devices) == tpu.chips and len({d.process_index for d in devices}) == tpu.hosts
     mesh = sharding.make_mesh(shape, devices)
     grid = mesh.devices
@@ -54,7 +55,7 @@ def test_each_dp_row_is_one_hosts_pp_by_tp_plane_of_neighbouring_chips(topology,
 
 
 def test_libtpu_builds_every_known_slice_with_its_chips_and_hosts(topology):
-    for tpu in utils.tpu_slices():
+    for tpu in hardware.tpu_slices():
         devices = topology(tpu.name)
         assert (len(devices), len({d.process_index for d in devices})) == (tpu.chips, tpu.hosts), tpu.name
 
@@ -156,11 +157,11 @@ def test_compile_for_without_libtpu_says_what_to_install(tmp_path):
 
 
 def test_slice_table():
-    names = {t.name: t for t in utils.tpu_slices()}
+    names = {t.name: t for t in hardware.tpu_slices()}
     assert [n for n in names if n.startswith("v4-")] == [f"v4-{2 ** i}" for i in range(3, 10)]
     v4_64 = names["v4-64"]
     assert (v4_64.chips, v4_64.hosts, v4_64.topology_name) == (32, 8, "v4:2x4x4")
-    assert utils.tpu_slice("v5e-16") == names["v5litepod-16"] and names["v5litepod-16"].hosts == 4
+    assert hardware.tpu_slice("v5e-16") == names["v5litepod-16"] and names["v5litepod-16"].hosts == 4
     assert names["v6e-8"].hosts == 1 and math.isclose(names["v6e-8"].hbm_bytes, 31.25 * 2**30)
     assert utils.PRESET_SLICES == {"moe1B": "v4-64", "moe1B-v4-32": "v4-32", "moe10B": "v4-64"}
     for preset, slice_name in utils.PRESET_SLICES.items():

@@ -6,7 +6,7 @@ XLA:CPU (`products.fp32_product`) hands the backward no copies of the weights.
 import jax
 import jax.numpy as jnp
 
-import attention
+from engine import attention_kernels
 import engine
 import model
 import pipeline
@@ -47,7 +47,7 @@ def test_a_kept_kernels_forward_runs_once_under_the_remat():
     for policy in engine.REMAT_POLICIES.values():
         def grad(kernel):
             return jax.grad(jax.checkpoint(layer(kernel), policy=policy), argnums=(0, 1))
-        kept = lambda q, k: attention.keep_kernel_outputs(_kernel, q, k)
+        kept = lambda q, k: attention_kernels.keep_kernel_outputs(_kernel, q, k)
         tanhs = lambda kernel: sum(e.primitive.name == "tanh" for e in eqns(jax.make_jaxpr(grad(kernel))(x, w).jaxpr))
         assert (tanhs(kept), tanhs(_kernel)) == (1, 2)
         for a, b in zip(grad(kept)(x, w), grad(_kernel)(x, w)):

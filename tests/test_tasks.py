@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import dataset
+import metrics_schema
 import scoring
 import pipeline
 import sharding
@@ -209,7 +210,7 @@ def test_val_bits_per_byte_count_the_bytes_the_targets_spell(bundled_shards):
     text_bytes = sum(len(enc.decode_bytes([t for t in w[1:] if t != tok.EOT_ID]))
                      for w in dataset.read_windows(val, T, ids))
     assert dataset.validation_bytes_per_token(val, T, batch, n) == text_bytes / (len(ids) * T)
-    assert utils.bits_per_byte(2 * np.log(2), 0.5) == pytest.approx(4.0)
+    assert metrics_schema.bits_per_byte(2 * np.log(2), 0.5) == pytest.approx(4.0)
 
 
 def test_an_unknown_task_exits_2_naming_the_flag_and_the_tasks(cpu_env, tmp_path):
@@ -224,7 +225,7 @@ def test_an_unknown_task_exits_2_naming_the_flag_and_the_tasks(cpu_env, tmp_path
 
 def test_each_tasks_numbers_go_to_wandb_under_its_name():
     from rundir import wandb_scalars
-    record = utils.metrics_record("tasks", 360, task="kjv_endings", acc=0.3, acc_norm=0.25, bpb=1.7, examples=207,
+    record = metrics_schema.metrics_record("tasks", 360, task="kjv_endings", acc=0.3, acc_norm=0.25, bpb=1.7, examples=207,
                                   cut_on_the_left=0, chance=0.25, seconds=4.0)
     assert wandb_scalars(record) == {f"tasks/kjv_endings/{name}": record[name] for name in
                                      ("acc", "acc_norm", "bpb", "examples", "cut_on_the_left", "chance", "seconds")}

@@ -5,7 +5,7 @@ a sorted grouped matmul (`experts_ragged`: lax.ragged_dot, or on a GPU in bf16 t
 `triton_grouped`), each also with the experts split over dp and the tokens sent to them by all-to-all
 (`experts_over_dp`, `experts_over_dp_ragged`: --expert_parallel).
 Every way computes `model.ffn`. N = B T k routed choices, U slots per expert on a dp shard, W rows a
-shard receives; e = E/dp experts on a dp shard.
+shard receives, Z dp shards (expert parallelism's senders and receivers); e = E/dp experts on a dp shard.
 """
 from functools import partial
 
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from collectives import sum_like, vary_like
 from model import ffn
-from products import fp32_product
+from engine.products import fp32_product
 
 
 def _distinct_drops(index_BTk, end):
@@ -182,33 +182,33 @@ def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, platform=None
     compiling it for a TPU slice."""
     B, T, k = experts_BTk.shape
     D, dtype = x_BTD.shape[-1], w["expert_up"].dtype
-    n, e = lax.axis_size(dp), w["expert_up"].shape[0]
-    E, N, me = n * e, B * T * k, lax.axis_index(dp)
+    Z, e = lax.axis_size(dp), w["expert_up"].shape[0]
+    E, N, me = Z * e, B * T * k, lax.axis_index(dp)
     order_N, counts_E = _sorted_by_expert(experts_BTk, slot_BTk, C, E)
     send_ND = x_BTD.reshape(B * T, D)[order_N // k].astype(dtype)       # by expert: shard 0's block first
     # Every shard's counts, a few integers: [E] -> [dp, E] -> [sender, receiver, local expert]
-    counts_nne = lax.all_gather(counts_E, dp).reshape(n, n, e)
-    rows_nn = jnp.sum(counts_nne, axis=-1)                                # rows sender -> receiver
-    start_send_nn = jnp.cumsum(rows_nn, axis=1) - rows_nn                 # in the sender's buffer
-    start_recv_nn = jnp.cumsum(rows_nn, axis=0) - rows_nn                 # in the receiver's buffer
+    counts_ZZe = lax.all_gather(counts_E, dp).reshape(Z, Z, e)
+    rows_ZZ = jnp.sum(counts_ZZe, axis=-1)                                # rows sender -> receiver
+    start_send_ZZ = jnp.cumsum(rows_ZZ, axis=1) - rows_ZZ                 # in the sender's buffer
+    start_recv_ZZ = jnp.cumsum(rows_ZZ, axis=0) - rows_ZZ                 # in the receiver's buffer
     # A receiver gets at most C slots per sequence per expert from each sender: B C E rows in all.
-    W = min(B * C * E, n * N)
+    W = min(B * C * E, Z * N)
     recv_WD = vary_like((jnp.zeros((W, D), dtype),), (send_ND,))[0]
     # ragged all-to-all over dp: my rows for shard j ([start_send[me, j], + rows[me, j])) land in shard j's
     # buffer at start_recv[me, j]: [N, D] -> [W, D], ordered (sender, local expert)
-    recv_WD = lax.ragged_all_to_all(send_ND, recv_WD, start_send_nn[me], rows_nn[me], start_recv_nn[me],
-                                    rows_nn[:, me], axis_name=dp)
+    recv_WD = lax.ragged_all_to_all(send_ND, recv_WD, start_send_ZZ[me], rows_ZZ[me], start_recv_ZZ[me],
+                                    rows_ZZ[:, me], axis_name=dp)
     # Regroup by local expert for the grouped matmul (rows past the received ones: group e, none).
-    sizes_G = counts_nne[:, me, :].reshape(-1)                            # G = (sender, local expert)
-    group_W = jnp.searchsorted(jnp.cumsum(sizes_G), jnp.arange(W), side="right")
-    local_W = jnp.where(group_W < n * e, group_W % e, e)
+    sizes_Ze = counts_ZZe[:, me, :].reshape(-1)                           # flat: (sender, local expert)
+    group_W = jnp.searchsorted(jnp.cumsum(sizes_Ze), jnp.arange(W), side="right")
+    local_W = jnp.where(group_W < Z * e, group_W % e, e)
     by_expert_W = jnp.argsort(local_W, stable=True)
-    y_sorted_WD = _grouped_ffn(w, recv_WD[by_expert_W], jnp.sum(counts_nne[:, me, :], axis=0), platform)
+    y_sorted_WD = _grouped_ffn(w, recv_WD[by_expert_W], jnp.sum(counts_ZZe[:, me, :], axis=0), platform)
     y_WD = jnp.zeros_like(y_sorted_WD).at[by_expert_W].set(y_sorted_WD, unique_indices=True)
     # And back over dp, the inverse exchange: [W, D] -> [N, D] in this shard's sorted order
     back_ND = vary_like((jnp.zeros((N, D), dtype),), (y_WD,))[0]
-    back_ND = lax.ragged_all_to_all(y_WD, back_ND, start_recv_nn[:, me], rows_nn[:, me], start_send_nn[:, me],
-                                    rows_nn[me], axis_name=dp)
+    back_ND = lax.ragged_all_to_all(y_WD, back_ND, start_recv_ZZ[:, me], rows_ZZ[:, me], start_send_ZZ[:, me],
+                                    rows_ZZ[me], axis_name=dp)
     return jnp.zeros((N, D), dtype).at[order_N].set(back_ND, unique_indices=True).reshape(B, T, k, D)
 
 

@@ -13,25 +13,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-import products
+from engine import products
 from model import masked_attention
 from multihost import log
 
 CUDNN_MAX_HEAD_DIM = 256
 # A causal attention without cuDNN runs in up to 8 chunks of >= 128 queries: smaller chunks save few FLOPs
-# and each is more to compile (docs/performance.md).
+# and each is more to compile (docs/performance-log.md#2026-12-01-h200-estimate-issue-27).
 CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused kernel's outputs by
 
 
-def attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, platform):
+def attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, platform):
     """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype; causal (mask_TS None: query t
     sees keys <= t) or under mask_TS."""
     Q = q_BThQ.shape[-1]
     if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
-        return cudnn_attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShK)), mask_TS)
+        return cudnn_attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)), mask_TS)
     if mask_TS is not None:
-        return masked_attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, products.mm)
+        return masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, products.mm)
     T = q_BThQ.shape[1]
     n = min(CAUSAL_QUERY_CHUNKS, T // CAUSAL_MIN_CHUNK)
     if n < 1 or T % n:
@@ -40,22 +40,22 @@ def attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, platform):
     # slices of k and v add their gradients in another order: fp32 losses unchanged.
     c = T // n
     return jnp.concatenate([
-        masked_attention(q_BThQ[:, i * c:(i + 1) * c], k_BShQ[:, :(i + 1) * c], v_BShK[:, :(i + 1) * c],
+        masked_attention(q_BThQ[:, i * c:(i + 1) * c], k_BShQ[:, :(i + 1) * c], v_BShJ[:, :(i + 1) * c],
                          jnp.arange((i + 1) * c)[None, :] <= jnp.arange(i * c, (i + 1) * c)[:, None], dtype,
                          products.mm)
         for i in range(n)], axis=1)
 
 
-def cudnn_attention(q_BThQ, k_BShQ, v_BShK, mask_TS):
+def cudnn_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS):
     """cuDNN's fused attention of bf16 q, k, v, its output and softmax statistics kept for the backward
-    (`keep_kernel_outputs`). MLA's v is narrower than q and k (K = Q - R): where cuDNN takes that
+    (`keep_kernel_outputs`). MLA's v is narrower than q and k (J < Q = K + R): where cuDNN takes that
     (`cudnn_takes_narrow_v`) v goes in as it is, through jax's private entry (the public
     jax.nn.dot_product_attention needs one width); else it is zero-padded to Q and the padding sliced off."""
-    Q, K = q_BThQ.shape[-1], v_BShK.shape[-1]
-    kernel = partial(_cudnn_narrow_v if K < Q and cudnn_takes_narrow_v(Q, K) else _cudnn_padded_v, mask_TS=mask_TS)
+    Q, J = q_BThQ.shape[-1], v_BShJ.shape[-1]
+    kernel = partial(_cudnn_narrow_v if J < Q and cudnn_takes_narrow_v(Q, J) else _cudnn_padded_v, mask_TS=mask_TS)
     if mask_TS is not None:                 # cached decode: nothing to differentiate
-        return kernel(q_BThQ, k_BShQ, v_BShK)
-    return keep_kernel_outputs(kernel, q_BThQ, k_BShQ, v_BShK)
+        return kernel(q_BThQ, k_BShQ, v_BShJ)
+    return keep_kernel_outputs(kernel, q_BThQ, k_BShQ, v_BShJ)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -85,26 +85,26 @@ def _keep_kernel_outputs_bwd(kernel, backward, g):
 keep_kernel_outputs.defvjp(_keep_kernel_outputs_fwd, _keep_kernel_outputs_bwd)
 
 
-def _cudnn_padded_v(q_BThQ, k_BShQ, v_BShK, mask_TS):
-    Q, K = q_BThQ.shape[-1], v_BShK.shape[-1]
-    v_BShQ = jnp.pad(v_BShK, ((0, 0), (0, 0), (0, 0), (0, Q - K))) if K < Q else v_BShK
+def _cudnn_padded_v(q_BThQ, k_BShQ, v_BShJ, mask_TS):
+    Q, J = q_BThQ.shape[-1], v_BShJ.shape[-1]
+    v_BShQ = jnp.pad(v_BShJ, ((0, 0), (0, 0), (0, 0), (0, Q - J))) if J < Q else v_BShJ
     out_BThQ = jax.nn.dot_product_attention(q_BThQ, k_BShQ, v_BShQ, is_causal=mask_TS is None,
                                             mask=None if mask_TS is None else mask_TS[None, None],
                                             implementation="cudnn")
-    return out_BThQ[..., :K] if K < Q else out_BThQ
+    return out_BThQ[..., :J] if J < Q else out_BThQ
 
 
-def _cudnn_narrow_v(q_BThQ, k_BShQ, v_BShK, mask_TS):
+def _cudnn_narrow_v(q_BThQ, k_BShQ, v_BShJ, mask_TS):
     from jax._src.cudnn import fused_attention_stablehlo as fused      # private: another jax may lack it
     return fused.dot_product_attention(
-        q_BThQ, k_BShQ, v_BShK, mask=None if mask_TS is None else mask_TS[None, None],
+        q_BThQ, k_BShQ, v_BShJ, mask=None if mask_TS is None else mask_TS[None, None],
         scale=1 / math.sqrt(q_BThQ.shape[-1]),
         mask_type=fused.MaskType.CAUSAL if mask_TS is None else fused.MaskType.NO_MASK)
 
 
 @cache
-def cudnn_takes_narrow_v(Q, K):
-    """Whether cuDNN runs attention with v of width K < Q as it is. jax lets it through from cuDNN 9.10 on
+def cudnn_takes_narrow_v(Q, J):
+    """Whether cuDNN runs attention with v of width J < Q as it is. jax lets it through from cuDNN 9.10 on
     a Hopper or newer, but only cuDNN on the GPU accepts or refuses the kernel for these widths: with a GPU
     in this process, a small attention by the narrow kernel is run once and compared with the padded one
     (`narrow_v_matches_padded`). Compiling for a GPU that is not here (`--compile_for h200`) nothing can
@@ -113,21 +113,21 @@ def cudnn_takes_narrow_v(Q, K):
         return True
     try:
         with jax.ensure_compile_time_eval():        # concrete arrays, even while a step is being traced
-            narrow = narrow_v_matches_padded(Q, K, _cudnn_narrow_v, _cudnn_padded_v)
+            narrow = narrow_v_matches_padded(Q, J, _cudnn_narrow_v, _cudnn_padded_v)
     except Exception:        # noqa: BLE001 - whatever refuses it (cuDNN, XLA, a jax without the entry): pad
         narrow = False
-    log(f"attention: cuDNN's fused kernel, v {K} wide " + ("as it is" if narrow else f"zero-padded to q's {Q} "
+    log(f"attention: cuDNN's fused kernel, v {J} wide " + ("as it is" if narrow else f"zero-padded to q's {Q} "
         "(the narrow kernel was refused or disagreed: attention.cudnn_takes_narrow_v)"))
     return narrow
 
 
-def narrow_v_matches_padded(Q, K, narrow, padded, T=256, H=2):
+def narrow_v_matches_padded(Q, J, narrow, padded, T=256, H=2):
     """Whether attention `narrow`(q, k, v, mask_TS) equals `padded`'s, causal and under a mask, on random
-    bf16 q, k [1, T, H, Q] and v [1, T, H, K]: the outputs and the gradients of a random projection of
+    bf16 q, k [1, T, H, Q] and v [1, T, H, J]: the outputs and the gradients of a random projection of
     them, each to within 2% of its largest value (bf16 rounding, blocked differently)."""
     keys = jax.random.split(jax.random.key(0), 4)
     q, k = (jax.random.normal(key, (1, T, H, Q), jnp.bfloat16) for key in keys[:2])
-    v, w = (jax.random.normal(key, (1, T, H, K), jnp.bfloat16) for key in keys[2:])
+    v, w = (jax.random.normal(key, (1, T, H, J), jnp.bfloat16) for key in keys[2:])
     window_TS = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]) < T // 4
 
     def run(attention, mask_TS):

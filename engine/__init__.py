@@ -1,18 +1,19 @@
-"""The engine: what the guide's math (model.py, loss.py, pipeline.py) calls at its seams, two ways.
+"""The engine: what the guide's math (model.py, loss.py, pipeline.py) calls at its seams, two ways. This
+package is the one door: the core holds an engine (`engine_for`) and calls its methods; it imports none of
+the files behind them (tests/test_layout.py).
 
-The core reaches the engine through `axes.engine` and never looks inside. Each seam, and what each engine
-runs there (--engine; the fast one is the default, the reference one is what a reader steps through in a
-debugger and the oracle the tests hold the fast one to):
+Each seam, and what each engine runs there (--engine; the fast one is the default, the reference one is
+what a reader steps through in a debugger and the oracle the tests hold the fast one to):
 
-  seam                       reference: the guide's plain math          fast
+  seam                       reference: the guide's plain math          fast (this package's files)
   mm(spec, a, b, dtype)      jnp.einsum, operands rounded to dtype,     products.mm: a custom VJP whose backward
                              products in fp32                           products are bf16 x bf16 -> fp32 too
-  attention(q, k, v, mask)   model.masked_attention, a causal mask      attention.py: cuDNN's fused kernel on a
-                                                                        GPU, else causal chunks
-  routed_experts(...)        experts.experts_in_buffers (over dp with   the same, or --moe_impl ragged
-                             --expert_parallel)                         (grouped matmuls)
-  cross_entropy_sum(...)     loss.plain_cross_entropy_sum               loss.chunked_cross_entropy_sum
-  token_scores(...)          loss.plain_token_scores                    loss.chunked_token_scores
+  attention(q, k, v, mask)   model.masked_attention, a causal mask      attention_kernels.attention: cuDNN's
+                                                                        fused kernel on a GPU, else causal chunks
+  routed_experts(...)        expert_kernels.experts_in_buffers (over    the same, or --moe_impl ragged
+                             dp with --expert_parallel)                 (grouped matmuls)
+  cross_entropy_sum(...)     loss.plain_cross_entropy_sum               chunked_loss.chunked_cross_entropy_sum
+  token_scores(...)          loss.plain_token_scores                    chunked_loss.chunked_token_scores
   keep(x, name),             nothing named; --remat's plain jax         named values kept (all-reduced branches,
   layer_remat(cfg)           policies                                   kernel and expert outputs); per platform
   gathered, gather_stage,    fsdp.py, the fp32 shards gathered          fsdp.py, gathered in the matmul dtype
@@ -27,16 +28,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-import attention
-import experts
-import fsdp
 import loss
-import products
+from engine import attention_kernels, chunked_loss, expert_kernels, fsdp, products
 from model import BRANCH_SUM, EXPERT_OUTPUTS, FFN_HIDDEN, masked_attention
 
 # What a fast engine's layer remat keeps besides what its policy keeps: each branch's tp all-reduce, a fused
 # kernel's outputs and the routed experts' outputs.
-_ALWAYS_KEPT = (BRANCH_SUM, attention.KERNEL_OUTPUTS, EXPERT_OUTPUTS)
+_ALWAYS_KEPT = (BRANCH_SUM, attention_kernels.KERNEL_OUTPUTS, EXPERT_OUTPUTS)
 REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT),
                   "dots": jax.checkpoint_policies.save_from_both_policies(
                       jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -58,15 +56,15 @@ class Reference:
         widened = (x.astype(dtype).astype(jnp.float32) for x in (a, b))
         return jnp.einsum(spec, *widened, precision=lax.Precision.HIGHEST).astype(out_dtype)
 
-    def attention(self, q_BThQ, k_BShQ, v_BShK, mask_TS, dtype):
+    def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
         """mask_TS None: causal."""
         if mask_TS is None:
             mask_TS = jnp.arange(k_BShQ.shape[1])[None, :] <= jnp.arange(q_BThQ.shape[1])[:, None]
-        return masked_attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, self.mm)
+        return masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, self.mm)
 
     def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
         dp = axes.dp if axes.expert_parallel else None
-        return experts.buffers(w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp)
+        return expert_kernels.buffers(w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp)
 
     def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
         return loss.plain_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes)
@@ -96,22 +94,21 @@ class Reference:
 class Fast(Reference):
     """--engine fast: the same seams as the kernels and numerics that make a step fast."""
 
-    def mm(self, spec, a, b, dtype, out_dtype=jnp.float32):
-        return products.mm(spec, a, b, dtype, out_dtype)
+    mm = staticmethod(products.mm)
 
-    def attention(self, q_BThQ, k_BShQ, v_BShK, mask_TS, dtype):
-        return attention.attention(q_BThQ, k_BShQ, v_BShK, mask_TS, dtype, self.platform)
+    def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
+        return attention_kernels.attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, self.platform)
 
     def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
-        """--moe_impl ragged's grouped matmuls are tokamax's kernel on a GPU (experts.triton_grouped)."""
+        """--moe_impl ragged's grouped matmuls are tokamax's kernel on a GPU (expert_kernels.triton_grouped)."""
         dp = axes.dp if axes.expert_parallel else None
-        return experts.MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp, self.platform)
+        return expert_kernels.MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp, self.platform)
 
     def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
-        return loss.chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
+        return chunked_loss.chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
 
     def token_scores(self, table_vD, h_BTD, targets_BT, cfg, axes):
-        return loss.chunked_token_scores(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
+        return chunked_loss.chunked_token_scores(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
 
     def _chunk_tokens(self):
         return GPU_CHUNK_TOKENS if self.platform == "gpu" else CPU_CHUNK_TOKENS
@@ -124,7 +121,7 @@ class Fast(Reference):
         by memory traffic, full and each dense FFN's up-projection, whose replay costs more than keeping
         it; full on a CPU. On a GPU the dense layers' scan is unrolled: as a loop inside the blocks' scan
         it stacked each layer's residuals twice and launched thousands of slicing kernels a step (a TPU
-        keeps the loop, which compiles faster). docs/performance.md has the measurements."""
+        keeps the loop, which compiles faster): docs/performance-log.md#2026-12-01-h200-estimate-issue-27."""
         unroll = self.platform == "gpu"
         if cfg.remat == "auto" and self.platform == "gpu":
             return jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT, FFN_HIDDEN), unroll

@@ -1,0 +1,96 @@
+"""The hardware the project knows: TPU slices and H200 targets for --compile_for (chips, hosts, HBM, the
+topology libtpu's compiler takes), each device kind's datasheet bf16 peak, and MFU of it.
+"""
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TpuSlice:
+    name: str                 # as Google names it: v4-64 (v4 and v5p count TensorCores, 2 a chip), v6e-16 (chips)
+    generation: str           # libtpu's topology prefix: v4, v5p, v5e, v6e
+    chip_grid: tuple          # chips along x, y(, z)
+    host_grid: tuple          # one host's chips along x, y, z
+    hbm_bytes: float          # usable HBM per chip, as libtpu's compiler reports it when a program exceeds it
+
+    @property
+    def chips(self):
+        return math.prod(self.chip_grid)
+
+    @property
+    def hosts(self):
+        return self.chips // math.prod(self.host_grid)
+
+    @property
+    def topology_name(self):
+        return f"{self.generation}:" + "x".join(map(str, self.chip_grid))
+
+    @property
+    def chip_config(self):
+        return "megacore" if self.generation in ("v4", "v5p") else "default"   # one JAX device per chip
+
+
+_CUBE_GRIDS = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
+               256: (4, 8, 8)}                                      # v4 and v5p: chips -> 3-D torus shape
+_PLANE_GRIDS = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
+                256: (16, 16)}                                      # v5e and v6e: chips -> 2-D shape
+_HBM_GIB = {"v4": 30.75, "v5p": 95.74, "v5e": 15.75, "v6e": 31.25}   # measured from libtpu 0.0.42.1's errors
+
+
+def tpu_slices():
+    """Every slice --compile_for knows, smallest first within each generation."""
+    out = []
+    for gen, prefix in (("v4", "v4"), ("v5p", "v5p")):
+        out += [TpuSlice(f"{prefix}-{2 * chips}", gen, grid, (2, 2, 1), _HBM_GIB[gen] * 2**30)
+                for chips, grid in _CUBE_GRIDS.items()]
+    for gen, prefix in (("v5e", "v5litepod"), ("v6e", "v6e")):
+        out += [TpuSlice(f"{prefix}-{chips}", gen, grid, (*grid, 1) if chips <= 8 else (2, 2, 1),
+                         _HBM_GIB[gen] * 2**30) for chips, grid in _PLANE_GRIDS.items()]
+    return out
+
+
+def tpu_slice(name):
+    """The TpuSlice called `name` (v5e-N is accepted for v5litepod-N), or None."""
+    name = name.strip().lower().replace("v5e-", "v5litepod-")
+    return next((t for t in tpu_slices() if t.name == name), None)
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """N H200s on one host, for `--compile_for h200` / `h200-N`: compiled by XLA:GPU on this machine."""
+    name: str
+    chips: int                               # GPUs
+    hbm_bytes: float = 151397597184          # device_memory_size in XLA's H200 description (141 GiB)
+    hbm_bandwidth: float = 4.8e12            # B/s
+    hosts: int = 1
+
+
+def gpu_targets():
+    return [GpuTarget("h200" if n == 1 else f"h200-{n}", n) for n in (1, 2, 4, 8)]
+
+
+def compile_target(name):
+    """The TpuSlice or GpuTarget `--compile_for NAME` compiles for, or None."""
+    return tpu_slice(name) or next((g for g in gpu_targets() if g.name == name.strip().lower()), None)
+
+
+# Dense bf16 peaks per chip from the vendors' datasheets: what MFU is of, as MaxText, Megatron and NeMo report
+# it (bench.py and --compile_for h200 give MFU of a measured GEMM rate beside it).
+PEAK_BF16_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12,
+                   "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
+
+
+def peak_flops(device_kind):
+    """The bf16 dense peak of a device kind, or None when unknown (a CPU)."""
+    for prefix, peak in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if device_kind.startswith(prefix):
+            return peak
+    return None
+
+
+MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x the datasheet's dense bf16 FLOP/s: "
+               + ", ".join(f"{kind} {peak / 1e12:g}e12" for kind, peak in PEAK_BF16_FLOPS.items()) + ")")
+
+
+def mfu(tokens_per_second, flops_per_token, n_devices, peak):
+    return None if not peak else tokens_per_second * flops_per_token / (n_devices * peak)
