@@ -12,13 +12,12 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.extend import core as jax_core
 
 from trainer import build_trainer
 import pipeline
 import sharding
 import utils
-from test_model import CFG, KEY, abstract_params, batch, with_model
+from model_util import CFG, KEY, abstract_params, batch, equations, with_model
 
 BF16 = with_model(CFG, model_dtype="bfloat16")
 # (mesh, config changes): FSDP, tp and pp together, with the ragged experts; expert parallelism (4
@@ -73,22 +72,6 @@ def test_matmuls_lowered_for_an_accelerator_take_bf16_operands(moe_impl):
     assert set(on_cpu) == {("stablehlo.dot_general", "f32", "f32")}
 
 
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jax_core.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jax_core.Jaxpr):
-                yield item
-
-
-def _equations(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _subjaxprs(eqn):
-            yield from _equations(sub)
-
-
 def parameter_shapes(cfg, mesh):
     """Every shape a parameter's value or gradient has on a device: its shard, all-gathered over dp or
     not, with or without the leading stacking dims (the scans slice those off)."""
@@ -118,7 +101,7 @@ def bf16_sums(jaxpr, parameter_shapes):
     in bf16 by design, `collectives.tp_sum`), and of every scatter-add or scan carry that is bf16 and
     shaped like a parameter."""
     found = []
-    for eqn in _equations(jaxpr):
+    for eqn in equations(jaxpr):
         name, shapes = eqn.primitive.name, parameter_shapes
         if name in ("scatter-add", "scatter_add"):
             values = eqn.invars[:1]
@@ -144,12 +127,12 @@ def test_no_gradient_is_summed_in_bf16(shape, changes):
     # T = 24: no activation [mb, T, D] has the shape of a parameter (the test tells them apart by shape)
     cfg, mesh = with_model(BF16, T=24, **changes), sharding.make_mesh(shape)
     jaxpr = train_step_jaxpr(cfg, mesh).jaxpr
-    names = {eqn.primitive.name for eqn in _equations(jaxpr)}
+    names = {eqn.primitive.name for eqn in equations(jaxpr)}
     assert {"scatter-add", "scan"} <= names and names & SUMS, "the walk must see the step's sums"
     assert bf16_sums(jaxpr, parameter_shapes(cfg, mesh)) == []
     # the tp all-reduces of activations and their gradients do move bf16 (half the bytes)
     assert any(eqn.primitive.name in SUMS and sum_axes(eqn) == {"tp"} and eqn.invars[0].aval.dtype == jnp.bfloat16
-               for eqn in _equations(jaxpr))
+               for eqn in equations(jaxpr))
 
 
 def test_the_tied_tables_bf16_gradient_is_as_close_as_rounding_allows():

@@ -7,7 +7,7 @@ import utils
 from utils import ConfigError, PRESETS, config_from_args, override, validate
 
 # Dataclass defaults, not a preset, so tuning a preset does not move these expectations.
-TINY = utils.Config()
+DEFAULT_CONFIG = utils.Config()
 
 # (overrides, substring the error must contain): each violates exactly one rule of the default config.
 INVALID = [
@@ -78,13 +78,13 @@ def test_every_float_flag_refuses_nan_and_inf(value):
     assert {"max_lr", "min_lr", "capacity_factor", "alpha", "grad_clip_norm", "temperature"} <= set(floats)
     for name in floats:
         with pytest.raises(ConfigError) as err:
-            validate(override(TINY, **{name: value}))
+            validate(override(DEFAULT_CONFIG, **{name: value}))
         assert f"--{name} must be a finite number, got {value}" in str(err.value)
 
 
 @pytest.mark.parametrize("values,message", INVALID)
 def test_each_rule_has_its_own_error(values, message):
-    cfg = override(TINY, **values)
+    cfg = override(DEFAULT_CONFIG, **values)
     if message is None:
         assert validate(cfg, n_devices=8) is cfg
         return
@@ -95,7 +95,7 @@ def test_each_rule_has_its_own_error(values, message):
 
 
 def test_all_violations_reported_together():
-    cfg = override(TINY, n_head=3, k=9, dhR=7)
+    cfg = override(DEFAULT_CONFIG, n_head=3, k=9, dhR=7)
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert str(err.value).count("\n  - ") == 3
@@ -110,7 +110,7 @@ def test_moe1B_on_8_2_2_needs_32_devices():
 
 
 def test_mesh_must_divide_device_count():
-    cfg = override(TINY, n_device_axis=(1, 3, 1), blocks=3, micro_batch_size=3, train_batch_size=3,
+    cfg = override(DEFAULT_CONFIG, n_device_axis=(1, 3, 1), blocks=3, micro_batch_size=3, train_batch_size=3,
                    val_batch_size=3)
     with pytest.raises(ConfigError, match="needs 3 devices, which must divide the 8 available"):
         validate(cfg, n_devices=8)
@@ -144,7 +144,7 @@ def test_help_states_flag_meanings(capsys):
 
 
 def test_lr_schedule_shape():
-    o = override(TINY, min_lr=0.0, max_lr=1.0, end_lr=0.1, warmup_steps=10, end_steps=110).optim
+    o = override(DEFAULT_CONFIG, min_lr=0.0, max_lr=1.0, end_lr=0.1, warmup_steps=10, end_steps=110).optim
     lr = optimizer.lr_schedule(o)
     assert float(lr(0)) == 0.0 and abs(float(lr(5)) - 0.5) < 1e-6 and abs(float(lr(10)) - 1.0) < 1e-6
     assert abs(float(lr(60)) - 0.55) < 1e-6 and abs(float(lr(110)) - 0.1) < 1e-6 and abs(float(lr(500)) - 0.1) < 1e-6

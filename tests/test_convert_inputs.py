@@ -12,7 +12,8 @@ import pytest
 
 import convert
 import hf_files
-from test_convert import HF, ROOT, random_tensors
+from convert_util import HF, ROOT, random_tensors
+from run_util import mount
 
 TAIL = "HF_DIR's files must be regular files inside it, named relative to it"
 
@@ -151,11 +152,10 @@ def test_config_json_sizes_are_checked(tmp_path, capsys):
 def test_from_hf_onto_a_full_disk_is_one_line(tmp_path, cpu_env):
     """RUN_DIR on a 64 KB disk: one line naming RUN_DIR and the space the checkpoint needs, nothing left (a
     traceback and exit 1 before)."""
-    from test_run_safety import _mount
     hf_dir(tmp_path / "hf")
     disk = tmp_path / "disk"
     os.makedirs(disk)
-    _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk))
+    mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk))
     try:
         error = one_error(from_hf(cpu_env, tmp_path / "hf", disk / "run", timeout=300))
         assert os.listdir(disk) == []

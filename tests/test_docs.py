@@ -28,10 +28,13 @@ And every relative link between the pages resolves: its file exists and so does 
 import ast
 import functools
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ceiling import CEILING_S
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_DIRS = ("", "data", "engine", "scripts", "tests")
@@ -316,3 +319,24 @@ def test_the_link_checker_finds_a_missing_anchor_and_file(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_cheap_quoted_outputs_are_what_the_commands_print():
+    """A quote tagged [tested] (scripts/quoted_outputs.py) is rerun and compared; a changed message, or a
+    quote edited by hand, fails."""
+    check = [sys.executable, str(ROOT / "scripts" / "quoted_outputs.py"), "--check", "--tested"]
+    proc = subprocess.run(check, capture_output=True, text=True, timeout=CEILING_S)
+    assert proc.returncode == 0 and "as quoted" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_drifted_quote_is_found_and_rewritten(tmp_path):
+    """--check holds every number but a time in seconds; --write puts the command's output in its place."""
+    command = "python -c \"print(1.5, 's', 7)\""
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- output of: {command} -->\n```\n$ {command}\n2.5 s 8\n```\n")
+    quoted_outputs = [sys.executable, str(ROOT / "scripts" / "quoted_outputs.py")]
+    drifted = subprocess.run([*quoted_outputs, "--check", str(page)], capture_output=True, text=True)
+    assert drifted.returncode == 1 and "-N s 8\n+N s 7" in drifted.stdout, drifted.stdout
+    subprocess.run([*quoted_outputs, "--write", str(page)], check=True, capture_output=True)
+    assert page.read_text() == f"<!-- output of: {command} -->\n```\n$ {command}\n1.5 s 7\n```\n"
+    assert subprocess.run([*quoted_outputs, "--check", str(page)], capture_output=True).returncode == 0

@@ -8,7 +8,7 @@ import pytest
 
 import pipeline
 import sharding
-from test_model import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, batch, one_device_run, rel_err,
+from model_util import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, batch, one_device_run, rel_err,
                         sharded_value_and_grad, with_model)
 
 REFERENCE = with_model(CFG, engine="reference")

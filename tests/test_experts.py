@@ -16,7 +16,7 @@ import pytest
 
 import sharding
 from ceiling import CEILING_S
-from test_model import CFG, ROUTER_BIAS, batch, rel_err, sharded_value_and_grad, with_model
+from model_util import CFG, ROUTER_BIAS, batch, rel_err, sharded_value_and_grad, with_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PYTHON = os.environ.get("JAXFORMER_GPU_PYTHON", os.path.join(ROOT, ".venv-gpu", "bin", "python"))

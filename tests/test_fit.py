@@ -62,8 +62,8 @@ def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_ste
     big = utils.config_from_args(too_big_for_this_machine())
     forced = utils.override(big, force=True)
     pod.check_fits(forced, build_trainer(forced, sharding.make_mesh((1, 1, 1))))    # no RunRefused
-    # the tests' TINY model with a small vocabulary (a quicker compile) and activations the larger part of the
-    # plan, on a 3-D mesh, every layer recomputed: the least a step keeps
+    # run_util's TINY_FLAGS model with a small vocabulary (a quicker compile) and activations the larger part of
+    # the plan, on a 3-D mesh, every layer recomputed: the least a step keeps
     cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 128 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
                                  "--vocab_size 1024 --train_batch_size 16 --val_batch_size 16 --remat full "
                                  "--n_device_axis 2 2 2".split())

@@ -1,5 +1,5 @@
-"""gs:// end to end against a real GCS server: the pinned gcp-storage-emulator, started here on
-127.0.0.1 (data/emulator.py says how gcsfs and tensorstore are pointed at it). Tokenize to gs:// with
+"""gs:// end to end against a real GCS server: the pinned gcp-storage-emulator on 127.0.0.1, conftest's
+`gcs_emulator` (data/emulator.py says how gcsfs and tensorstore are pointed at it). Tokenize to gs:// with
 kill -9 and --resume (byte-identical to a clean local run), train from gs:// shards with the run
 directory on gs:// (checkpoints through Orbax/tensorstore, metrics as part objects), kill -9 and resume
 exactly (the killed run's lock taken over), two processes of one run sharing one gs:// run directory, a second
@@ -24,29 +24,18 @@ import dataset
 import checkpoints
 import rundir
 from data_util import REPO, SHARD, kill_chain, output_files
-from test_main import MESH1, TINY
+from run_util import MESH1, TINY_FLAGS
 from ceiling import CEILING_S
 
-BUCKET = "jaxformer"
+BUCKET = "jaxformer"            # the bucket of conftest's gcs_emulator (the module's server)
 
 
-@pytest.fixture(scope="module")
-def gcs():
-    """The emulator, and this process pointed at it (gcsfs' plain GCSFileSystem, anonymous; tensorstore)."""
-    proc, url = emulator.start(bucket=BUCKET)
-    restore = emulator.point_this_process_at(url)
-    yield emulator.emulator_env(url)
-    proc.terminate()
-    proc.wait(timeout=30)
-    restore()
-
-
-def test_tokenize_to_gcs_kill_9_resume_is_byte_identical(gcs, src, reference_run):
+def test_tokenize_to_gcs_kill_9_resume_is_byte_identical(gcs_emulator, src, reference_run):
     """Killed mid-shard, halfway through uploading a shard (a torn upload never becomes an object),
     right after a manifest update mid-document, after a shard upload before the manifest lists it:
     resumed, the bucket holds exactly the clean local run's bytes."""
     url = f"gs://{BUCKET}/tok"
-    carries = kill_chain(src, url, ["doc:7", "tmp:2", "manifest:2", "shard:1"], gcs, workers=1)
+    carries = kill_chain(src, url, ["doc:7", "tmp:2", "manifest:2", "shard:1"], gcs_emulator, workers=1)
     assert carries[2] > 0
     assert output_files(url) == output_files(reference_run)
     # the loader reads it by range, and it is what the local loader reads
@@ -59,17 +48,17 @@ def test_tokenize_to_gcs_kill_9_resume_is_byte_identical(gcs, src, reference_run
     assert verify.verify(url, out=lambda *_: None) == []
 
 
-def test_tokenize_to_a_bucket_that_does_not_exist_is_one_line(gcs):
+def test_tokenize_to_a_bucket_that_does_not_exist_is_one_line(gcs_emulator):
     p = subprocess.run([sys.executable, "-m", "data.tokenize_local", "--source", "bundled", "--out",
                         "gs://nosuchbucket/x", "--workers", "0", "--no_progress"], cwd=REPO,
-                       env=dict(os.environ, **gcs), capture_output=True, text=True, timeout=CEILING_S)
+                       env=dict(os.environ, **gcs_emulator), capture_output=True, text=True, timeout=CEILING_S)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr[-3000:]
     assert p.stderr.startswith("error: --out gs://nosuchbucket/x: cannot write there (no such bucket, or this "
                                "account cannot see it: "), p.stderr
 
 
 @pytest.fixture(scope="module")
-def gs_shards(gcs, reference_run):
+def gs_shards(gcs_emulator, reference_run):
     url = f"gs://{BUCKET}/shards"
     fs, path = fsspec.core.url_to_fs(url)
     fs.put(reference_run.rstrip("/") + "/", path, recursive=True)
@@ -77,7 +66,7 @@ def gs_shards(gcs, reference_run):
 
 
 def _cmd(out, data_dir, steps, args=()):
-    return [sys.executable, os.path.join(REPO, "main.py"), *TINY, *MESH1, "--output_dir", out, "--name", "run",
+    return [sys.executable, os.path.join(REPO, "main.py"), *TINY_FLAGS, *MESH1, "--output_dir", out, "--name", "run",
             "--training_steps", str(steps), "--data_dir", data_dir, *args]
 
 
@@ -119,10 +108,11 @@ def local_losses(cpu_env, reference_run, tmp_path_factory):
     return _losses((out / "run" / "metrics.jsonl").read_text())
 
 
-def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, cpu_env, gs_shards, local_losses, tmp_path):
+def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs_emulator, cpu_env, gs_shards, local_losses,
+                                                                   tmp_path):
     """Same shards, local vs gs://: the same losses; on gs:// a kill -9 once the checkpoint of step 10 is
     complete and a restart continue bit-for-bit. Nothing is written to a local 'gs:' directory."""
-    cpu_env, want = dict(cpu_env, **gcs), local_losses
+    cpu_env, want = dict(cpu_env, **gcs_emulator), local_losses
     out = f"gs://{BUCKET}/runs"
     assert _kill_after_checkpoint(cpu_env, out, gs_shards, 10, tmp_path / "killed.log") == 10
     fs = fsspec.filesystem("gs")
@@ -141,15 +131,15 @@ def test_train_from_gcs_with_run_dir_on_gcs_kill_9_resumes_exactly(gcs, cpu_env,
     assert not os.path.exists(os.path.join(REPO, "gs:")) and not os.path.exists(os.path.join(REPO, "gs"))
 
 
-def test_two_processes_share_one_gcs_run_dir(gcs, cpu_env, gs_shards, local_losses, tmp_path):
+def test_two_processes_share_one_gcs_run_dir(gcs_emulator, cpu_env, gs_shards, local_losses, tmp_path):
     """Two jax processes (one CPU device each, gloo) on one dp=2 mesh, reading gs:// shards and
     writing one gs:// run directory: each writes its own part of every checkpoint (Orbax, through
     tensorstore), process 0 the metrics; the losses are the one-process run's."""
     from launch_util import free_port
     out, steps = f"gs://{BUCKET}/two", 6
-    e = dict(cpu_env, **gcs, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
+    e = dict(cpu_env, **gcs_emulator, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
              XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--n_device_axis", "2", "1", "1",
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY_FLAGS, "--n_device_axis", "2", "1", "1",
            "--train_batch_size", "4", "--val_batch_size", "4", "--output_dir", out, "--name", "run",
            "--training_steps", str(steps), "--data_dir", gs_shards]
     logs = [tmp_path / f"process{i}.log" for i in (0, 1)]      # files, not pipes: neither can block on output

@@ -14,7 +14,7 @@ import time
 import launch_util
 from launch_util import ROOT, free_port, main_process, needs_tmux, sh
 from ceiling import CEILING_S
-from test_main import SPAN
+from run_util import SPAN
 
 pytestmark = needs_tmux
 

@@ -16,6 +16,7 @@ import scoring
 import tasks
 from ceiling import CEILING_S
 from harness import HarnessTask
+from run_util import REPO, TINY_FLAGS
 from tasks import TaskError
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
@@ -26,7 +27,6 @@ CHOICE, NEXT = "tests/harness_tasks/kjv_choice.yaml", "tests/harness_tasks/kjv_n
 @pytest.fixture(autouse=True)
 def at_the_repository_root(monkeypatch):
     """The task files name their data relative to the repository root, as main.py runs there."""
-    from test_tasks import REPO
     monkeypatch.chdir(REPO)
 
 
@@ -195,8 +195,7 @@ def test_without_the_package_a_packaged_task_names_the_install_line(monkeypatch)
 def test_a_task_that_fails_mid_run_is_one_warning_after_the_checkpoint_and_the_run_goes_on(cpu_env, tmp_path):
     """A task whose metric raises at every scoring (tests/harness_tasks/fails_when_scored.yaml): the run ends
     as it would without it, its checkpoints written, the task after it scored, one warning line each time."""
-    from test_main import TINY
-    proc = subprocess.run([sys.executable, "main.py", *TINY, "--eval_tasks",
+    proc = subprocess.run([sys.executable, "main.py", *TINY_FLAGS, "--eval_tasks",
                            "tests/harness_tasks/fails_when_scored.yaml,kjv_endings", "--eval_tasks_limit", "3",
                            "--training_steps", "2", "--n_device_axis", "1", "1", "1", "--train_batch_size", "4",
                            "--output_dir", str(tmp_path), "--name", "run"], env=cpu_env, capture_output=True,

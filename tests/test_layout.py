@@ -3,7 +3,7 @@ metrics_schema.py, utils.py and data/ at the bottom), counting imports inside fu
 then be read, tested and replaced on its own. The rules are by folder: the top level is the guide's code; engine/ is the
 engine, whose one door is the package itself (engine/__init__.py: `engine_for` and the seams' two
 engines), so no module outside engine/ imports a file inside it; data/ is below everything and imports
-nothing of the top level."""
+nothing of the top level. In tests/, no test module imports another: what tests share is in a helper module."""
 import ast
 import os
 
@@ -107,3 +107,29 @@ def test_the_engine_has_one_door_and_data_is_at_the_bottom():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": []}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": ["b"], "b": [], "c": ["a", "b"]}) is None
+
+
+def imports_among_test_modules():
+    """{tests/test_*.py module: the tests/test_*.py modules it imports, anywhere in its code}."""
+    tests = os.path.join(ROOT, "tests")
+    modules = {name[:-3] for name in os.listdir(tests) if name.startswith("test_") and name.endswith(".py")}
+    graph = {}
+    for name in sorted(modules):
+        imported = set()
+        for node in ast.walk(ast.parse(open(os.path.join(tests, name + ".py")).read())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = sorted({i.removeprefix("tests.") for i in imported} & modules - {name})
+    return graph
+
+
+def test_no_test_module_imports_another():
+    """A test module holds tests, and what several share is in a helper module (any tests/*.py not named
+    test_*.py: model_util.py, run_util.py, data_util.py, ...): a test module imported by another runs its
+    module-level code there, and a change to it, or its removal, breaks tests it does not hold."""
+    graph = imports_among_test_modules()
+    assert {"test_main", "test_model", "test_layout"} <= set(graph)
+    imports = {m: imported for m, imported in graph.items() if imported}
+    assert imports == {}, imports

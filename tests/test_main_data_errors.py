@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from test_main import REPO, TINY, run
+from run_util import REPO, TINY_FLAGS, run
 from ceiling import CEILING_S
 
 VAL = "val_000000.bin"
@@ -95,7 +95,7 @@ def test_a_cache_that_fills_up_leaves_nothing_half_written(cpu_env, tmp_path):
     """No file may outgrow 64 KiB (as a full disk: the bundled val shard is 85 KB): one line, and no
     partial shard directory in the cache for the next run to trip over."""
     cache = tmp_path / "cache"
-    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(tmp_path), "--name", "run"]
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY_FLAGS, "--output_dir", str(tmp_path), "--name", "run"]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(cpu_env, JAXFORMER_CACHE=str(cache)), capture_output=True,
                           text=True, timeout=CEILING_S,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)))

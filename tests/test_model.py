@@ -22,16 +22,10 @@ import sharding
 import utils
 from collectives import Axes
 from engine import engine_for
+from model_util import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, abstract_params, batch, one_device_run,
+                        rel_err, sharded_value_and_grad, with_model)
 
-# MoE + RoPE + NoPE layers, 8 blocks so that pp can be 8 and 8 experts so that expert parallelism
-# (E/dp whole experts per dp shard) can run on dp 8; fp32 so the comparison is tight.
-CFG = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=8, blocks=8, layers_per_block=2, T=16,
-                        latent_dim=16, q_latent_dim=16, dhR=8, n_experts=8, k=2, n_shared=1, capacity_factor=1.0,
-                        model_dtype="float32", remat="none")
-BATCH = 16
 # (mesh, micro-batches per step (several wherever pp > 1), config changes of the sharded run)
-EP = {"expert_parallel": True}     # each dp shard holds E/dp whole experts; tokens reach them by all-to-all
-CIRCULAR = {"pipeline_repeats": 2}     # the circular pipeline, params stored as [R, blocks/R, ...]
 # (tp = 8 alone was a case too; (1,2,4), (4,1,2) and (2,2,2) split heads, FFN and vocab over tp.)
 CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, EP), ((1, 8, 1), 8, {}),
          ((4, 1, 2), 2, EP), ((4, 2, 1), 4, {}), ((1, 2, 4), 4, {}),
@@ -40,15 +34,8 @@ CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, EP), ((1, 8, 1), 8, {}),
          # circular, M = pp: a micro-batch back from the last stage is used in the tick it arrives;
          # M > pp: it waits in stage 0's buffer, here with expert parallelism as well (one case for both)
          ((1, 4, 1), 4, CIRCULAR), ((2, 2, 2), 4, EP | CIRCULAR)]
-KEY = jax.random.key(0)
-# Every case routes with a nonzero aux-loss-free bias [blocks, E] and checks the update it gets.
-ROUTER_BIAS = 0.05 * jax.random.normal(jax.random.key(5), (CFG.blocks, CFG.n_experts))
+# Every case routes with the nonzero aux-loss-free bias ROUTER_BIAS [blocks, E] and checks the update it gets.
 BIAS_RATE = 1e-3
-
-
-def batch(seed=1, n=BATCH, cfg=CFG):
-    tokens = jax.random.randint(jax.random.key(seed), (n, cfg.T + 1), 0, cfg.vocab_size)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def one_device(cfg):
@@ -56,51 +43,11 @@ def one_device(cfg):
     return Axes(engine=engine_for(cfg))
 
 
-def rel_err(a, b):
-    return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-
-
-def one_device_run(cfg):
-    """(params, loss, metrics, gradients) of cfg's model on one device, routed with ROUTER_BIAS."""
-    params = sharding.init_params(cfg, KEY)
-    x, y = batch()
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: pipeline.one_device_loss(
-        sharding.with_router_bias(p, ROUTER_BIAS), x, y, KEY, cfg), has_aux=True))(params)
-    return params, loss, metrics, grads
-
-
 @pytest.fixture(scope="module")
 def reference():
     run = one_device_run(CFG)
     assert 0 < float(jnp.mean(run[2]["drop_rate"])) < 1, "the test config should drop some tokens"
     return run
-
-
-def sharded_value_and_grad(cfg, mesh, n_micro, router_bias=None):
-    """value_and_grad of the sharded loss in the params (routed with router_bias when given)."""
-    def loss(p, x, y):
-        p = p if router_bias is None else sharding.with_router_bias(p, router_bias)
-        return pipeline.loss_and_metrics(p, x, y, KEY, cfg, mesh, n_micro)
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))
-
-
-def with_model(cfg, **changes):
-    return utils.override(utils.Config(model=cfg), **changes).model
-
-
-# DeepSeek-V3's architecture (utils.ModelConfig's options; --preset dsv3-tiny): a dense layer before the
-# blocks, every block one MoE layer with RoPE, gated SiLU FFNs of their own widths, RMSNorms without shift and
-# on both latents, an untied output table, heads narrower than D/H, values narrower still, routed scaling.
-DSV3 = with_model(CFG, ffn="gated_silu", ffn_hidden_dim=64, moe_hidden_dim=32, norm_shift=False, latent_norm=True,
-                  rope_all_layers=True, first_k_dense=1, tied_embeddings=False, layers_per_block=1, qk_head_dim=8,
-                  v_head_dim=6, routed_scaling=2.5)
-
-
-def abstract_params(cfg, mesh):
-    """Shapes, dtypes and shardings of cfg's parameters on mesh, for lowering without computing."""
-    params = jax.eval_shape(lambda: sharding.init_params(cfg, KEY))
-    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
-                        sharding.param_shardings(params, mesh, cfg.expert_parallel))
 
 
 @pytest.mark.parametrize("shape,n_micro,changes", CASES)

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import utils
-from test_main import MESH1, run
+from run_util import MESH1, run
 from ceiling import CEILING_S
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,8 +11,7 @@ import engine
 import model
 import pipeline
 import sharding
-from test_accelerator_program import _equations as eqns
-from test_model import CFG, KEY, abstract_params, batch, with_model
+from model_util import CFG, KEY, abstract_params, batch, equations as eqns, with_model
 
 
 @jax.custom_vjp

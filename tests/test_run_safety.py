@@ -34,7 +34,8 @@ import psutil
 import pytest
 
 from launch_util import kill_tmux, needs_tmux, tmux
-from test_main import MESH1, MESH8, REPO, TINY, checkpoints, last_step, records, run, start, wait_for, wait_for_step
+from run_util import (MESH1, MESH8, REPO, TINY_FLAGS, checkpoints, last_step, mount, records, run, start, wait_for,
+                      wait_for_step)
 from ceiling import CEILING_S
 
 
@@ -228,7 +229,7 @@ def test_a_closed_terminal_saves_and_exits_0(cpu_env, tmp_path):
     import select
     import threading
     master, slave = pty.openpty()
-    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY, "--output_dir", str(tmp_path), "--name", "run",
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY_FLAGS, "--output_dir", str(tmp_path), "--name", "run",
            "--training_steps", "100000", *MESH1]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env, stdin=slave, stdout=slave, stderr=slave,
                             preexec_fn=_controlling_terminal)
@@ -268,8 +269,8 @@ EATER = ("import signal, subprocess, sys; signal.signal(signal.SIGHUP, signal.SI
 
 
 def main_py(out):
-    return [sys.executable, os.path.join(REPO, "main.py"), *TINY, *MESH1, "--output_dir", str(out), "--name", "run",
-            "--training_steps", "100000"]
+    return [sys.executable, os.path.join(REPO, "main.py"), *TINY_FLAGS, *MESH1, "--output_dir", str(out), "--name",
+            "run", "--training_steps", "100000"]
 
 
 def process_of(out):
@@ -396,12 +397,6 @@ def test_prompt_too_long_for_T_is_refused_at_start(cpu_env, tmp_path, repeats, a
 # 4. save errors
 
 
-def _mount(*args):
-    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount here ({proc.stderr.strip()}): a read-only or full directory needs a mount")
-
-
 def _refused_at_start(cpu_env, out, expected):
     """The run stops before its first step: exit 2, one line naming the checkpoint directory, nothing
     written to its run directory."""
@@ -423,7 +418,7 @@ def test_a_checkpoint_directory_that_cannot_take_a_save_is_refused_at_start(cpu_
 
     shutil.copytree(trained / "run", tmp_path / "ro" / "run")
     ckpts = tmp_path / "ro" / "run" / "checkpoints"
-    _mount("--bind", "-o", "ro", str(ckpts), str(ckpts))
+    mount("--bind", "-o", "ro", str(ckpts), str(ckpts))
     try:
         _refused_at_start(cpu_env, tmp_path / "ro", f"[Errno 30] Read-only file system: '{ckpts}/.write-test-")
     finally:
@@ -432,7 +427,7 @@ def test_a_checkpoint_directory_that_cannot_take_a_save_is_refused_at_start(cpu_
     full = tmp_path / "full"
     os.makedirs(full)
     used = sum(s for s, _ in snapshot(trained).values())
-    _mount("-t", "tmpfs", "-o", f"size={used + (2 << 20)}", "tmpfs", str(full))
+    mount("-t", "tmpfs", "-o", f"size={used + (2 << 20)}", "tmpfs", str(full))
     try:
         shutil.copytree(trained / "run", full / "run")
         _refused_at_start(cpu_env, full, "[Errno 28] No space left on device (")
@@ -450,7 +445,7 @@ def test_disk_full_while_a_checkpoint_is_written_stops_at_once_in_one_line(cpu_e
     no partial checkpoint left, step 10's checkpoint kept."""
     disk = tmp_path / "disk"
     os.makedirs(disk)
-    _mount("-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk))
+    mount("-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk))
     try:
         log = tmp_path / "log"
         proc = start(cpu_env, disk, log, *MESH1, steps=40)
@@ -551,7 +546,7 @@ def test_run_dir_turned_read_only_mid_run_fails_in_one_line_losing_no_record(cpu
     out, run_dir, log = tmp_path / "out", tmp_path / "out" / "run", tmp_path / "first"
     first = start(cpu_env, f"file://{out}", log, *MESH1)
     wait_for_step(first, out, log, 2)
-    _mount("--bind", "-o", "ro", str(run_dir), str(run_dir))
+    mount("--bind", "-o", "ro", str(run_dir), str(run_dir))
     try:
         assert first.wait(timeout=CEILING_S) == 1, open(f"{log}.err").read()[-3000:]
         err = open(f"{log}.err").read()
@@ -597,7 +592,7 @@ def test_full_disk_mid_run_keeps_the_records_until_there_is_room(cpu_env, tmp_pa
     memory and are written once there is room again; SIGTERM then saves and exits 0."""
     out, log = tmp_path / "out", tmp_path / "log"
     os.makedirs(out)
-    _mount("-t", "tmpfs", "-o", "size=256m", "tmpfs", str(out))
+    mount("-t", "tmpfs", "-o", "size=256m", "tmpfs", str(out))
     try:
         proc = start(cpu_env, out, log, *MESH1, "--checkpoint_steps", "5")     # no save before step 50
         wait_for_step(proc, out, log, 2)

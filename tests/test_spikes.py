@@ -69,9 +69,9 @@ def test_skip_spikes_flag_is_validated():
     utils.validate(utils.config_from_args(["--skip_spikes", "5"]), 1)
 
 
-TINY = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=4, blocks=2, layers_per_block=2, T=16,
-                         latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1,
-                         model_dtype="float32", remat="none")
+SPIKE_MODEL = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=4, blocks=2, layers_per_block=2, T=16,
+                                latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1,
+                                model_dtype="float32", remat="none")
 STEPS = optimizer.MIN_HISTORY + 6
 
 
@@ -79,13 +79,13 @@ def _run(shape, factor):
     """STEPS steps of a tiny model on `shape` (global batch 8 on every mesh); per step the skipped
     count, the ratio, and whether params changed."""
     dp = shape[0]
-    cfg = utils.Config(model=TINY, optim=utils.OptimConfig(max_lr=1e-2, warmup_steps=2, end_steps=STEPS,
-                                                             training_steps=STEPS, skip_spikes=factor,
-                                                             bias_update_rate=1e-3),
+    cfg = utils.Config(model=SPIKE_MODEL, optim=utils.OptimConfig(max_lr=1e-2, warmup_steps=2, end_steps=STEPS,
+                                                                    training_steps=STEPS, skip_spikes=factor,
+                                                                    bias_update_rate=1e-3),
                        run=utils.RunConfig(train_batch_size=8 // dp, micro_batch_size=2, n_device_axis=shape))
     trainer = build_trainer(cfg, sharding.make_mesh(shape))
     state = trainer.fresh_state(0)
-    tokens = jax.random.randint(jax.random.key(7), (STEPS, 8, TINY.T + 1), 0, TINY.vocab_size)
+    tokens = jax.random.randint(jax.random.key(7), (STEPS, 8, SPIKE_MODEL.T + 1), 0, SPIKE_MODEL.vocab_size)
     out = []
     for s in range(STEPS):
         x, y = (jax.device_put(tokens[s, :, part], trainer.data_sharding) for part in (slice(None, -1), slice(1, None)))
@@ -188,8 +188,8 @@ def test_the_largest_finite_gradient_keeps_the_optimizer_state_finite():
     """What lets the train step test only the loss and the gradient's norm: with every g^2 finite (the
     norm is), Adam's moments, its update and the new parameters stay finite, at the preset's lr and
     from a fresh state (moments 0, the table's rows with zero gradient included)."""
-    cfg = utils.Config(model=TINY)
-    params = sharding.init_stored_params(TINY, jax.random.key(0))
+    cfg = utils.Config(model=SPIKE_MODEL)
+    params = sharding.init_stored_params(SPIKE_MODEL, jax.random.key(0))
     opt = optimizer.make_optimizer(cfg.optim, params)
     state, leaves = opt.init(params), jax.tree.leaves(params)
     largest = np.sqrt(np.finfo(np.float32).max / sum(leaf.size for leaf in leaves)) * 0.99
@@ -214,8 +214,8 @@ def test_a_non_finite_gradient_changes_nothing(monkeypatch, bad):
     def poisoned(*args):
         grads, metrics = grads_of(*args)
         return jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(bad), grads), metrics
-    cfg = utils.Config(model=TINY, run=utils.RunConfig(train_batch_size=8, micro_batch_size=2))
-    tokens = jax.random.randint(jax.random.key(7), (8, TINY.T + 1), 0, TINY.vocab_size)
+    cfg = utils.Config(model=SPIKE_MODEL, run=utils.RunConfig(train_batch_size=8, micro_batch_size=2))
+    tokens = jax.random.randint(jax.random.key(7), (8, SPIKE_MODEL.T + 1), 0, SPIKE_MODEL.vocab_size)
     poisoned_trainer, trainer = (build_trainer(cfg, sharding.make_mesh((1, 1, 1))) for _ in range(2))
     x, y = (jax.device_put(tokens[:, part], trainer.data_sharding) for part in (slice(None, -1), slice(1, None)))
     state = trainer.fresh_state(0)

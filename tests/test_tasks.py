@@ -26,9 +26,8 @@ from collectives import Axes
 from data import tokenizer as tok
 from data_util import corpus_documents
 from engine import engine_for
-from test_model import CFG, CIRCULAR, EP, KEY, ROUTER_BIAS, rel_err, with_model
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from model_util import CFG, CIRCULAR, EP, KEY, ROUTER_BIAS, rel_err, with_model
+from run_util import REPO, TINY_FLAGS
 
 
 def random_rows(n, T, vocab, seed=0):
@@ -237,8 +236,7 @@ def test_evaluate_scores_a_checkpoint_on_another_mesh_as_the_run_did(cpu_env, tm
     in fp32, the harness's tasks included (its multiple-choice one the bundled task's first 12 examples: the
     same scores); one JSON file more in the run directory, with every request's log-likelihood."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
-    from test_main import TINY
-    flags = [*TINY, "--eval_tasks", "kjv_endings,tests/harness_tasks/kjv_choice.yaml,tests/harness_tasks/kjv_next.yaml",
+    flags = [*TINY_FLAGS, "--eval_tasks", "kjv_endings,tests/harness_tasks/kjv_choice.yaml,tests/harness_tasks/kjv_next.yaml",
              "--eval_tasks_limit", "12", "--val_batch_size", "4", "--blocks", "4", "--layers_per_block", "1",
              "--pipeline_repeats", "2", "--output_dir", str(tmp_path), "--name", "run"]
     main_py = lambda *args: subprocess.run([sys.executable, "main.py", *flags, *args], cwd=REPO, env=cpu_env,
