@@ -37,22 +37,24 @@ def without_typing_imports(tree):
     return tree
 
 
+def imported_modules(path, modules):
+    """The modules of the set `modules` that the file at `path` imports, anywhere in its code."""
+    imported = set()
+    for node in ast.walk(without_typing_imports(ast.parse(open(path).read()))):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from engine import products` imports the module engine.products (a package's own
+            # __init__ runs first in Python, but a submodule's import does not depend on it)
+            names = {f"{node.module}.{alias.name}" for alias in node.names}
+            imported |= (names & modules) | ({node.module} if names - modules else set())
+    return imported & modules
+
+
 def import_graph():
     """{module: the project modules it imports, anywhere in its code}."""
     modules = project_modules()
-    graph = {}
-    for name, path in modules.items():
-        imported = set()
-        for node in ast.walk(without_typing_imports(ast.parse(open(path).read()))):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                # `from engine import products` imports the module engine.products (a package's own
-                # __init__ runs first in Python, but a submodule's import does not depend on it)
-                names = {f"{node.module}.{alias.name}" for alias in node.names}
-                imported |= (names & set(modules)) | ({node.module} if names - set(modules) else set())
-        graph[name] = sorted(imported & set(modules) - {name})
-    return graph
+    return {name: sorted(imported_modules(path, set(modules)) - {name}) for name, path in modules.items()}
 
 
 def find_cycle(graph):
@@ -113,16 +115,10 @@ def imports_among_test_modules():
     """{tests/test_*.py module: the tests/test_*.py modules it imports, anywhere in its code}."""
     tests = os.path.join(ROOT, "tests")
     modules = {name[:-3] for name in os.listdir(tests) if name.startswith("test_") and name.endswith(".py")}
-    graph = {}
-    for name in sorted(modules):
-        imported = set()
-        for node in ast.walk(ast.parse(open(os.path.join(tests, name + ".py")).read())):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-        graph[name] = sorted({i.removeprefix("tests.") for i in imported} & modules - {name})
-    return graph
+    either_name = modules | {f"tests.{m}" for m in modules}
+    return {name: sorted({i.removeprefix("tests.") for i in imported_modules(os.path.join(tests, name + ".py"),
+                                                                            either_name)} - {name})
+            for name in sorted(modules)}
 
 
 def test_no_test_module_imports_another():
