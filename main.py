@@ -108,7 +108,10 @@ def check_data_source(cfg):
 
 
 def open_run(cfg, mesh):
-    """Take the run directory, print the run's header, load the data, restore or start the state."""
+    """Take the run directory, print the run's header, load the data, restore or start the state; with --fit
+    first the setting that fits the devices (pod.fit_to_devices), which the run's config then holds."""
+    if cfg.run.fit:
+        cfg = pod.fit_to_devices(cfg, mesh, log)
     trainer = build_trainer(cfg, mesh)            # shapes and shardings: nothing compiled or allocated yet
     pod.check_fits(cfg, trainer)                  # before the run directory is touched or anything allocated
     rc, proc0 = cfg.run, jax.process_index() == 0
@@ -336,6 +339,7 @@ def train(cfg, mesh):
     """Train the run in OUTPUT_DIR/NAME from its newest checkpoint (or from scratch) to --training_steps
     or --stop_at_val_loss; SIGTERM or Ctrl-C saves and stops early."""
     run = open_run(cfg, mesh)
+    cfg = run.cfg                                 # --fit's choice, if it made one
     if finished(run):
         return nothing_to_do(run)
     progress = Progress(run)
@@ -461,9 +465,10 @@ def prompt_ids(ic, T):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     cfg = utils.config_from_args(argv)
     if cfg.run.compile_for:                 # a pod rehearsal on this machine: no devices, no run directory
-        return pod.main(cfg)
+        return pod.main(cfg, argv)
     set_up_devices(cfg)
     quiet_failed_saves()
     try:

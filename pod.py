@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils, topologies
 
 import hardware
 import hlo
+import planner
 import sharding
 import utils
 from rundir import RunRefused
@@ -67,7 +68,8 @@ device_description_str: "NVIDIA H200"
 """
 
 
-def main(cfg):
+def main(cfg, argv=()):
+    """argv: the command line, for the command a fitting setting prints (`plan_a_fit`)."""
     target = hardware.compile_target(cfg.run.compile_for)
     if target is None:
         return _usage(f"--compile_for {cfg.run.compile_for!r} is not a target this knows. TPU slices: "
@@ -86,7 +88,7 @@ def main(cfg):
         _compile_only_cuda()
     else:
         _compile_only_libtpu(target)
-    return rehearse(cfg, target)
+    return rehearse(cfg, target, argv)
 
 
 def _usage(message):
@@ -130,8 +132,8 @@ def topology_devices(tpu):
         chips_per_host_bounds=tpu.host_grid, num_slices=1, wrap=(False,) * 3).devices
 
 
-def rehearse(cfg, target):
-    mesh = sharding.make_mesh(cfg.run.n_device_axis, target_devices(target))
+def rehearse(cfg, target, argv=(), plan_on_failure=True):
+    mesh = target_mesh(cfg, target)
     trainer = build_trainer(cfg, mesh)
     report = Report(cfg, target, mesh)
     report.header()
@@ -153,9 +155,63 @@ def rehearse(cfg, target):
             print(f"does not fit: {name} needs {needed:.2f} GiB per chip, {target.name}'s chips have "
                   f"{target.hbm_bytes / GiB:.2f} GiB usable ({needed - target.hbm_bytes / GiB:.2f} GiB short); "
                   f"see docs/launch.md 'Before you rent a pod'")
-            return 1
+            return plan_a_fit(cfg, target, argv) if name == "train step" and plan_on_failure else 1
     print(f"fits on {target.name}: {report.summary()}")
     return 0
+
+
+def plan_a_fit(cfg, target, argv):
+    """After the train step does not fit: the settings that trade compute for memory, each compiled
+    (planner.py); the cheapest that fits printed with its command, and with --fit rehearsed (its exit
+    status). Exit 1 when none fits or without --fit."""
+    usable = target.hbm_bytes / GiB
+    print("compiling the train step with each setting that trades compute for memory (planner.py; each about "
+          "as long as the compile above):", flush=True)
+    chosen, _ = planner.cheapest_fit(cfg, target.chips, usable, lambda c: train_plan(c, target_mesh(c, target)),
+                                     say=lambda line: print(line, flush=True))
+    if chosen is None:
+        print(f"none of them fits {target.name}: a larger pp or tp, a smaller model or a bigger slice "
+              f"(docs/launch.md#when-a-plan-does-not-fit)")
+        return 1
+    print(f"fits with {planner.flags(chosen.changes)}: {chosen.gib:.2f} of {usable:.2f} GiB a chip, "
+          f"FLOPs {chosen.flops_ratio:.2f}x the model's (the fewest of the settings that fit):")
+    print(f"  {planner.command(argv, chosen.changes)}")
+    if not cfg.run.fit:
+        print("(--fit rehearses with it here, and a run with --fit trains with it)")
+        return 1
+    print(f"--fit: rehearsing with {planner.flags(chosen.changes)}")
+    return rehearse(chosen.cfg, target, argv, plan_on_failure=False)
+
+
+def target_mesh(cfg, target):
+    return sharding.make_mesh(cfg.run.n_device_axis, target_devices(target))
+
+
+def train_plan(cfg, mesh):
+    """(GiB per device, compiled FLOPs over the model's) of cfg's train step compiled for mesh; (GiB needed,
+    None) when the compiler refuses a plan too large for the device and says how large."""
+    trainer = build_trainer(cfg, mesh)
+    train_args, _ = abstract_step_args(cfg, trainer)
+    try:
+        compiled = trainer.step.lower(*train_args).compile()
+    except Exception as e:               # noqa: BLE001 - libtpu refuses some plans that do not fit so
+        needed = _hbm_shortfall(str(e))
+        if needed is None:
+            raise
+        return needed, None
+    return planned_gib(compiled.memory_analysis()), hlo.matmul_flops(compiled.as_text())["total"] / model_flops(cfg, mesh.size)
+
+
+def planned_gib(mem):
+    """GiB per device a compiled step's memory analysis plans: its arguments, outputs not aliased to them,
+    temporaries and code."""
+    return (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes) / GiB
+
+
+def model_flops(cfg, chips):
+    """The model's FLOPs per chip for a training step (sharding.flops_per_token over its tokens)."""
+    return sharding.flops_per_token(cfg.model) * utils.sequences_per_step(cfg) * cfg.model.T / chips
 
 
 TICK_S = 30                         # while a compile runs, a line this often says it still does
@@ -204,7 +260,7 @@ class Report:
         self.gpu = isinstance(target, hardware.GpuTarget)
         self.peak = hardware.peak_flops(mesh.devices.flat[0].device_kind)
         self.tokens = utils.sequences_per_step(cfg) * cfg.model.T
-        self.model_flops = sharding.flops_per_token(cfg.model) * self.tokens / target.chips    # per chip
+        self.model_flops = model_flops(cfg, target.chips)
 
     def header(self):
         target, mesh = self.target, self.mesh
@@ -231,8 +287,7 @@ class Report:
         mem, hlo_text = compiled.memory_analysis(), compiled.as_text()   # the text of a big step is megabytes
         state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
-        total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                 + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+        total = planned_gib(mem) * GiB
         print(f"{name}: compiled in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU)")
         print(f"  {'memory per GPU' if self.gpu else 'HBM per chip'}: state {_gib(state_bytes)} | batch {_gib(inputs)} | temporaries "
               f"{_gib(mem.temp_size_in_bytes)} | outputs not aliased {_gib(mem.output_size_in_bytes - mem.alias_size_in_bytes)}"
@@ -464,6 +519,33 @@ def check_fits(cfg, trainer):
                        f"planned memory; their logs say why (--force tries anyway)")
     if refusal is not None:
         raise RunRefused(refusal)
+
+
+def fit_to_devices(cfg, mesh, say=print):
+    """--fit on a run: cfg's train step compiled for this mesh and, when its plan exceeds what the devices
+    have, the setting of fewest compiled FLOPs that fits (planner.py); returns the config to run, and says
+    which. Every process measures against the least memory any process's devices have, so all choose alike."""
+    memory = device_memory(mesh)
+    budget = np.float64(-1.0 if memory is None else memory[0] / memory[1] / GiB)
+    if jax.process_count() > 1:
+        budgets = np.asarray(multihost_utils.process_allgather(budget))
+        budget = np.float64(-1.0) if (budgets < 0).any() else budgets.min()
+    if budget < 0:
+        say("--fit: this runtime does not say its devices' memory; the run goes as given")
+        return cfg
+    gib, ratio = train_plan(cfg, mesh)
+    if gib <= budget:
+        say(f"--fit: the train step plans {gib:.2f} of {budget:.2f} GiB a device; the run goes as given")
+        return cfg
+    say(f"--fit: the train step plans {gib:.2f} GiB a device, more than the {budget:.2f} GiB it has; compiling "
+        f"the settings that trade compute for memory:")
+    chosen, _ = planner.cheapest_fit(cfg, mesh.size, budget, lambda c: train_plan(c, mesh), say)
+    if chosen is None:
+        raise RunRefused(f"--fit: no setting that trades compute for memory makes this run fit {budget:.2f} GiB a "
+                         f"device; a larger pp or tp, a smaller model or more devices")
+    say(f"--fit: running with {planner.flags(chosen.changes)} ({chosen.gib:.2f} GiB a device, FLOPs "
+        f"{chosen.flops_ratio:.2f}x the model's)")
+    return chosen.cfg
 
 
 def planned_bytes(cfg, trainer):

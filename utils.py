@@ -179,7 +179,12 @@ class RunConfig:
                                 "v5p-8, v5litepod-16, v6e-8, ...; pip install -r requirements-tpu.txt) or for "
                                 "H200s (h200, h200-8; pip install -r requirements-gpu-aot.txt) on this machine, "
                                 "and print the per-chip memory plan, FLOPs, compile time and, for h200, the "
-                                "estimated step time and MFU")
+                                "estimated step time and MFU; when the train step does not fit, compile the "
+                                "settings that trade compute for memory and print the cheapest that fits")
+    fit: bool = flag(False, "when the train step's compiled plan does not fit the devices (or the --compile_for "
+                            "target), use the setting of fewest compiled FLOPs that does (--remat full, --grad_step "
+                            "with a smaller --train_batch_size, more --micro_batch_size, --expert_parallel; "
+                            "planner.py); the choice is printed and kept in the run's config")
     force: bool = flag(False, "start even when the planned memory per device (params, optimizer state, gradients and "
                               "the layer inputs the backward keeps, from shapes alone) exceeds what this process's "
                               "devices have, which otherwise refuses the run before it allocates anything")
