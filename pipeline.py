@@ -125,15 +125,19 @@ def _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     # Normalised on entry: the stage's blocks as [P, G, ...] whatever P (GPipe stores them as [G, ...]).
     blocks_PG = params["blocks"] if P > 1 else jax.tree.map(lambda a: a[None], params["blocks"])
-    # FSDP, [P, G, .., D/dp, ..] -> [P, G, .., D, ..] (engine/fsdp.py).
-    # Guide: each layer all-gathers its weights when called, every tick; here once a step, for all ticks.
     names = sharding.logical_axes(sharding.has_router_bias(params))
     prologue = ({"prologue": axes.engine.gather_stage(params["prologue"], "prologue", names, cfg, axes)}
                 if cfg.first_k_dense else {})
     # The embedding, the first dense layers and the output layer (with any one repeat's blocks, unused).
     transformer = build(params | prologue | {"blocks": jax.tree.map(lambda a: a[0], blocks_PG)}, cfg)
-    blocks_PG = axes.engine.gather_stage(blocks_PG, "blocks", names, cfg, axes, lead=1)
-    blocks_of = lambda r: jax.tree.map(lambda a: a[r], blocks_PG)
+    # FSDP, [P, G, .., D/dp, ..] -> [P, G, .., D, ..] (engine/fsdp.py). Guide: each layer all-gathers its weights
+    # when called, every tick; here a stage's once a step (--fsdp_gather step) or a tick's blocks at each tick.
+    if cfg.fsdp_gather == "step":
+        blocks_PG = axes.engine.gather_stage(blocks_PG, "blocks", names, cfg, axes, lead=1)
+        blocks_of = lambda r: jax.tree.map(lambda a: a[r], blocks_PG)
+    else:
+        blocks_of = lambda r: axes.engine.gather_stage(jax.tree.map(lambda a: a[r], blocks_PG), "blocks", names, cfg,
+                                                       axes)
     b, T = x_bT.shape
     M, mb = n_micro, b // n_micro
     n_items, G = P * M, jax.tree.leaves(blocks_PG)[0].shape[1]

@@ -3,11 +3,14 @@ compiled FLOPs that fits (`cheapest_fit`). `--compile_for` prints it with the ex
 not fit; `--fit` runs (or rehearses) with it. Pure config logic: the caller compiles (`plan` below is
 pod.py's compile of the train step for a slice, or of this run's mesh).
 
-The settings, one change each (`changes`); when none of them fits alone, each two of them together:
+The settings that save memory, one change each (`memory_changes`):
   --remat full                           every layer recomputed in the backward (one more forward's FLOPs)
   --train_batch_size B/N --grad_step N   the same global batch in N passes, each keeping 1/N of the activations
   --micro_batch_size 2M                  smaller micro-batches: less of the pipeline's bubble, smaller buffers
   --expert_parallel                      each dp rank keeps E/dp whole experts instead of gathering them all
+  --fsdp_gather tick                     a stage's weights gathered at each tick, not held for the step
+and the one that saves compute (`compute_changes`): --remat dots where the config recomputes whole layers,
+worth compiling only beside one that saves memory (--grad_step's passes pay for keeping the products).
 """
 import itertools
 from typing import Callable, NamedTuple
@@ -18,18 +21,20 @@ GRAD_STEP_FACTORS = (2, 4)
 
 
 class Plan(NamedTuple):
-    """One compiled setting: its flag changes ({} as given), GiB per chip of its train step and its compiled
-    FLOPs over the model's (None: the compiler refused it without saying how much it needs), and the config."""
+    """One compiled setting: its flag changes ({} as given), its train step's GiB per chip, compiled FLOPs over
+    the model's and collective GiB per chip (None: the compiler refused it, saying at most what it needs),
+    and the config."""
     changes: dict
     gib: float | None
     flops_ratio: float | None
+    collective_gib: float | None
     cfg: object
 
     def fits(self, budget_gib):
         return self.gib is not None and self.gib <= budget_gib
 
 
-def changes(cfg):
+def memory_changes(cfg):
     """The single changes that trade compute (or collective bytes) for memory and that cfg does not have
     already: [{flag: value}]. Validity on the mesh is checked by the caller (utils.validate)."""
     m, r, o = cfg.model, cfg.run, cfg.optim
@@ -43,12 +48,21 @@ def changes(cfg):
         found.append({"micro_batch_size": 2 * r.micro_batch_size})
     if m.n_experts and not m.expert_parallel:
         found.append({"expert_parallel": True})
+    if m.fsdp_gather == "step" and r.n_device_axis[0] > 1:
+        found.append({"fsdp_gather": "tick"})
     return found
 
 
+def compute_changes(cfg):
+    """The changes that save compute for memory: [{flag: value}]."""
+    return [{"remat": "dots"}] if cfg.model.remat == "full" else []
+
+
 def candidates(cfg, n_devices):
-    """(the single changes, the pairs of them) valid for cfg on n_devices, each as [(changes, cfg)]. A pair
-    never changes one flag twice (grad_step 2 and 4 are alternatives, not a product)."""
+    """The settings to compile, in the order tried, as groups of [(changes, cfg)], each valid for cfg on
+    n_devices: the single memory changes; each of them with a compute change (cheaper when it fits); two
+    memory changes together (`cheapest_fit` compiles these only when nothing before fits). A pair never
+    changes one flag twice (--grad_step 2 and 4 are alternatives, not a product)."""
     def valid(change):
         candidate = utils.override(cfg, **change)
         try:
@@ -56,18 +70,23 @@ def candidates(cfg, n_devices):
         except utils.ConfigError:
             return None
         return change, candidate
-    singles = [c for c in map(valid, changes(cfg)) if c]
-    pairs = [valid(a | b) for (a, _), (b, _) in itertools.combinations(singles, 2) if not a.keys() & b.keys()]
-    return singles, [p for p in pairs if p]
+
+    def group(changes):
+        return [c for c in map(valid, changes) if c]
+    singles = memory_changes(cfg)
+    disjoint = lambda pairs: [a | b for a, b in pairs if not a.keys() & b.keys()]
+    return (group(singles), group(disjoint(itertools.product(compute_changes(cfg), singles))),
+            group(disjoint(itertools.combinations(singles, 2))))
 
 
 def cheapest_fit(cfg, n_devices, budget_gib, plan: Callable, say=print):
-    """(the Plan chosen or None, every Plan compiled): the single changes are compiled first, the pairs only
-    when none of them fits; of those that fit, the fewest compiled FLOPs, then the fewest passes, then the least memory (`cost`). plan(cfg) ->
-    (GiB, compiled FLOPs over the model's), either None where the compiler does not say; say(line) reports each
-    as it is compiled."""
+    """(the Plan chosen or None, every Plan compiled): the groups of `candidates` compiled in turn, the last
+    (two memory changes) only when nothing before fits; of those that fit, the cheapest (`cost`). plan(cfg) ->
+    (GiB, compiled FLOPs over the model's, collective GiB), None where the compiler does not say; say(line)
+    reports each as it is compiled."""
+    singles, with_compute, pairs = candidates(cfg, n_devices)
     compiled = []
-    for group in candidates(cfg, n_devices):
+    for group in (singles + with_compute, pairs):
         for change, candidate in group:
             compiled.append(Plan(change, *plan(candidate), candidate))
             say(describe(compiled[-1], budget_gib))
@@ -79,8 +98,8 @@ def cheapest_fit(cfg, n_devices, budget_gib, plan: Callable, say=print):
 
 def cost(p):
     """What the choice minimises: compiled FLOPs (to 1%: closer than that is noise against the step's other
-    costs), then passes over the batch (each pass gathers the weights again), then memory."""
-    return round(p.flops_ratio or float("inf"), 2), p.cfg.optim.grad_step, p.gib
+    costs), then collective bytes (to a GiB: another pass or gathering at every tick moves more), then memory."""
+    return round(p.flops_ratio or float("inf"), 2), round(p.collective_gib or float("inf")), p.gib
 
 
 def flags(change):
@@ -90,9 +109,10 @@ def flags(change):
 
 
 def describe(p, budget_gib):
-    """One compiled setting in a line: its flags, GiB a chip, whether that fits, its FLOPs ratio."""
+    """One compiled setting in a line: its flags, GiB a chip, whether that fits, its FLOPs and collectives."""
     verdict = "the compiler refused it" if p.gib is None else f"{p.gib:6.2f} GiB {'fits' if p.fits(budget_gib) else 'over'}"
-    return f"  {flags(p.changes):<44} {verdict}" + (f", FLOPs {p.flops_ratio:.2f}x the model's" if p.flops_ratio else "")
+    return f"  {flags(p.changes):<44} {verdict}" + (
+        f", FLOPs {p.flops_ratio:.2f}x the model's, collectives {p.collective_gib:.2f} GiB" if p.flops_ratio else "")
 
 
 def command(argv, change, program="python main.py"):

@@ -188,8 +188,9 @@ def target_mesh(cfg, target):
 
 
 def train_plan(cfg, mesh):
-    """(GiB per device, compiled FLOPs over the model's) of cfg's train step compiled for mesh; (GiB needed,
-    None) when the compiler refuses a plan too large for the device and says how large."""
+    """(GiB per device, compiled FLOPs over the model's, collective GiB per device) of cfg's train step compiled
+    for mesh; (GiB needed, None, None) when the compiler refuses a plan too large for the device and says how
+    large."""
     trainer = build_trainer(cfg, mesh)
     train_args, _ = abstract_step_args(cfg, trainer)
     try:
@@ -198,8 +199,10 @@ def train_plan(cfg, mesh):
         needed = _hbm_shortfall(str(e))
         if needed is None:
             raise
-        return needed, None
-    return planned_gib(compiled.memory_analysis()), hlo.matmul_flops(compiled.as_text())["total"] / model_flops(cfg, mesh.size)
+        return needed, None, None
+    text = compiled.as_text()
+    return (planned_gib(compiled.memory_analysis()), hlo.matmul_flops(text)["total"] / model_flops(cfg, mesh.size),
+            sum(c["bytes"] for c in hlo.collective_bytes(text).values()) / GiB)
 
 
 def planned_gib(mem):
@@ -533,7 +536,7 @@ def fit_to_devices(cfg, mesh, say=print):
     if budget < 0:
         say("--fit: this runtime does not say its devices' memory; the run goes as given")
         return cfg
-    gib, ratio = train_plan(cfg, mesh)
+    gib = train_plan(cfg, mesh)[0]
     if gib <= budget:
         say(f"--fit: the train step plans {gib:.2f} of {budget:.2f} GiB a device; the run goes as given")
         return cfg

@@ -48,6 +48,10 @@ class ModelConfig:
                               "but the matmul outputs), none, or auto: dots on a TPU, full on a GPU or CPU; "
                               "under tp full and dots keep each branch's all-reduced output rather than "
                               "all-reduce it again")
+    fsdp_gather: str = flag("step", "when each pipeline stage's weights are all-gathered over dp: step (once a step "
+                                    "for all of its ticks, held in fp32 for the step: the fewest collective bytes) or "
+                                    "tick (at every tick, only the blocks that tick runs, their gradient "
+                                    "reduce-scattered after it: the guide's way, the memory of one tick's weights)")
     moe_impl: str = flag("buffers", "routed-expert compute: buffers (per-expert capacity slots) or ragged "
                                     "(sorted tokens, lax.ragged_dot); --engine reference always runs buffers")
     # DeepSeek-V3's architecture, each option the guide's behaviour by default (docs/model.md; --preset dsv3-tiny)
@@ -264,15 +268,17 @@ PRESETS["dsv3-tiny"] = dataclasses.replace(
     optim=dataclasses.replace(PRESETS["tiny"].optim, bias_update_rate=1e-3),
     run=dataclasses.replace(PRESETS["tiny"].run, name="dsv3-tiny"))
 # A 10B MoE (10.5B total, 2.2B active without the embedding) on the guide's v4-64 at its global batch: width
-# 2048, 32 experts, blocks of 4 layers. It fits only with the routed experts split over dp (each chip keeps
-# its 4 experts whole instead of gathering all 32 for the step) and every layer recomputed in the backward:
-# the plan is 26.5 of 30.75 GiB a chip, most of it the pipeline ticks' stacked activations
-# (docs/launch.md, "Before you rent a pod").
+# 2048, 32 experts, blocks of 4 layers. The settings are the cheapest `--compile_for v4-64` finds (planner.py):
+# the routed experts split over dp (each chip keeps its 4 experts whole instead of gathering all 32), and
+# the 256 sequences a step in 4 passes of 8 a replica (--grad_step 4), so each pass keeps a quarter of the
+# activations and the products can be kept (--remat auto, dots on a TPU) rather than recomputed: 24.07 of
+# 30.75 GiB a chip at 1.35x the model's FLOPs (one pass with --remat full: 26.50 GiB at 1.50x; docs/launch.md).
 PRESETS["moe10B"] = dataclasses.replace(
     PRESETS["moe1B"], model=dataclasses.replace(
         PRESETS["moe1B"].model, model_dimension=2048, n_head=16, n_experts=32, layers_per_block=4, latent_dim=512,
-        q_latent_dim=768, dhR=64, remat="full", expert_parallel=True),
-    run=dataclasses.replace(PRESETS["moe1B"].run, name="moe10B"))
+        q_latent_dim=768, dhR=64, expert_parallel=True),
+    optim=dataclasses.replace(PRESETS["moe1B"].optim, grad_step=4),
+    run=dataclasses.replace(PRESETS["moe1B"].run, name="moe10B", train_batch_size=8))
 PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32", "moe10B": "v4-64"}     # the TPU slice each pod preset's mesh fills
 # The pod presets are the guide's run on FineWeb-Edu: they train on --data_dir, never on the bundled corpus.
 TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/fineweb-edu --hf_config sample-350BT "
@@ -280,7 +286,7 @@ TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/finewe
 
 # Flags that pick an implementation, and their values: the keys of engine.REMAT_POLICIES (with none:
 # nothing recomputed), of expert_kernels.MOE_IMPLS and of engine.ENGINES (tests/test_config.py checks they agree).
-CHOICES = {"remat": ("auto", "full", "dots", "none"), "moe_impl": ("buffers", "ragged"), "engine": ("fast", "reference"),
+CHOICES = {"remat": ("auto", "full", "dots", "none"), "fsdp_gather": ("step", "tick"), "moe_impl": ("buffers", "ragged"), "engine": ("fast", "reference"),
            "ffn": ("gelu", "gated_silu")}
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
@@ -461,7 +467,7 @@ def validate(cfg, n_devices=None):
         errors.append(f"--b1 and --b2 must be in [0, 1), got {o.b1}, {o.b2}")
     if m.model_dtype not in ("bfloat16", "float32"):
         errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
-    for name, value in (("remat", m.remat), ("moe_impl", m.moe_impl), ("engine", m.engine), ("ffn", m.ffn)):
+    for name, value in (("remat", m.remat), ("fsdp_gather", m.fsdp_gather), ("moe_impl", m.moe_impl), ("engine", m.engine), ("ffn", m.ffn)):
         choices = CHOICES[name]
         if value not in choices:
             errors.append(f"--{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")

@@ -33,7 +33,9 @@ CASES = [((1, 1, 1), 2, {}), ((8, 1, 1), 2, EP), ((1, 8, 1), 8, {}),
          ((2, 2, 2), 2, {"moe_impl": "ragged", "remat": "full"}),
          # circular, M = pp: a micro-batch back from the last stage is used in the tick it arrives;
          # M > pp: it waits in stage 0's buffer, here with expert parallelism as well (one case for both)
-         ((1, 4, 1), 4, CIRCULAR), ((2, 2, 2), 4, EP | CIRCULAR)]
+         ((1, 4, 1), 4, CIRCULAR), ((2, 2, 2), 4, EP | CIRCULAR),
+         # each tick gathers the weights it runs and reduce-scatters their gradient (a repeat's, when circular)
+         ((2, 2, 2), 2, {"fsdp_gather": "tick"}), ((4, 2, 1), 4, CIRCULAR | {"fsdp_gather": "tick"})]
 # Every case routes with the nonzero aux-loss-free bias ROUTER_BIAS [blocks, E] and checks the update it gets.
 BIAS_RATE = 1e-3
 

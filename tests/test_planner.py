@@ -30,16 +30,20 @@ def mesh_for(cfg):
 
 
 def test_every_setting_is_valid_and_keeps_the_global_batch():
-    singles, pairs = planner.candidates(MODEL, 8)
+    singles, with_compute, pairs = planner.candidates(MODEL, 8)
     assert [c for c, _ in singles] == [{"remat": "full"}, {"train_batch_size": 8, "grad_step": 2},
                                        {"train_batch_size": 4, "grad_step": 4}, {"micro_batch_size": 4},
-                                       {"expert_parallel": True}]
-    assert pairs and all(len(c) >= 2 for c, _ in pairs)
-    assert not any({"grad_step"} <= c.keys() and c.get("grad_step") not in (2, 4) for c, _ in pairs)
+                                       {"expert_parallel": True}, {"fsdp_gather": "tick"}]
+    assert with_compute == [], "nothing to save compute on: --remat none recomputes nothing"
+    full = utils.override(MODEL, remat="full")
+    assert [c for c, _ in planner.candidates(full, 8)[1]] == [
+        {"remat": "dots", "train_batch_size": 8, "grad_step": 2}, {"remat": "dots", "train_batch_size": 4, "grad_step": 4},
+        {"remat": "dots", "micro_batch_size": 4}, {"remat": "dots", "expert_parallel": True},
+        {"remat": "dots", "fsdp_gather": "tick"}]
+    assert len(pairs) == 15 - 1, "each two of the six, less --grad_step 2 with --grad_step 4"
     for change, cfg in singles + pairs:
         assert utils.sequences_per_step(cfg) == utils.sequences_per_step(MODEL), change
-        assert all(getattr(getattr(cfg, s), f) == v for f, v in change.items()
-                   for s in ("model", "run", "optim") if hasattr(getattr(cfg, s), f)), change
+        assert utils.override(MODEL, **change) == cfg, change
 
 
 def test_the_printed_command_parses_to_the_chosen_config():
@@ -57,7 +61,7 @@ def test_the_choice_is_the_cheapest_compiled_plan_that_fits():
     """The as-given plan on this CPU mesh, a budget below it: the planner compiles the settings, and the one
     it picks fits and costs no more than any other that fits."""
     mesh = mesh_for(MODEL)
-    as_given, _ = pod.train_plan(MODEL, mesh)
+    as_given = pod.train_plan(MODEL, mesh)[0]
     budget = 0.7 * as_given
     chosen, compiled = planner.cheapest_fit(MODEL, 8, budget, lambda c: pod.train_plan(c, mesh), say=lambda _: None)
     assert chosen is not None and chosen.gib <= budget < as_given, [(p.changes, p.gib) for p in compiled]
