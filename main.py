@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 import dataset
+import fit
 import generate
 import hardware
 import metrics_schema
@@ -109,11 +110,11 @@ def check_data_source(cfg):
 
 def open_run(cfg, mesh):
     """Take the run directory, print the run's header, load the data, restore or start the state; with --fit
-    first the setting that fits the devices (pod.fit_to_devices), which the run's config then holds."""
+    first the setting that fits the devices (fit.fit_to_devices), which the run's config then holds."""
     if cfg.run.fit:
-        cfg = pod.fit_to_devices(cfg, mesh, log)
+        cfg = fit.fit_to_devices(cfg, mesh, log)
     trainer = build_trainer(cfg, mesh)            # shapes and shardings: nothing compiled or allocated yet
-    pod.check_fits(cfg, trainer)                  # before the run directory is touched or anything allocated
+    fit.check_fits(cfg, trainer)                  # before the run directory is touched or anything allocated
     rc, proc0 = cfg.run, jax.process_index() == 0
     run_dir = run_dir_of(rc)
     sample_ids = prompt_ids(cfg.inference, cfg.model.T)  # a prompt that cannot be sampled stops the run here

@@ -16,8 +16,6 @@ compiled kernels (`hlo.kernel_census`, calibrated on measured H200 steps: docs/p
 Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by how much),
 2 the request is unusable (unknown target, invalid config, the compiler missing).
 
-A plain run asks a cheaper question first (`check_fits`): whether its state, gradients and the layer inputs
-its backward keeps fit this process's devices, from shapes alone, before anything is allocated.
 """
 import importlib
 import importlib.util
@@ -31,15 +29,13 @@ import time
 
 import jax
 import numpy as np
-import psutil
-from jax.experimental import multihost_utils, topologies
+from jax.experimental import topologies
 
 import hardware
 import hlo
 import planner
 import sharding
 import utils
-from rundir import RunRefused
 from trainer import abstract_step_args, build_trainer
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
@@ -288,7 +284,7 @@ class Report:
     def step(self, name, compiled, seconds, cpu_seconds, abstract_state):
         """Print the step's plan; return the GiB it needs per chip."""
         mem, hlo_text = compiled.memory_analysis(), compiled.as_text()   # the text of a big step is megabytes
-        state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(abstract_state))
+        state_bytes = sum(shard_bytes(a) for a in jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
         total = planned_gib(mem) * GiB
         print(f"{name}: compiled in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU)")
@@ -502,135 +498,7 @@ def estimate(seconds, kernels, runs):
     return predict(point, seconds, kernels), min(predictions), max(predictions), point, fits
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Before a plain run allocates: does it fit the devices this process has?
-
-RESIDUAL_BYTES = 4                  # the residual stream is fp32 (model.Layer), whatever --model_dtype
-
-
-def check_fits(cfg, trainer):
-    """RunRefused, in one line, when this run's planned bytes per device (`planned_bytes`) exceed what this
-    process's devices of the mesh have; nothing is allocated before it, and --force skips it. The plan is a
-    lower bound (no compile), so a run refused here cannot fit, and one let through still may not."""
-    if cfg.run.force:
-        return
-    refusal = _refusal(cfg, trainer)
-    if jax.process_count() > 1:         # a process that stopped alone would leave the others in a collective
-        refused = np.asarray(multihost_utils.process_allgather(np.int32(refusal is not None)))
-        if refused.any() and refusal is None:
-            refusal = (f"process(es) {', '.join(map(str, np.flatnonzero(refused)))} cannot hold this run's "
-                       f"planned memory; their logs say why (--force tries anyway)")
-    if refusal is not None:
-        raise RunRefused(refusal)
-
-
-def fit_to_devices(cfg, mesh, say=print):
-    """--fit on a run: cfg's train step compiled for this mesh and, when its plan exceeds what the devices
-    have, the setting of fewest compiled FLOPs that fits (planner.py); returns the config to run, and says
-    which. Every process measures against the least memory any process's devices have, so all choose alike."""
-    memory = device_memory(mesh)
-    budget = np.float64(-1.0 if memory is None else memory[0] / memory[1] / GiB)
-    if jax.process_count() > 1:
-        budgets = np.asarray(multihost_utils.process_allgather(budget))
-        budget = np.float64(-1.0) if (budgets < 0).any() else budgets.min()
-    if budget < 0:
-        say("--fit: this runtime does not say its devices' memory; the run goes as given")
-        return cfg
-    gib = train_plan(cfg, mesh)[0]
-    if gib <= budget:
-        say(f"--fit: the train step plans {gib:.2f} of {budget:.2f} GiB a device; the run goes as given")
-        return cfg
-    say(f"--fit: the train step plans {gib:.2f} GiB a device, more than the {budget:.2f} GiB it has; compiling "
-        f"the settings that trade compute for memory:")
-    chosen, _ = planner.cheapest_fit(cfg, mesh.size, budget, lambda c: train_plan(c, mesh), say)
-    if chosen is None:
-        raise RunRefused(f"--fit: no setting that trades compute for memory makes this run fit {budget:.2f} GiB a "
-                         f"device; a larger pp or tp, a smaller model or more devices")
-    say(f"--fit: running with {planner.flags(chosen.changes)} ({chosen.gib:.2f} GiB a device, FLOPs "
-        f"{chosen.flops_ratio:.2f}x the model's)")
-    return chosen.cfg
-
-
-def planned_bytes(cfg, trainer):
-    """{part: bytes} one device of the mesh needs at least for a train step, from shapes alone: its shards of
-    the params and of the optimizer state (with the key and routing bias), gradients the size of its
-    params, and the activations every remat policy keeps, the input of each of its stage's layers for all
-    of its replica's sequences of a micro-step (the schedule holds every micro-batch's until the backward)."""
-    state = trainer.abstract_state
-    on_device = lambda tree: sum(_shard_bytes(a) for a in jax.tree.leaves(tree))
-    m, pp = cfg.model, cfg.run.n_device_axis[1]
-    layers = m.blocks * m.layers_per_block // pp + m.first_k_dense
-    return {"params": on_device(state["params"]),
-            "optimizer state": on_device({k: v for k, v in state.items() if k != "params"}),
-            "gradients": on_device(state["params"]),
-            "activations": cfg.run.train_batch_size * m.T * m.model_dimension * RESIDUAL_BYTES * layers}
-
-
-def device_memory(mesh):
-    """(bytes, devices, words): the memory this process's devices of the mesh have. An accelerator's own
-    (bytes per device, devices 1); CPU devices share the host's memory (bytes available now, devices all of
-    them). None where this process holds none of the mesh's devices or its runtime does not say (the run
-    goes ahead unchecked rather than be measured against the wrong memory)."""
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    if not local:
-        return None
-    if local[0].platform != "cpu":
-        limits = [_bytes_limit(d) for d in local]
-        if not all(limits):
-            return None
-        return min(limits), 1, f"the {local[0].device_kind} devices have {min(limits) / GiB:.1f} GiB each"
-    available = psutil.virtual_memory().available
-    return available, len(local), (f"the {len(local)} CPU devices share" if len(local) > 1 else "the CPU device has") \
-        + f" {available / GiB:.1f} GiB of available host memory"
-
-
-def _bytes_limit(device):
-    try:
-        return (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:           # noqa: BLE001 - not implemented on some backends (bench.peak_memory)
-        return None
-
-
-def _refusal(cfg, trainer):
-    """The line refusing cfg on this process's devices, or None when its plan fits."""
-    mesh = trainer.data_sharding.mesh
-    memory = device_memory(mesh)
-    plan = planned_bytes(cfg, trainer)
-    if memory is None or sum(plan.values()) * memory[1] <= memory[0]:
-        return None
-    have, sharing, words = memory
-    n_mesh = math.prod(cfg.run.n_device_axis)
-    target = utils.PRESET_SLICES.get(cfg.preset) or next((t.name for t in hardware.tpu_slices() if t.chips == n_mesh),
-                                                         "SLICE")
-    smaller = _presets_that_fit(cfg, mesh, have, sharing)
-    return (f"this run (--preset {cfg.preset}) needs at least {sum(plan.values()) / GiB:.2f} GiB per device ("
-            + ", ".join(f"{part} {size / GiB:.2f}" for part, size in plan.items())
-            + " GiB: the layer inputs the backward keeps)"
-            + (f", {sum(plan.values()) * sharing / GiB:.1f} GiB in all, and " if sharing > 1 else " and ") + words
-            + f"; check a slice with --compile_for {target}, pick a smaller model"
-            + (f" (--preset {' or '.join(smaller)})" if smaller else "") + " or pass --force to try anyway")
-
-
-def _presets_that_fit(cfg, mesh, have, sharing):
-    """The presets, smallest first, with fewer params than cfg whose plan on this mesh takes at most half of
-    `have` bytes shared by `sharing` devices: the plan is a lower bound (compiled steps have needed 2-10x
-    it), and a preset named here should run."""
-    total = sharding.count_params(cfg.model)["total"]
-    fit = []
-    for name, preset in sorted(utils.PRESETS.items(), key=lambda kv: sharding.count_params(kv[1].model)["total"]):
-        candidate = utils.override(preset, n_device_axis=cfg.run.n_device_axis)
-        try:
-            utils.validate(candidate, mesh.size)
-        except utils.ConfigError:
-            continue
-        if sharding.count_params(preset.model)["total"] >= total:
-            continue
-        if 2 * sum(planned_bytes(candidate, build_trainer(candidate, mesh)).values()) * sharing <= have:
-            fit.append(name)
-    return fit
-
-
-def _shard_bytes(abstract):
+def shard_bytes(abstract):
     """Bytes one device holds of a sharded ShapeDtypeStruct."""
     shape = abstract.sharding.shard_shape(abstract.shape)
     return math.prod(shape) * abstract.dtype.itemsize

@@ -187,8 +187,8 @@ class RunConfig:
                                 "settings that trade compute for memory and print the cheapest that fits")
     fit: bool = flag(False, "when the train step's compiled plan does not fit the devices (or the --compile_for "
                             "target), use the setting of fewest compiled FLOPs that does (--remat full, --grad_step "
-                            "with a smaller --train_batch_size, more --micro_batch_size, --expert_parallel; "
-                            "planner.py); the choice is printed and kept in the run's config")
+                            "with a smaller --train_batch_size, more --micro_batch_size, --expert_parallel, "
+                            "--fsdp_gather tick; planner.py); the choice is printed and kept in the run's config")
     force: bool = flag(False, "start even when the planned memory per device (params, optimizer state, gradients and "
                               "the layer inputs the backward keeps, from shapes alone) exceeds what this process's "
                               "devices have, which otherwise refuses the run before it allocates anything")
@@ -286,8 +286,8 @@ TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/finewe
 
 # Flags that pick an implementation, and their values: the keys of engine.REMAT_POLICIES (with none:
 # nothing recomputed), of expert_kernels.MOE_IMPLS and of engine.ENGINES (tests/test_config.py checks they agree).
-CHOICES = {"remat": ("auto", "full", "dots", "none"), "fsdp_gather": ("step", "tick"), "moe_impl": ("buffers", "ragged"), "engine": ("fast", "reference"),
-           "ffn": ("gelu", "gated_silu")}
+CHOICES = {"remat": ("auto", "full", "dots", "none"), "fsdp_gather": ("step", "tick"), "moe_impl": ("buffers", "ragged"),
+           "engine": ("fast", "reference"), "ffn": ("gelu", "gated_silu")}
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig, "inference": InferenceConfig}
 
@@ -467,7 +467,8 @@ def validate(cfg, n_devices=None):
         errors.append(f"--b1 and --b2 must be in [0, 1), got {o.b1}, {o.b2}")
     if m.model_dtype not in ("bfloat16", "float32"):
         errors.append(f"--model_dtype must be bfloat16 or float32, got {m.model_dtype!r}")
-    for name, value in (("remat", m.remat), ("fsdp_gather", m.fsdp_gather), ("moe_impl", m.moe_impl), ("engine", m.engine), ("ffn", m.ffn)):
+    for name in ("remat", "fsdp_gather", "moe_impl", "engine", "ffn"):
+        value = getattr(m, name)
         choices = CHOICES[name]
         if value not in choices:
             errors.append(f"--{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")

@@ -1,4 +1,4 @@
-"""A run that cannot fit this machine refuses before it allocates (pod.check_fits), and its plan is a lower
+"""A run that cannot fit this machine refuses before it allocates (fit.check_fits), and its plan is a lower
 bound of what the compiled step needs, so that a run which fits is never refused.
 
 The model that cannot fit is sized from this machine's memory: routed experts enough for all of its RAM in
@@ -14,7 +14,7 @@ import time
 import jax
 import psutil
 
-import pod
+import fit
 import sharding
 import utils
 from ceiling import CEILING_S
@@ -61,7 +61,7 @@ def test_a_run_that_cannot_fit_refuses_in_one_line_before_it_allocates(cpu_env, 
 def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_step():
     big = utils.config_from_args(too_big_for_this_machine())
     forced = utils.override(big, force=True)
-    pod.check_fits(forced, build_trainer(forced, sharding.make_mesh((1, 1, 1))))    # no RunRefused
+    fit.check_fits(forced, build_trainer(forced, sharding.make_mesh((1, 1, 1))))    # no RunRefused
     # run_util's TINY_FLAGS model with a small vocabulary (a quicker compile) and activations the larger part of
     # the plan, on a 3-D mesh, every layer recomputed: the least a step keeps
     cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 128 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
@@ -69,11 +69,11 @@ def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_ste
                                  "--n_device_axis 2 2 2".split())
     mesh = sharding.make_mesh(cfg.run.n_device_axis)
     trainer = build_trainer(cfg, mesh)
-    pod.check_fits(cfg, trainer)
+    fit.check_fits(cfg, trainer)
     memory = trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile().memory_analysis()
     compiled = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                 + memory.temp_size_in_bytes)
-    plan = pod.planned_bytes(cfg, trainer)
+    plan = fit.planned_bytes(cfg, trainer)
     assert plan["params"] == plan["gradients"] and plan["optimizer state"] >= 2 * plan["params"], plan
     assert plan["activations"] > plan["params"], plan
     assert 0 < sum(plan.values()) <= compiled, (plan, compiled)

@@ -77,7 +77,7 @@ def test_grad_step_plans_less_memory_for_the_same_global_batch():
              for n in (1, 2, 4)}
     assert plans[1] > plans[2] > plans[4], plans
     state = jax.tree.leaves(build_trainer(MODEL, mesh).abstract_state)
-    state_gib = sum(pod._shard_bytes(a) for a in state) / pod.GiB
+    state_gib = sum(pod.shard_bytes(a) for a in state) / pod.GiB
     assert plans[2] - state_gib <= 0.6 * (plans[1] - state_gib), plans
 
 
