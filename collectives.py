@@ -10,7 +10,15 @@ from jax import lax
 if TYPE_CHECKING:                # for readers and IDEs only: at run time the engine imports this module
     from engine import Reference
 
-MESH_AXES = ("dp", "pp", "tp")
+MESH_AXES = ("slice", "dp", "pp", "tp")
+
+
+def data_axes(n_slices):
+    """The mesh axes a batch's rows are split over, for a mesh of n_slices slices (inside shard_map:
+    lax.axis_size("slice")): each (slice, dp) pair is one data-parallel replica. Across slices (over DCN)
+    only the data is split: every slice holds the whole model, FSDP-sharded over its dp. On one slice dp
+    alone, so that nothing varies over the slice axis and no gradient is summed over it."""
+    return ("slice", "dp") if n_slices > 1 else ("dp",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,24 +2,37 @@
 topology libtpu's compiler takes), each device kind's datasheet bf16 peak, and MFU of it.
 """
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class TpuSlice:
+    """A TPU slice, or N of one type joined over the data-centre network (DCN): `NxSLICE`, e.g. 2xv4-32."""
     name: str                 # as Google names it: v4-64 (v4 and v5p count TensorCores, 2 a chip), v6e-16 (chips)
     generation: str           # libtpu's topology prefix: v4, v5p, v5e, v6e
-    chip_grid: tuple          # chips along x, y(, z)
+    chip_grid: tuple          # one slice's chips along x, y(, z)
     host_grid: tuple          # one host's chips along x, y, z
     hbm_bytes: float          # usable HBM per chip, as libtpu's compiler reports it when a program exceeds it
+    slices: int = 1
 
     @property
     def chips(self):
-        return math.prod(self.chip_grid)
+        """Of every slice."""
+        return math.prod(self.chip_grid) * self.slices
 
     @property
     def hosts(self):
         return self.chips // math.prod(self.host_grid)
+
+    @property
+    def chips_per_host(self):
+        return math.prod(self.host_grid)
+
+    @property
+    def slice_name(self):
+        """One slice's name: v4-32 of 2xv4-32."""
+        return self.name.split("x", 1)[1] if self.slices > 1 else self.name
 
     @property
     def topology_name(self):
@@ -50,8 +63,12 @@ def tpu_slices():
 
 
 def tpu_slice(name):
-    """The TpuSlice called `name` (v5e-N is accepted for v5litepod-N), or None."""
+    """The TpuSlice called `name` (v5e-N is accepted for v5litepod-N; NxSLICE is N of SLICE), or None."""
     name = name.strip().lower().replace("v5e-", "v5litepod-")
+    several = re.fullmatch(r"([1-9]\d*)x(.+)", name)
+    if several:
+        one = tpu_slice(several.group(2))
+        return None if one is None else replace(one, name=f"{several.group(1)}x{one.name}", slices=int(several.group(1)))
     return next((t for t in tpu_slices() if t.name == name), None)
 
 
@@ -63,6 +80,7 @@ class GpuTarget:
     hbm_bytes: float = 151397597184          # device_memory_size in XLA's H200 description (141 GiB)
     hbm_bandwidth: float = 4.8e12            # B/s
     hosts: int = 1
+    slices: int = 1
 
 
 def gpu_targets():

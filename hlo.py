@@ -266,6 +266,32 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16"
                 "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
+# A collective across TPU slices (megascale, over DCN) is not an HLO collective: the program is one slice's, and
+# libtpu's megascale runtime moves the data between slices, through host transfers that name it.
+_DCN_SEND = re.compile(r'^\(([a-z]\w*)\[([\d,]*)\][^,]*,.*\ssend\(.*_xla_megascale_transfer_type="(\w+)"')
+
+
+def dcn_bytes(hlo_text):
+    """Per-chip traffic across TPU slices of one run of a multi-slice program (`--compile_for NxSLICE`):
+    {transfer type (ALL_REDUCE, ...): {"count": transfers run, "bytes": each one's buffer on the chip,
+    summed}}, loops counted as in `collective_bytes`; {} for one slice."""
+    parsed = parse(hlo_text)
+    if parsed is None:
+        return {}
+    comps, entry = parsed
+
+    def count(rhs):
+        m = _DCN_SEND.match(rhs)
+        if not m or m.group(1) not in DTYPE_BYTES:
+            return {}
+        size = math.prod(_dims(m.group(2))) * DTYPE_BYTES[m.group(1)]
+        return {(m.group(3), "count"): 1, (m.group(3), "bytes"): size}
+
+    totals = loop_sum(comps, entry, count, key=lambda c: sum(v for (_, what), v in c.items() if what == "bytes"))
+    return {kind: {"count": int(totals[kind, "count"]), "bytes": int(totals[kind, "bytes"])}
+            for kind in sorted({kind for kind, _ in totals})}
+
+
 def largest_buffers(hlo_text, n):
     """The n largest distinct array shapes the per-chip program materialises (values inside a fusion
     never reach HBM, so fused computations are skipped), each with the JAX operation that first makes

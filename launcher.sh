@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-usage: launcher.sh (--hosts FILE | --tpu NAME --zone ZONE [--project P]) [options] [-- MAIN_ARGS...]
+usage: launcher.sh (--hosts FILE | --tpu NAME[,NAME...] --zone ZONE [--project P]) [options] [-- MAIN_ARGS...]
        launcher.sh (--status RUN | --stacks RUN | --stop RUN) (--hosts FILE | --tpu ...) [--dir D] [--log-dir D]
 
 Runs `run.sh HOST --index I --num-processes N ...` for every host at once: host I becomes jax process
@@ -20,7 +20,17 @@ names each host whose program did not end by its own as HUNG, with why (run.sh -
 hosts:
   --hosts FILE           one [user@]host per line; blank lines, # comments and CRLF line ends are fine
   --tpu NAME --zone Z    the workers of a TPU VM (gcloud compute tpus tpu-vm describe), reached
-                         with `gcloud compute tpus tpu-vm ssh --worker I` unless SSH is set
+                         with `gcloud compute tpus tpu-vm ssh NAME --worker W` unless SSH is set
+  --tpu NAME1,NAME2,...  one run over several TPU slices of one type (data parallelism over the
+                         data-center network): the hosts are slice 0's workers, then slice 1's, ...;
+                         host I = slice S worker W is jax process I = S * WORKERS_PER_SLICE + W.
+                         Every launch computes each host's MEGASCALE_COORDINATOR_ADDRESS (slice 0
+                         worker 0's IP:--megascale-port), MEGASCALE_PORT, MEGASCALE_NUM_SLICES,
+                         MEGASCALE_SLICE_ID and JAX_COORDINATOR_ADDRESS (default: slice 0 worker 0's
+                         IP:8476), JAX_NUM_PROCESSES, JAX_PROCESS_ID from the TPUs' IPs now, and
+                         gives main.py --n_slices N (one that differs from the number of TPUs is
+                         an error). TPUs of different types are an error. --status, --stacks,
+                         --stop, --dry-run and --retries span every host of every TPU.
   --project P            gcloud project for --tpu
 
 options:
@@ -28,7 +38,9 @@ options:
                          (default: --name in MAIN_ARGS, else "jaxformer"; the two must not differ)
   --coordinator H:P      jax.distributed coordinator, e.g. FIRST_HOST:1234, needed with several
                          hosts off a TPU pod (else each host would train on its own); "auto": the
-                         hosts are TPU pod workers, which find their coordinator themselves
+                         hosts are TPU pod workers, which find their coordinator themselves (over
+                         several TPUs, jax derives it from the MEGASCALE_* variables)
+  --megascale-port P     several TPUs: the port of MEGASCALE_COORDINATOR_ADDRESS (default 8081)
   --commit SHA|asis      code version on every host (default asis; SHA refused on a dirty checkout)
   --dir DIR              checkout on the hosts (default: $JAXFORMER_DIR, else this script's directory)
   --python PY, --main SCRIPT, --log-dir DIR, --env NAME=VALUE, --force
@@ -36,19 +48,22 @@ options:
   --timeout S            seconds to wait for every host to pass start-up, or with --stop for
                          every run to end (default 900)
   --wait                 wait for the program on every host to finish; exit status says which failed
-  --retries N            supervise: --wait, and when the run ends abnormally (a host FAILED, the TPU
-                         preempted), wait for --tpu to be READY again and relaunch the same command
-                         (main.py resumes from its newest checkpoint), up to N times; a run that fails
-                         the same way at the same step twice, or with a usage error (2), is not
-                         retried. Each retry is logged with its cause. A preempted TPU VM stays
-                         PREEMPTED until it is deleted and created again:
-  --recreate CMD         with --retries and --tpu: when the TPU is PREEMPTED, TERMINATED or gone, run
-                         CMD here with bash (it deletes and creates the TPU or its queued resource,
-                         e.g. "gcloud compute tpus tpu-vm delete NAME --zone Z --quiet; gcloud compute
-                         tpus tpu-vm create NAME --zone Z --accelerator-type v4-32 --version
-                         tpu-ubuntu2204-base --spot"), then wait for READY
-  --setup CMD            after --recreate: run CMD on every (new) host before the relaunch (run.sh
-                         --setup), e.g. "git clone URL JAXformer; cd JAXformer && ./setup_tpu.sh"
+  --retries N            supervise: --wait, and when the run ends abnormally (a host FAILED, a TPU
+                         preempted), wait for every --tpu to be READY again and relaunch the same
+                         command (main.py resumes from its newest checkpoint), up to N times; the
+                         relaunch looks up every TPU's IPs again and computes every host's
+                         environment anew. A run that fails the same way at the same step twice, or
+                         with a usage error (2), is not retried. Each retry is logged with its
+                         cause. A preempted TPU VM stays PREEMPTED until deleted and created again:
+  --recreate CMD         with --retries and --tpu: for each TPU that is PREEMPTED, TERMINATED or
+                         gone, run CMD here with bash and TPU_NAME set to that TPU's name (it deletes
+                         and creates the TPU or its queued resource, e.g. 'gcloud compute tpus tpu-vm
+                         delete $TPU_NAME --zone Z --quiet; gcloud compute tpus tpu-vm create
+                         $TPU_NAME --zone Z --accelerator-type v4-32 --version tpu-ubuntu2204-base
+                         --spot', in single quotes), then wait for READY
+  --setup CMD            after --recreate: run CMD on every (new) host of the recreated TPU before
+                         the relaunch (run.sh --setup), e.g. "git clone URL JAXformer; cd JAXformer
+                         && ./setup_tpu.sh"
   --keep-going           on a failure, leave the run going on the other hosts
   --local-logs DIR       per-host logs here (default: ./logs/launch/RUN)
   --status RUN           per host: tmux session running or not, its newest step and "no step for
@@ -73,7 +88,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$here/launch_lib.sh"   # value, resolve_hosts, run_name_from_args
 
 hosts_file="" tpu="" zone="" project="" name="" local_logs="" coordinator="" timeout=900
-mode=start dry_run=0 wait=0 keep_going=0 retries=0 recreate="" setup=""
+mode=start dry_run=0 wait=0 keep_going=0 retries=0 recreate="" setup="" main=main.py megascale_port=8081
 args=("$@") supervised=()   # the command line; supervised: it without --retries, for each attempt
 where=() pass=() main_args=()   # run.sh options: where the run lives (every mode); how to start it
 while (($#)); do
@@ -86,6 +101,7 @@ while (($#)); do
     --name) name=$(value "$@"); shift 2 ;;
     --status|--stop|--stacks) mode=${1#--}; name=$(value "$@"); shift 2 ;;
     --coordinator) coordinator=$(value "$@"); shift 2 ;;
+    --megascale-port) megascale_port=$(value "$@"); shift 2 ;;
     --timeout) timeout=$(value "$@"); shift 2 ;;
     --local-logs) local_logs=$(value "$@"); shift 2 ;;
     --dry-run) dry_run=1; shift ;;
@@ -95,7 +111,8 @@ while (($#)); do
     --recreate) recreate=$(value "$@"); shift 2 ;;
     --setup) setup=$(value "$@"); shift 2 ;;
     --dir|--log-dir) where+=("$1" "$(value "$@")"); shift 2 ;;
-    --commit|--python|--main|--env) pass+=("$1" "$(value "$@")"); shift 2 ;;
+    --main) main=$(value "$@"); pass+=("$1" "$main"); shift 2 ;;
+    --commit|--python|--env) pass+=("$1" "$(value "$@")"); shift 2 ;;
     --force) pass+=("$1"); shift ;;
     --) shift; main_args=("$@"); break ;;
     *) die "unknown argument '$1' (see --help; arguments for main.py go after --)" ;;
@@ -107,11 +124,71 @@ done
 [[ -z $recreate$setup || ($retries -gt 0 && -n $tpu) ]] || die "--recreate and --setup go with --retries N and --tpu NAME"
 [[ -z $setup || -n $recreate ]] || die "--setup runs on the hosts of a recreated TPU: give --recreate CMD too"
 [[ $mode == start || ${#main_args[@]} -eq 0 ]] || die "--$mode takes no arguments for main.py"
+[[ $megascale_port =~ ^[1-9][0-9]*$ ]] || die "--megascale-port must be a port number, got '$megascale_port'"
+tpus=()     # --tpu NAME1,NAME2,...: slice S is tpus[S]
+if [[ -n $tpu ]]; then
+  [[ $tpu =~ ^[^,[:space:]]+(,[^,[:space:]]+)*$ ]] || die "--tpu takes NAME or NAME1,NAME2,... (no empty names), got '$tpu'"
+  IFS=, read -ra tpus <<< "$tpu"
+  declare -A named=()
+  for t in "${tpus[@]}"; do [[ -z ${named[$t]:-} ]] || die "--tpu names TPU '$t' twice"; named[$t]=1; done
+fi
 
-resolve_hosts "$hosts_file" "$tpu" "$zone" "$project"
-if [[ -n $tpu ]]; then where+=(--tpu "$tpu" --zone "$zone" ${project:+--project "$project"}); fi
+# check_one_type TPU...: die unless the TPUs are of one accelerator type, naming each TPU and its type:
+# one program runs on every slice, so every slice must have the same devices and the same workers
+check_one_type() {
+  local t type first="" list="" differ=0
+  for t in "$@"; do
+    type=$(gcloud compute tpus tpu-vm describe "$t" --zone "$zone" ${project:+--project "$project"} \
+           --format='value(acceleratorType)') || die "gcloud could not describe TPU '$t' in zone '$zone'"
+    list+="${list:+, }'$t' is ${type:-of no type}"
+    [[ -z $first || $type == "$first" ]] || differ=1
+    first=${first:-$type}
+  done
+  ((!differ)) || die "the TPUs of one run must be of one type: $list"
+}
+
+# resolve_slices TPU...: set `hosts` to the workers of the TPUs in order (slice 0's, then slice 1's, ...),
+# so that host I is jax process I, and host_tpu, host_worker, host_slice to how each host is reached
+resolve_slices() {
+  local names=("$@") t i s all=() workers=()
+  host_tpu=() host_worker=() host_slice=()
+  for s in "${!names[@]}"; do
+    t=${names[s]}
+    resolve_hosts "$hosts_file" "$t" "$zone" "$project"
+    for i in "${!hosts[@]}"; do host_tpu+=("$t") host_worker+=("$i") host_slice+=("$s"); done
+    all+=("${hosts[@]}") workers+=("${#hosts[@]}")
+  done
+  hosts=("${all[@]}")
+  (($# == 1)) || check_one_type "$@"
+  for s in "${!names[@]}"; do
+    ((workers[s] == workers[0])) || die "TPU '${names[s]}' reports ${workers[s]} workers, TPU '$1'" \
+                                        "${workers[0]}: the slices of one run need as many each"
+  done
+}
+
+# n_slices_in_args: main.py's --n_slices must be the number of TPUs: given it when missing (several
+# TPUs), a usage error when it differs. Another program (--main) keeps its own arguments.
+n_slices_in_args() {
+  local i given="" n_tpus=${#tpus[@]}
+  [[ $mode == start && $n_tpus -gt 0 && $(basename "$main") == main.py ]] || return 0
+  for ((i = 0; i < ${#main_args[@]}; i++)); do
+    [[ ${main_args[i]} == --n_slices && $((i + 1)) -lt ${#main_args[@]} ]] && given=${main_args[i + 1]}
+    [[ ${main_args[i]} == --n_slices=* ]] && given=${main_args[i]#--n_slices=}
+  done
+  if [[ -z $given ]]; then
+    ((n_tpus == 1)) || main_args+=(--n_slices "$n_tpus")
+  elif [[ ! $given =~ ^[0-9]+$ ]] || ((10#$given != n_tpus)); then
+    die "main.py's --n_slices $given differs from the $n_tpus TPU(s) of --tpu $tpu (one slice per TPU)"
+  fi
+}
+
+n_slices_in_args
+if ((${#tpus[@]})); then resolve_slices "${tpus[@]}"; else resolve_hosts "$hosts_file" "" "$zone" "$project"; fi
 run_name_from_args ${main_args[@]+"${main_args[@]}"}   # --name, else main.py's --name, else jaxformer
 n=${#hosts[@]}
+# several TPUs: jax.distributed spans every slice, its coordinator on slice 0's worker 0 (8476: jax's port);
+# a single TPU's workers find theirs themselves
+if ((${#tpus[@]} > 1)) && [[ -z $coordinator ]]; then coordinator=${hosts[0]}:8476; fi
 if [[ $mode == start && $n -gt 1 && -z $coordinator && -z $tpu ]]; then
   die "$n hosts and no --coordinator: off a TPU pod each host would start its own independent run;" \
       "give --coordinator FIRST_HOST:PORT (or --coordinator auto for TPU pod workers, or --tpu NAME)"
@@ -122,10 +199,29 @@ fi
 local_logs=${local_logs:-logs/launch/$name}
 host_log() { echo "$local_logs/$1-${hosts[$1]//\//_}.log"; }
 
-run_args() {  # the run.sh command line for host index $1, then extra run.sh options
-  local i=$1; shift
+run_args() {  # the run.sh command line for host index $1 (with --tpu: its TPU and worker), then extra run.sh options
+  local i=$1 reach=(); shift
+  [[ -z ${host_tpu[i]:-} ]] ||
+    reach=(--tpu "${host_tpu[i]}" --zone "$zone" ${project:+--project "$project"} --worker "${host_worker[i]}")
   printf '%s\0' "$here/run.sh" "${hosts[i]}" --name "$name" --index "$i" --num-processes "$n" \
-    ${where[@]+"${where[@]}"} "$@"
+    ${where[@]+"${where[@]}"} ${reach[@]+"${reach[@]}"} "$@"
+}
+
+# start_args I [OPTION...]: run_args to start host I's program. Over several TPUs, its MEGASCALE_*
+# variables (the slices' link over the data-center network), computed here at each launch from the
+# TPUs' IPs now: values kept on a host would be stale after a slice is recreated and hang jax.distributed.
+start_args() {
+  local i=$1 env=(); shift
+  if ((${#tpus[@]} > 1)); then
+    env=(--env "MEGASCALE_COORDINATOR_ADDRESS=${hosts[0]}:$megascale_port" --env "MEGASCALE_PORT=$megascale_port"
+         --env "MEGASCALE_NUM_SLICES=${#tpus[@]}" --env "MEGASCALE_SLICE_ID=${host_slice[i]}")
+  fi
+  run_args "$i" ${env[@]+"${env[@]}"} ${pass[@]+"${pass[@]}"} "$@" -- ${main_args[@]+"${main_args[@]}"}
+}
+
+# on_what: "N host(s)", and over several TPUs which slices they are
+on_what() {
+  echo "$n host(s)$( ((${#tpus[@]} < 2)) || echo " of ${#tpus[@]} TPU slices (${tpus[*]})")"
 }
 
 # on_hosts OPTION...: run.sh --index I OPTION... at once for every host I not in `skip` (or, with
@@ -158,43 +254,66 @@ last_step() {
   cat "$local_logs"/*.log 2>/dev/null | sed -n 's/^step  *\([0-9][0-9]*\) |.*/\1/p' | tail -n 1
 }
 
-# wait_for_tpu: with --tpu, poll its state until READY; a TPU preempted, terminated or gone is
-# recreated once (--recreate) and its new hosts set up (--setup)
-wait_for_tpu() {
-  local state seen="" recreated=0 rc output
-  [[ -n $tpu ]] || return 0
-  while :; do
-    if ! state=$(gcloud compute tpus tpu-vm describe "$tpu" --zone "$zone" ${project:+--project "$project"} \
-                 --format='value(state)' 2>&1); then
-      if [[ $state == *NOT_FOUND* ]]; then state=GONE; else state="UNKNOWN (gcloud failed: ${state//$'\n'/ })"; fi
-    fi
-    if [[ $state == READY ]]; then
-      echo "launcher.sh: TPU '$tpu' is READY"
-      ((recreated)) && [[ -n $setup ]] && set_up_hosts
-      return
-    fi
-    if [[ $state =~ ^(PREEMPTED|TERMINATED|GONE)$ && -n $recreate && $recreated -eq 0 ]]; then
-      echo "launcher.sh: TPU '$tpu' is $state; recreating it (--recreate): $recreate"
-      rc=0; output=$(bash -c "$recreate" 2>&1) || rc=$?
-      [[ -z $output ]] || echo "    ${output//$'\n'/$'\n'    }"
-      ((rc == 0)) || { echo "launcher.sh: error: --recreate failed (exit $rc); not retried" >&2; return 1; }
-      recreated=1 seen=""
-      continue
-    fi
-    if [[ $state != "$seen" ]]; then
-      echo "launcher.sh: TPU '$tpu' is $state; waiting for READY (every ${LAUNCHER_POLL_S:-30} s)"
-      [[ ! $state =~ ^(PREEMPTED|TERMINATED|GONE)$ || -n $recreate ]] ||
-        echo "launcher.sh: a $state TPU VM does not come back by itself: delete and create it (or its queued" \
-             "resource) again, by hand or with --recreate CMD"
-    fi
-    seen=$state
-    sleep "${LAUNCHER_POLL_S:-30}"
+# tpu_state TPU: its state (gcloud): READY, PREEMPTED, ..., GONE when it does not exist, or UNKNOWN (why)
+tpu_state() {
+  local state
+  if ! state=$(gcloud compute tpus tpu-vm describe "$1" --zone "$zone" ${project:+--project "$project"} \
+               --format='value(state)' 2>&1); then
+    if [[ $state == *NOT_FOUND* ]]; then state=GONE; else state="UNKNOWN (gcloud failed: ${state//$'\n'/ })"; fi
+  fi
+  echo "$state"
+}
+
+# poll_tpu TPU: look at the TPU once. 0: READY (and its hosts set up, when it was recreated); 1: not yet
+# (a TPU preempted, terminated or gone is recreated once, by --recreate with TPU_NAME=TPU); 2: --recreate
+# or --setup failed. recreated and seen (its state when last shown) persist over the polls.
+declare -A recreated=() seen=()
+poll_tpu() {
+  local t=$1 state rc=0 output
+  state=$(tpu_state "$t")
+  if [[ $state == READY ]]; then
+    echo "launcher.sh: TPU '$t' is READY"
+    [[ -z ${recreated[$t]:-} || -z $setup ]] || set_up_hosts "$t" || return 2
+    return 0
+  fi
+  if [[ $state =~ ^(PREEMPTED|TERMINATED|GONE)$ && -n $recreate && -z ${recreated[$t]:-} ]]; then
+    echo "launcher.sh: TPU '$t' is $state; recreating it (--recreate): $recreate"
+    output=$(TPU_NAME=$t bash -c "$recreate" 2>&1) || rc=$?
+    [[ -z $output ]] || echo "    ${output//$'\n'/$'\n'    }"
+    ((rc == 0)) || { echo "launcher.sh: error: --recreate failed (exit $rc); not retried" >&2; return 2; }
+    recreated[$t]=1 seen[$t]=""
+    poll_tpu "$t"; return        # at once: a CMD that waits for the creation leaves it READY
+  fi
+  if [[ $state != "${seen[$t]:-}" ]]; then
+    echo "launcher.sh: TPU '$t' is $state; waiting for READY (every ${LAUNCHER_POLL_S:-30} s)"
+    [[ ! $state =~ ^(PREEMPTED|TERMINATED|GONE)$ || -n $recreate ]] ||
+      echo "launcher.sh: a $state TPU VM does not come back by itself: delete and create it (or its queued" \
+           "resource) again, by hand or with --recreate CMD"
+  fi
+  seen[$t]=$state
+  return 1
+}
+
+# wait_for_tpus: with --tpu, poll every TPU until all are READY (poll_tpu): a run over several slices
+# needs all of them, so the ones preempted are recreated while the others wait
+wait_for_tpus() {
+  local t rc pending=(${tpus[@]+"${tpus[@]}"}) waiting
+  recreated=() seen=()
+  while ((${#pending[@]})); do
+    waiting=()
+    for t in "${pending[@]}"; do
+      rc=0; poll_tpu "$t" || rc=$?
+      ((rc != 2)) || return 1
+      ((rc == 0)) || waiting+=("$t")
+    done
+    pending=(${waiting[@]+"${waiting[@]}"})
+    ((${#pending[@]} == 0)) || sleep "${LAUNCHER_POLL_S:-30}"
   done
 }
 
-# set_up_hosts: --setup on every host of the recreated TPU (its workers may be new machines)
+# set_up_hosts TPU: --setup on every host of the recreated TPU (its workers may be new machines)
 set_up_hosts() {
-  resolve_hosts "" "$tpu" "$zone" "$project"
+  resolve_slices "$1"
   echo "launcher.sh: setting up the ${#hosts[@]} host(s) of the new TPU (--setup): $setup"
   whole=1
   if ! on_hosts --setup "$setup" | sed 's/^/    /'; then
@@ -225,7 +344,7 @@ supervise() {
     fi
     previous="$cause at step ${step:-none}" attempt=$((attempt + 1))
     echo "launcher.sh: retry $attempt of $retries after: $previous"
-    wait_for_tpu || return 1
+    wait_for_tpus || return 1
   done
 }
 
@@ -242,19 +361,20 @@ if ((retries)); then
 fi
 
 if ((dry_run)); then
-  echo "# launcher.sh --dry-run: run '$name' on $n host(s): ${hosts[*]}"
+  echo "# launcher.sh --dry-run: run '$name' on $(on_what): ${hosts[*]}"
   for i in "${!hosts[@]}"; do
-    mapfile -d '' cmd < <(run_args "$i" ${pass[@]+"${pass[@]}"} -- ${main_args[@]+"${main_args[@]}"})
-    echo "## host $i: ${hosts[i]}"
+    mapfile -d '' cmd < <(start_args "$i")
+    echo "## host $i: ${hosts[i]}$( ((${#tpus[@]} < 2)) ||
+      echo " (TPU ${host_tpu[i]} worker ${host_worker[i]}, slice ${host_slice[i]})")"
     "${cmd[@]:0:1}" --dry-run "${cmd[@]:1}"
   done
   exit 0
 fi
 
 case $mode in
-  status) echo "launcher.sh: run '$name' on $n host(s)"; whole=1; on_hosts --status; exit ;;
-  stacks) echo "launcher.sh: the newest thread stacks of run '$name' on $n host(s)"; whole=1; on_hosts --stacks; exit ;;
-  stop) echo "launcher.sh: stopping run '$name' on $n host(s) (SIGTERM: main.py saves a checkpoint and exits)"
+  status) echo "launcher.sh: run '$name' on $(on_what)"; whole=1; on_hosts --status; exit ;;
+  stacks) echo "launcher.sh: the newest thread stacks of run '$name' on $(on_what)"; whole=1; on_hosts --stacks; exit ;;
+  stop) echo "launcher.sh: stopping run '$name' on $(on_what) (SIGTERM: main.py saves a checkpoint and exits)"
         if on_hosts --stop --timeout "$timeout"; then exit 0; fi
         echo "launcher.sh: error: the run did not end on every host within $timeout s (--timeout)" >&2; exit 1 ;;
 esac
@@ -264,11 +384,11 @@ mkdir -p "$local_logs"
 declare -A index_of
 pid_of=()
 for i in "${!hosts[@]}"; do
-  mapfile -d '' cmd < <(run_args "$i" ${pass[@]+"${pass[@]}"} "${until[@]}" -- ${main_args[@]+"${main_args[@]}"})
+  mapfile -d '' cmd < <(start_args "$i" "${until[@]}")
   "${cmd[@]}" < /dev/null > "$(host_log "$i")" 2>&1 &
   index_of[$!]=$i pid_of[i]=$!
 done
-echo "launcher.sh: run '$name' on $n host(s), logs in $local_logs/; waiting for every host to" \
+echo "launcher.sh: run '$name' on $(on_what), logs in $local_logs/; waiting for every host to" \
      "$( ((wait)) && echo "finish" || echo "pass start-up (up to $timeout s)")"
 
 # stop_all: stop the run on every host that has not failed, once each host's run.sh has started its

@@ -166,7 +166,8 @@ def print_header(cfg):
     counts = sharding.count_params(cfg.model)
     log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
         f"(active: used per token, without the embedding)")
-    log(f"mesh: dp={dp} pp={pp} tp={tp} over {dp * pp * tp} of {jax.device_count()} "
+    slices = f" ({cfg.run.n_slices} slices of dp={dp // cfg.run.n_slices}, joined over DCN)" if cfg.run.n_slices > 1 else ""
+    log(f"mesh: dp={dp} pp={pp} tp={tp}{slices} over {dp * pp * tp} of {jax.device_count()} "
         f"{jax.devices()[0].device_kind} device(s), {jax.process_count()} process(es)")
     log(f"{hardware.MFU_FORMULA}; model FLOPs per token = {sharding.FLOPS_PER_TOKEN} (rope_layers: every layer with "
         f"--rope_all_layers, else the dense ones); pipeline bubbles and remat are not counted")
@@ -406,14 +407,19 @@ def newest_checkpoint_config(cfg, flag):
     fields = {f.name for f in dataclasses.fields(utils.ModelConfig)}
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, **{k: v for k, v in (newest[1].get("model") or {}).items() if k in fields}))
+    return validate_on_devices(cfg), mngr
+
+
+def validate_on_devices(cfg):
+    """cfg, checked against this job's devices and processes (ConfigError otherwise)."""
     utils.validate(cfg, jax.device_count())
-    return cfg, mngr
+    return utils.check_slices(cfg, jax.process_count(), len({getattr(d, "slice_index", 0) for d in jax.devices()}))
 
 
 def restore_on_this_mesh(cfg, mngr):
     """(trainer, state, metadata) of the newest readable checkpoint, restored on --n_device_axis whatever
     mesh saved it."""
-    trainer = build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis))
+    trainer = build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices))
     state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
     mngr.close()
     return trainer, state, meta
@@ -478,8 +484,7 @@ def main(argv=None):
         if cfg.run.evaluate:
             return evaluate_checkpoint(cfg)
         check_data_source(cfg)
-        utils.validate(cfg, jax.device_count())
-        return train(cfg, sharding.make_mesh(cfg.run.n_device_axis))
+        return train(validate_on_devices(cfg), sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices))
     except utils.ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The loss on the mesh: one `jax.shard_map` over ("dp", "pp", "tp") running the pipeline schedule over pp
+"""The loss on the mesh: one `jax.shard_map` over ("slice", "dp", "pp", "tp") running the pipeline schedule over pp
 (GPipe, or with --pipeline_repeats P > 1 a circular one, MaxText's num_pipeline_repeats), then the output
 layer's cross-entropy (loss.py), or each row's for scoring tasks (`row_scores`); and the one-device
 versions every mesh is checked against.
@@ -12,13 +12,22 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
-from collectives import MESH_AXES, Axes, vary_like
+from collectives import Axes, data_axes, vary_like
 from engine import engine_for
 from loss import summarise
 from sharding import Layout, build, model_order
 
-# The specs of rows split over dp and of a replicated value (P in this file is the pipeline repeats).
-BY_DP, WHOLE = PartitionSpec("dp"), PartitionSpec()
+WHOLE = PartitionSpec()          # a replicated value's spec (P in this file is the pipeline repeats)
+
+
+def by_replica(mesh):
+    """The spec of rows split over the data-parallel replicas, slice x dp (`data_axes`)."""
+    return PartitionSpec(data_axes(mesh.shape["slice"]))
+
+
+def replica_axes():
+    """Inside shard_map: the axes the rows are split over."""
+    return data_axes(lax.axis_size("slice"))
 
 
 def one_device_loss(params, x_BT, y_BT, key, cfg, train=True):
@@ -37,22 +46,29 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
     """Loss (cross-entropy + balance) and metrics of a global batch on `mesh`; differentiable in params.
     params in any layout (the one cfg.pipeline_repeats asks for costs no reshard)."""
     params = Layout(cfg.pipeline_repeats).store(params)
-    x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, BY_DP)) for a in (x_BT, y_BT))
+    rows = by_replica(mesh)
+    x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, rows)) for a in (x_BT, y_BT))
     metric_specs = {"ce": WHOLE, "balance": WHOLE, "tokens_per_expert": WHOLE, "drop_rate": WHOLE}
     platform = mesh.devices.flat[0].platform          # for the mesh's devices, whatever this process runs on
     loss = partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train, platform=platform)
-    sharded = jax.shard_map(loss, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), BY_DP,
-                                                       BY_DP, WHOLE),
+    sharded = jax.shard_map(loss, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), rows,
+                                                       rows, WHOLE),
                             out_specs=(WHOLE, metric_specs), check_vma=True)
     return sharded(params, x_BT, y_BT, key)
 
 
 def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     """On one device with its shards (`_pipeline_outputs`): the loss and metrics of the global batch."""
+    if lax.axis_size("slice") > 1:
+        # Every slice holds the same params: cast once, here, to vary over "slice", so that the gradient's one
+        # all-reduce over DCN is this cast's transpose, on the fp32 shards [.., D/dp, ..], once a micro-step
+        # (JAX would otherwise sum over slices at each use of a weight, every tick).
+        params = jax.tree.map(lambda a: lax.pcast(a, "slice", to="varying"), params)
     out = _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform)
     h_NTD, targets_NT = _last_stage_share(out)
-    ce_sum = lax.psum(out.axes.engine.cross_entropy_sum(out.table_vD, h_NTD, targets_NT, cfg, out.axes), ("dp", "pp"))
-    b, n_dp = x_bT.shape[0], lax.axis_size("dp")
+    ce_sum = lax.psum(out.axes.engine.cross_entropy_sum(out.table_vD, h_NTD, targets_NT, cfg, out.axes),
+                      (*replica_axes(), "pp"))
+    b, n_dp = x_bT.shape[0], lax.axis_size(replica_axes())
     return summarise(ce_sum, _stats_in_model_order(out.stats), x_bT.size * n_dp, b * n_dp, cfg)
 
 
@@ -63,12 +79,13 @@ def row_scores(params, x_BT, y_BT, mask_BT, cfg, mesh, n_micro, window):
     reach the output layer (a continuation is at most that long), not all T: its vocabulary-wide work is the
     largest part of a small model's forward."""
     params = Layout(cfg.pipeline_repeats).store(params)
-    x_BT, y_BT, mask_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, BY_DP)) for a in (x_BT, y_BT, mask_BT))
+    rows = by_replica(mesh)
+    x_BT, y_BT, mask_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, rows)) for a in (x_BT, y_BT, mask_BT))
     platform = mesh.devices.flat[0].platform
     scores = partial(_pipeline_row_scores, cfg=cfg, n_micro=n_micro, platform=platform, window=window)
-    sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), BY_DP,
-                                                         BY_DP, BY_DP),
-                            out_specs=(BY_DP, BY_DP), check_vma=True)
+    sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), rows,
+                                                         rows, rows),
+                            out_specs=(rows, rows), check_vma=True)
     return sharded(params, x_BT, y_BT, mask_BT)
 
 
@@ -120,7 +137,7 @@ def _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     `sharding.Layout`), group r being blocks [(r pp + s) G, (r pp + s + 1) G) of stage s; GPipe is P = 1.
     The schedule (`schedule`) runs P M + pp - 1 ticks, each stage one item a tick: the bubble is
     (pp - 1)/(P M + pp - 1)."""
-    axes = Axes(*MESH_AXES, expert_parallel=cfg.expert_parallel, engine=engine_for(cfg, platform))
+    axes = Axes("dp", "pp", "tp", expert_parallel=cfg.expert_parallel, engine=engine_for(cfg, platform))
     P = cfg.pipeline_repeats
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     # Normalised on entry: the stage's blocks as [P, G, ...] whatever P (GPipe stores them as [G, ...]).
@@ -145,7 +162,7 @@ def _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     table_vD = transformer.embed.gathered(axes)                                    # [v, D/dp] -> [v, D]
     x_MbT, y_MbT = x_bT.reshape(M, mb, T), y_bT.reshape(M, mb, T)
     emb_MbTD = transformer.embed(x_MbT, axes, table_vD)                            # [M, b/M, T, D]
-    seq_base = lax.axis_index("dp") * b
+    seq_base = lax.axis_index(replica_axes()) * b                                     # this replica's first row
     if cfg.first_k_dense:
         # DeepSeek-V3's first dense layers, before the pipeline: every stage runs them and stage 0's output is
         # used (a few layers of many; a stage of their own would idle the others as long).
@@ -212,7 +229,7 @@ def _initial_carry(emb_MbTD, P, G, E):
     """The schedule's carry before tick 0: what stage s received (nothing yet), stage 0's buffer (the
     embeddings), the last stage's outputs and the per-block MoE stats [P, G] (zeros). They differ per dp
     replica and per stage: declared varying over both for check_vma."""
-    zeros = lambda *shape, dtype=jnp.float32: lax.pcast(jnp.zeros(shape, dtype), ("dp", "pp"), to="varying")
+    zeros = lambda *shape, dtype=jnp.float32: lax.pcast(jnp.zeros(shape, dtype), (*replica_axes(), "pp"), to="varying")
     stats = {"balance": zeros(P, G), "dropped": zeros(P, G), "tokens_per_expert": zeros(P, G, E, dtype=jnp.int32)}
     received_bTD = zeros(*emb_MbTD.shape[1:])
     return received_bTD, vary_like((emb_MbTD,), (received_bTD,))[0], zeros(*emb_MbTD.shape), stats
@@ -220,8 +237,8 @@ def _initial_carry(emb_MbTD, P, G, E):
 
 def _stats_in_model_order(stats):
     """Per-block stats [P, G] per stage, gathered over pp to [P, blocks/P] (GPipe: stage s has blocks
-    [s blocks/pp, (s+1) blocks/pp)), flattened to model order [blocks], summed over dp."""
-    return {name: lax.psum(lax.all_gather(s, "pp", axis=1, tiled=True, to="invarying"), "dp").reshape(-1, *s.shape[2:])
+    [s blocks/pp, (s+1) blocks/pp)), flattened to model order [blocks], summed over the replicas."""
+    return {name: lax.psum(lax.all_gather(s, "pp", axis=1, tiled=True, to="invarying"), replica_axes()).reshape(-1, *s.shape[2:])
             for name, s in stats.items()}
 
 

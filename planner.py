@@ -48,7 +48,7 @@ def memory_changes(cfg):
         found.append({"micro_batch_size": 2 * r.micro_batch_size})
     if m.n_experts and not m.expert_parallel:
         found.append({"expert_parallel": True})
-    if m.fsdp_gather == "step" and r.n_device_axis[0] > 1:
+    if m.fsdp_gather == "step" and r.n_device_axis[0] // r.n_slices > 1:     # FSDP shards in a slice
         found.append({"fsdp_gather": "tick"})
     return found
 

@@ -42,6 +42,9 @@ PIP_COMMAND = "pip install -r requirements-tpu.txt"
 PIP_COMMAND_GPU = "python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-gpu-aot.txt"
 GiB = 2**30
 HFU_ASSUMED = 0.4                   # a good MoE run's share of the peak, for the second TPU step-time estimate
+# What a TPU host sends across slices (DCN) a second, for the DCN time of --compile_for NxSLICE: an assumed
+# 100 Gb/s NIC a host; the time scales inversely with a host's real rate.
+DCN_BYTES_PER_S_PER_HOST = 12.5e9
 # The H200 estimate: every kernel at the roofline of these rates (hlo.kernel_census), then a factor per class
 # of kernel and a time per kernel (or per step) fitted to steps timed on an H200: the timed runs are in
 # H200_CALIBRATION, which scripts/refit_estimate.py writes (docs/performance-log.md#2026-12-03-h200-estimate-band).
@@ -76,8 +79,10 @@ def main(cfg, argv=()):
     if importlib.util.find_spec(compiler.split(".")[0]) is None or importlib.util.find_spec(compiler) is None:
         return _usage(f"--compile_for {target.name} needs {'XLA:GPU (jax-cuda12-plugin)' if gpu else 'libtpu'}'s "
                       f"ahead-of-time compiler, which is not installed; run: {install}")
+    if target.slices > 1 and cfg.run.n_slices == 1:      # NxSLICE: the run spans N slices (--n_slices N)
+        cfg = utils.override(cfg, n_slices=target.slices)
     try:
-        utils.validate(cfg, target.chips)
+        utils.check_slices(utils.validate(cfg, target.chips), target.hosts, target.slices)
     except utils.ConfigError as e:
         return _usage(f"{e}\n(compiling for {target.name}: {target.chips} chips on {target.hosts} host(s))")
     if gpu:
@@ -98,7 +103,7 @@ def _compile_only_libtpu(tpu):
     (it prints warnings without them; nothing here queries a server)."""
     jax.config.update("jax_platforms", "cpu")     # jax is imported already: $JAX_PLATFORMS would come too late
     for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
-                        ("TPU_ACCELERATOR_TYPE", tpu.name), ("TPU_WORKER_HOSTNAMES", "localhost")):
+                        ("TPU_ACCELERATOR_TYPE", tpu.slice_name), ("TPU_WORKER_HOSTNAMES", "localhost")):
         os.environ.setdefault(name, value)
 
 
@@ -125,7 +130,7 @@ def topology_devices(tpu):
     """The slice's devices as libtpu describes them: ids, host (process_index), chip coords."""
     return topologies.get_topology_desc(
         platform="tpu", topology_name=tpu.topology_name, chip_config_name=tpu.chip_config,
-        chips_per_host_bounds=tpu.host_grid, num_slices=1, wrap=(False,) * 3).devices
+        chips_per_host_bounds=tpu.host_grid, num_slices=tpu.slices, wrap=(False,) * 3).devices
 
 
 def rehearse(cfg, target, argv=(), plan_on_failure=True):
@@ -180,7 +185,7 @@ def plan_a_fit(cfg, target, argv):
 
 
 def target_mesh(cfg, target):
-    return sharding.make_mesh(cfg.run.n_device_axis, target_devices(target))
+    return sharding.make_mesh(cfg.run.n_device_axis, target_devices(target), cfg.run.n_slices)
 
 
 def train_plan(cfg, mesh):
@@ -271,10 +276,13 @@ class Report:
             print(f"mesh: dp={dp} pp={pp} tp={tp}")
             return
         crossing = sharding.axes_across_hosts(mesh)
-        print(f"slice: {target.name} = {target.chips} {kind} chips ({target.topology_name}) on {target.hosts} "
-              f"host(s) of {math.prod(target.host_grid)} chips; usable HBM {target.hbm_bytes / GiB:.2f} GiB per chip")
-        print(f"mesh: dp={dp} pp={pp} tp={tp}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
-        for i, plane in enumerate(mesh.devices[:min(dp, 4)]):
+        n = target.slices
+        slices = f"{n} slices of " if n > 1 else ""
+        print(f"slice: {target.name} = {slices}{target.chips // n} {kind} chips ({target.topology_name}) on {target.hosts} "
+              f"host(s) of {target.chips_per_host} chips; usable HBM {target.hbm_bytes / GiB:.2f} GiB per chip")
+        across = f" ({n} slices of dp={dp // n}, joined over DCN)" if n > 1 else ""
+        print(f"mesh: dp={dp} pp={pp} tp={tp}{across}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
+        for i, plane in enumerate(mesh.devices.reshape(dp, pp, tp)[:min(dp, 4)]):
             hosts = sorted({d.process_index for d in plane.flat})
             coords = " ".join("(" + ",".join(map(str, d.coords)) + ")" for d in plane.flat)
             print(f"  dp {i}: host(s) {','.join(map(str, hosts))}, chips {coords}")
@@ -326,13 +334,29 @@ class Report:
 
     def _collectives(self, hlo_text):
         counted = hlo.collective_bytes(hlo_text)
-        print("  collectives per chip per step (compiled HLO, loops x trip counts; bytes: each op's full-size "
+        within = " within a slice (ICI)" if self.target.slices > 1 else ""
+        print(f"  collectives per chip per step{within} (compiled HLO, loops x trip counts; bytes: each op's full-size "
               "buffer on the chip, sent: a ring's share of it, docs/performance-log.md#2026-11-30-collective-bytes-issue-18):")
         for kind, c in counted.items():
             print(f"    {kind:<19} {c['count']:>7,} ops {_gib(c['bytes'])} {_gib(c['link_bytes'])} sent")
         print(f"    {'total':<19} {sum(c['count'] for c in counted.values()):>7,} ops "
               f"{_gib(sum(c['bytes'] for c in counted.values()))} "
               f"{_gib(sum(c['link_bytes'] for c in counted.values()))} sent")
+        if self.target.slices > 1:
+            self._dcn(hlo.dcn_bytes(hlo_text))
+
+    def _dcn(self, counted):
+        """What crosses slices (megascale's transfers over DCN): per chip, and the time at a host's rate."""
+        n, per_host = self.target.slices, self.target.chips_per_host
+        share = lambda kind: 2 * (n - 1) / n if kind == "ALL_REDUCE" else (n - 1) / n     # a ring over n slices
+        sent = sum(c["bytes"] * share(kind) for kind, c in counted.items())
+        print("  across slices per chip per step (DCN: megascale's transfers in the compiled HLO, TPU tile padding "
+              "included):")
+        for kind, c in counted.items():
+            print(f"    {kind.lower().replace('_', '-'):<19} {c['count']:>7,} ops {_gib(c['bytes'])} "
+                  f"{_gib(c['bytes'] * share(kind))} sent")
+        print(f"    at {DCN_BYTES_PER_S_PER_HOST * 8 / 1e9:.0f} Gb/s a host ({per_host} chips' {_gib(sent * per_host).strip()}"
+              f"): {sent * per_host / DCN_BYTES_PER_S_PER_HOST * 1e3:.0f} ms a step, unless it overlaps the backward")
 
     def _flops(self, counted, census=None):
         """Print the compiled FLOPs per chip against the model's; return them. On a GPU they are the kernel

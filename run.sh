@@ -26,7 +26,9 @@ options:
   --log-dir DIR          log directory on the host (default: CHECKOUT/logs)
   --env NAME=VALUE       extra environment for the program (repeatable); JAX_PLATFORMS, XLA_FLAGS,
                          WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY are forwarded when set locally
-  --tpu NAME --zone Z    reach the host with `gcloud compute tpus tpu-vm ssh NAME --worker I`
+  --tpu NAME --zone Z    reach the host with `gcloud compute tpus tpu-vm ssh NAME --worker W`
+  --worker W             with --tpu: the host's worker number in TPU NAME (default: --index; they
+                         differ when a run spans several TPUs: launcher.sh --tpu NAME1,NAME2)
   --project P            gcloud project for --tpu
   --force                kill an existing tmux session of the same name, and its program, first
   --wait                 stay connected until the program ends; stream its log; exit with its status
@@ -69,7 +71,7 @@ die() { echo "run.sh: error: $*" >&2; exit 2; }
 # shellcheck source-path=SCRIPTDIR source=launch_lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/launch_lib.sh"   # value, run_name_from_args, q, sq
 
-host="" name="" index="" nproc="" coordinator="" dir="${JAXFORMER_DIR:-}" commit="asis"
+host="" name="" index="" worker="" nproc="" coordinator="" dir="${JAXFORMER_DIR:-}" commit="asis"
 python="" main="main.py" log_dir="" tpu="" zone="" project="" force=0 wait=0 dry_run=0
 mode=start ready=0 timeout=900 extra_env=() main_args=() setup_cmd=""
 
@@ -78,6 +80,7 @@ while (($#)); do
     -h|--help) usage; exit 0 ;;
     --name) name=$(value "$@"); shift 2 ;;
     --index) index=$(value "$@"); shift 2 ;;
+    --worker) worker=$(value "$@"); shift 2 ;;
     --num-processes) nproc=$(value "$@"); shift 2 ;;
     --coordinator) coordinator=$(value "$@"); shift 2 ;;
     --dir) dir=$(value "$@"); shift 2 ;;
@@ -108,6 +111,7 @@ done
 [[ -n $host ]] || die "missing HOST (see --help)"
 [[ $timeout =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds, got '$timeout'"
 [[ -z $index || $index =~ ^[0-9]+$ ]] || die "--index must be a non-negative integer, got '$index'"
+[[ -z $worker || $worker =~ ^[0-9]+$ ]] || die "--worker must be a non-negative integer, got '$worker'"
 [[ -z $nproc || $nproc =~ ^[1-9][0-9]*$ ]] || die "--num-processes must be a positive integer, got '$nproc'"
 if [[ -n $coordinator ]]; then
   [[ $coordinator =~ ^[^:[:space:]]+:[0-9]+$ ]] || die "--coordinator must be HOST:PORT, got '$coordinator'"
@@ -302,8 +306,9 @@ if [[ $mode == setup ]]; then remote="cd && { $setup_cmd
 if [[ -n ${SSH:-} ]]; then
   read -ra ssh_cmd <<< "$SSH"; ssh_cmd+=("$host")
 elif [[ -n $tpu ]]; then
-  [[ -n $index ]] || die "--tpu needs --index (the TPU worker)"
-  ssh_cmd=(gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" ${project:+--project "$project"} --worker "$index" --command)
+  worker=${worker:-$index}
+  [[ -n $worker ]] || die "--tpu needs --index (the TPU worker) or --worker"
+  ssh_cmd=(gcloud compute tpus tpu-vm ssh "$tpu" --zone "$zone" ${project:+--project "$project"} --worker "$worker" --command)
 else
   ssh_cmd=(ssh -o BatchMode=yes -o ConnectTimeout=15 "$host")
 fi

@@ -7,7 +7,7 @@
   the modules' attribute names, each drawn by the initializer its module declared (`init_params`);
   `build` merges them back into the modules (inside shard_map, from the local shards).
 - `Layout`: how the params store the stacked blocks for the pipeline, [blocks, ...] or [P, G, ...].
-- `make_mesh`: the ("dp", "pp", "tp") mesh over real devices or an ahead-of-time TPU topology.
+- `make_mesh`: the ("slice", "dp", "pp", "tp") mesh over real devices or an ahead-of-time TPU topology.
 """
 import dataclasses
 import math
@@ -290,27 +290,34 @@ def init_sharded_params(cfg, key, mesh):
 
 
 def physical_order(device):
-    """Sort key: host first, then the chip's position (z, y, x) and core on a TPU; id elsewhere."""
+    """Sort key: TPU slice, host, then the chip's position (z, y, x) and core on a TPU; id elsewhere."""
     coords = getattr(device, "coords", None)
     place = (*reversed(coords), getattr(device, "core_on_chip", 0)) if coords is not None else (device.id,)
-    return (device.process_index, *place)
+    return (getattr(device, "slice_index", 0), device.process_index, *place)
 
 
-def make_mesh(shape, devices=None):
-    """The ("dp", "pp", "tp") mesh over dp*pp*tp devices, real or an ahead-of-time TPU topology's.
+def make_mesh(shape, devices=None, n_slices=1):
+    """The ("slice", "dp", "pp", "tp") mesh of n_slices x (dp/n_slices, pp, tp) devices, real or an ahead-of-time
+    TPU topology's, for shape = --n_device_axis (dp, pp, tp): dp counts the data-parallel replicas of every slice.
 
-    Devices are taken host by host, each host's in physical order, and laid out with tp fastest: so a pp x
-    tp plane whose size divides a host's device count sits on one host (on a v4 host's 2 x 2 chips, tp pairs
-    along x and pp pairs along y are direct neighbours) and only dp crosses hosts, as in the guide's figure.
-    jax.make_mesh instead insists on not splitting physical axes, which (8, 2, 2) on v4-64's 2 x 4 x 4 chips
-    cannot satisfy. Auto axes: outside shard_map XLA propagates shardings (optimizer, generation); inside it
-    every collective is written out."""
-    ordered = sorted(jax.devices() if devices is None else devices, key=physical_order)[:math.prod(shape)]
-    if len(ordered) < math.prod(shape):
-        raise ValueError(f"mesh {tuple(shape)} needs {math.prod(shape)} devices, {len(ordered)} available")
-    grid = np.empty(len(ordered), dtype=object)
-    grid[:] = ordered
-    return jax.sharding.Mesh(grid.reshape(tuple(shape)), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    Devices are taken slice by slice (a TPU slice's, or on CPUs and GPUs an equal share of the devices in
+    host order), host by host, each host's in physical order, and laid out with tp fastest: so a pp x tp
+    plane whose size divides a host's device count sits on one host (on a v4 host's 2 x 2 chips, tp pairs
+    along x and pp pairs along y are direct neighbours), only dp crosses hosts, as in the guide's figure, and
+    only the slice axis crosses slices. jax.make_mesh instead insists on not splitting physical axes, which
+    (8, 2, 2) on v4-64's 2 x 4 x 4 chips cannot satisfy. Auto axes: outside shard_map XLA propagates
+    shardings (optimizer, generation); inside it every collective is written out."""
+    dp, pp, tp = shape
+    ordered = sorted(jax.devices() if devices is None else devices, key=physical_order)
+    per_slice, in_mesh = len(ordered) // n_slices, math.prod(shape) // n_slices
+    if per_slice < in_mesh:
+        raise ValueError(f"mesh {tuple(shape)} over {n_slices} slice(s) needs {math.prod(shape)} devices, "
+                         f"{len(ordered)} available")
+    grid = np.empty((n_slices, in_mesh), dtype=object)
+    for s in range(n_slices):
+        grid[s, :] = ordered[s * per_slice:s * per_slice + in_mesh]
+    return jax.sharding.Mesh(grid.reshape(n_slices, dp // n_slices, pp, tp), MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def axes_across_hosts(mesh):

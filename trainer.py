@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pipeline
 import sharding
 import utils
+from collectives import data_axes
 from optimizer import lr_schedule, make_optimizer
 
 
@@ -24,7 +25,7 @@ class Trainer(NamedTuple):
     fresh_state: Callable       # fresh_state(seed) -> a new training state on the mesh
     abstract_state: dict        # the state's shapes, dtypes and shardings (restore targets, compiling)
     schedule: Callable          # the learning rate of an update, by step index
-    data_sharding: NamedSharding  # a global batch [sequences, T]: sequences over dp, whole rows
+    data_sharding: NamedSharding  # a global batch [sequences, T]: sequences over the replicas (slice x dp), whole rows
 
 
 def build_trainer(cfg, mesh):
@@ -32,7 +33,7 @@ def build_trainer(cfg, mesh):
     abstract_params = jax.eval_shape(partial(sharding.init_stored_params, cfg.model), jax.random.key(0))
     optimizer = make_optimizer(cfg.optim, abstract_params)
     shardings, abstract_state = state_layout(cfg, optimizer, abstract_params, mesh)
-    replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp", None))
+    replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P(data_axes(mesh.shape["slice"]), None))
     micro_steps = (data,) * cfg.optim.grad_step
     step = jax.jit(partial(train_step, cfg=cfg, mesh=mesh, optimizer=optimizer),
                    in_shardings=(shardings, (micro_steps, micro_steps)), out_shardings=(shardings, replicated),

@@ -178,6 +178,10 @@ class RunConfig:
                                    "--status reads it; empty = none)")
     wandb: bool = flag(False, "log to Weights & Biases (online with WANDB_API_KEY, offline files otherwise)")
     n_device_axis: tuple = flag((1, 1, 1), "mesh sizes DP PP TP")
+    n_slices: int = flag(1, "TPU slices the run spans, joined over the data-centre network (DCN) by data parallelism "
+                            "only: DP of --n_device_axis counts the replicas of every slice, DP/N in each, where FSDP "
+                            "shards the weights; the gradient is summed across slices once a micro-step (docs/launch.md"
+                            "#two-slices)")
     cpu_devices: int = flag(0, "simulate N CPU devices (try a 3-D mesh on one machine); 0 = the real devices")
     compile_for: str = flag("", "do not train: compile this run's training and eval steps for a TPU slice (v4-64, "
                                 "v5p-8, v5litepod-16, v6e-8, ...; pip install -r requirements-tpu.txt) or for "
@@ -485,13 +489,20 @@ def validate(cfg, n_devices=None):
         _divides(errors, m.moe_hidden_dim, "--moe_hidden_dim", tp, "TP of --n_device_axis")
     _divides(errors, m.padded_vocab, f"--vocab_size padded to a multiple of {VOCAB_PAD_MULTIPLE}", tp,
              "TP of --n_device_axis")
-    _divides(errors, m.model_dimension, "--model_dimension", dp, "DP of --n_device_axis (FSDP shards)")
-    _divides(errors, m.latent_dim, "--latent_dim", dp, "DP of --n_device_axis (FSDP shards)")
-    _divides(errors, m.q_latent_dim, "--q_latent_dim", dp, "DP of --n_device_axis (FSDP shards)")
+    _at_least(errors, r.n_slices, "--n_slices", 1)
+    if r.n_slices >= 1 and dp % r.n_slices:
+        errors.append(f"--n_slices ({r.n_slices}) must divide DP of --n_device_axis ({dp}): each slice holds DP/N "
+                      f"of the data-parallel replicas; valid values of --n_slices are the divisors of {dp}")
+    # FSDP shards the weights over the dp replicas of one slice
+    fsdp = dp // r.n_slices if r.n_slices >= 1 and not dp % r.n_slices else dp
+    shards = "DP of --n_device_axis" if r.n_slices == 1 else "DP/--n_slices"
+    _divides(errors, m.model_dimension, "--model_dimension", fsdp, f"{shards} (FSDP shards)")
+    _divides(errors, m.latent_dim, "--latent_dim", fsdp, f"{shards} (FSDP shards)")
+    _divides(errors, m.q_latent_dim, "--q_latent_dim", fsdp, f"{shards} (FSDP shards)")
     _divides(errors, m.blocks, "--blocks", pp, "PP of --n_device_axis")
     if m.expert_parallel:
-        _divides(errors, m.n_experts, "--n_experts", dp,
-                 "DP of --n_device_axis (--expert_parallel puts E/DP whole experts on each dp shard)")
+        _divides(errors, m.n_experts, "--n_experts", fsdp,
+                 f"{shards} (--expert_parallel puts E/DP whole experts on each dp shard)")
     _divides(errors, r.micro_batch_size, "--micro_batch_size", pp, "PP of --n_device_axis")
     if m.pipeline_repeats > 1:
         # Stage s holds the groups r PP + s of blocks/(PP R) blocks. The circular schedule also needs
@@ -516,6 +527,19 @@ def validate(cfg, n_devices=None):
                         f"dividing {n_devices}" + _mesh_hint(cfg, n_devices, n_mesh, pp * tp))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    return cfg
+
+
+def check_slices(cfg, n_processes, slices_found):
+    """Raise ConfigError unless --n_slices fits the job's processes and devices: each slice whole processes
+    (hosts), and on TPUs joined by megascale (slices_found > 1: their devices' slice_index) one slice each."""
+    n = cfg.run.n_slices
+    if slices_found > 1 and n != slices_found:
+        raise ConfigError(f"invalid configuration:\n  - --n_slices ({n}) must be {slices_found}: these devices are "
+                          f"{slices_found} TPU slices (their slice_index), joined over DCN")
+    if n_processes > 1 and n_processes % n:
+        raise ConfigError(f"invalid configuration:\n  - --n_slices ({n}) must divide the {n_processes} processes (a "
+                          f"slice is whole hosts); valid values divide {n_processes}")
     return cfg
 
 

@@ -28,7 +28,7 @@ CASES = [((2, 2, 2), {"moe_impl": "ragged"}), ((4, 1, 2), {"expert_parallel": Tr
 def train_step_jaxpr(cfg, mesh):
     """The jaxpr of main.py's jitted training step (a fresh trainer, so nothing is served from a trace
     cache) on abstract arguments."""
-    config = utils.override(utils.Config(model=cfg), n_device_axis=mesh.devices.shape, train_batch_size=8,
+    config = utils.override(utils.Config(model=cfg), n_device_axis=mesh.devices.shape[1:], train_batch_size=8,
                             micro_batch_size=2)
     trainer = build_trainer(config, mesh)
     x = jax.ShapeDtypeStruct((mesh.shape["dp"] * 8, cfg.T), jnp.int32, sharding=trainer.data_sharding)

@@ -66,6 +66,13 @@ INVALID = [
     ({"name": "/tmp/run"}, "--name must be one directory name"),
     ({"name": "run-2_v1.5"}, None),
     ({"max_bad_steps": 0}, "--max_bad_steps must be >= 1"),
+    ({"n_slices": 0}, "--n_slices must be >= 1"),
+    ({"n_slices": 2}, "--n_slices (2) must divide DP of --n_device_axis (1)"),
+    ({"n_slices": 2, "n_device_axis": (4, 1, 2), "val_batch_size": 8}, None),
+    # FSDP shards within a slice: dp 8 over 2 slices is 4 shards of the width, 4 experts a shard
+    ({"n_slices": 2, "n_device_axis": (8, 1, 1), "model_dimension": 34, "n_head": 2, "val_batch_size": 16},
+     "--model_dimension (34) must be divisible by DP/--n_slices (FSDP shards) (4)"),
+    ({"n_slices": 2, "n_device_axis": (8, 1, 1), "expert_parallel": True, "val_batch_size": 16}, None),
 ]
 
 
@@ -115,6 +122,16 @@ def test_mesh_must_divide_device_count():
     with pytest.raises(ConfigError, match="needs 3 devices, which must divide the 8 available"):
         validate(cfg, n_devices=8)
     assert validate(cfg, n_devices=6) is cfg
+
+
+def test_slices_are_whole_processes_and_as_many_as_the_tpus_say():
+    cfg = override(DEFAULT_CONFIG, n_device_axis=(4, 1, 1), n_slices=2)
+    from utils import check_slices
+    assert check_slices(cfg, 2, 1) is cfg and check_slices(cfg, 4, 2) is cfg and check_slices(cfg, 1, 1) is cfg
+    with pytest.raises(ConfigError, match=r"--n_slices \(2\) must divide the 3 processes \(a slice is whole hosts\)"):
+        check_slices(cfg, 3, 1)
+    with pytest.raises(ConfigError, match=r"--n_slices \(1\) must be 2: these devices are 2 TPU slices"):
+        check_slices(override(cfg, n_slices=1), 2, 2)
 
 
 def test_cli_keeps_guide_flag_names_and_overrides_preset():
@@ -180,3 +197,16 @@ def test_help_prints_before_jax_loads_with_a_short_usage_and_commands_that_parse
         words = shlex.split(command)
         if words[1] == "main.py":
             config_from_args(words[2:])
+
+
+def test_a_slice_count_that_does_not_divide_dp_exits_2_before_any_compile(cpu_env, tmp_path):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "main.py", "--n_device_axis", "4", "1", "1", "--n_slices", "3",
+                           "--cpu_devices", "4", "--output_dir", str(tmp_path)], cwd=root, env=cpu_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--n_slices (3) must divide DP of --n_device_axis (4)" in proc.stderr and "compil" not in proc.stdout
+    assert not os.listdir(tmp_path)

@@ -38,6 +38,7 @@ CASES = {
     "bf16-412-ep": ["--n_device_axis", "4", "1", "2", "--expert_parallel", "true"],
     "bf16-121-r2": ["--n_device_axis", "1", "2", "1", "--blocks", "4", "--pipeline_repeats", "2"],
     "bf16-111-remat": ["--n_device_axis", "1", "1", "1", "--remat", "full"],      # moe1B's per-layer remat
+    "bf16-222-2slices": ["--n_device_axis", "2", "2", "2", "--n_slices", "2"],      # dp 2 = 2 slices of 1
 }
 
 
@@ -45,7 +46,7 @@ def programs(case):
     """{"train": StableHLO text, "eval": StableHLO text} of main.py's jitted steps for CASES[case]."""
     cfg = utils.config_from_args(BASE + CASES[case])
     utils.validate(cfg, jax.device_count())
-    mesh = sharding.make_mesh(cfg.run.n_device_axis)
+    mesh = sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices)
     trainer = build_trainer(cfg, mesh)
     train_args, eval_args = abstract_step_args(cfg, trainer)
     return {"train": trainer.step.lower(*train_args).as_text(), "eval": trainer.eval_step.lower(*eval_args).as_text()}

@@ -14,13 +14,17 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
 from ceiling import CEILING_S
-from run_util import MESH1, MESH8, N, SPAN, checkpoints, last_step, records, run, start, wait_for, wait_for_step
+from launch_util import free_port
+from run_util import (MESH1, MESH8, N, REPO, SPAN, TINY_FLAGS, checkpoints, last_step, records, run, start, wait_for,
+                      wait_for_step)
 
 PHASES = ("startup", "compile", "train", "eval", "checkpoint", "tasks", "sample")
 
@@ -35,8 +39,10 @@ def params(out, step):
     import jax
     import orbax.checkpoint as ocp
     path = os.path.join(out, "run", "checkpoints", str(step), "state")
-    with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(path)
+    with ocp.StandardCheckpointer() as ckptr:      # onto this process's first device, whatever mesh saved it
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        state = ckptr.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+                                                 ckptr.metadata(path).item_metadata.tree))
     return jax.tree.map(np.asarray, {"params": state["params"], "router_bias": state["router_bias"]})
 
 
@@ -181,6 +187,47 @@ def test_same_curve_on_mesh_222_and_restore_across_meshes(cpu_env, baseline, tmp
     cross = losses(tmp_path / "cross")
     for s in range(N // 2 + 1, N + 1):
         np.testing.assert_allclose(cross[s], curve[s], rtol=5e-4, err_msg=f"step {s}")
+
+
+# Two slices of 2 x 2 devices (--n_device_axis 4 1 2: dp 4 = 2 slices of 2, tp 2), one process each, joined by
+# jax.distributed over gloo as two TPU slices are over DCN: the global batch of 8 as MESH1's.
+SLICES_RTOL = 1e-6       # measured: 9.0e-8 at most (one ulp), over the 20 steps and both resumes
+SLICES = "--n_device_axis 4 1 2 --n_slices 2 --train_batch_size 2 --val_batch_size 8 --cpu_devices 4".split()
+
+
+def run_two_slices(cpu_env, out, *args):
+    """main.py as two processes, each a "slice" (process i holds slice i's devices), to their end."""
+    env = dict(cpu_env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY_FLAGS, "--output_dir", str(out), "--name", "run",
+           "--training_steps", str(N), *SLICES, *args]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    outputs = [p.communicate(timeout=CEILING_S)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-3000:] for o in outputs)
+    return outputs[0]
+
+
+def test_two_slices_equal_one_device_and_resume_across_slice_counts(cpu_env, baseline, tmp_path):
+    """The same curve on 2 slices (2 processes) as on one device, fp32, over 20 steps; a checkpoint of one
+    resumes on the other, both ways, on the same curve; the routing bias (integer counts) the same bits."""
+    out, curve = baseline
+    shown = run_two_slices(cpu_env, tmp_path / "slices")
+    assert "mesh: dp=4 pp=1 tp=2 (2 slices of dp=2, joined over DCN) over 8 of 8" in shown, shown[-2000:]
+    on_slices = losses(tmp_path / "slices")
+    assert sorted(on_slices) == sorted(curve)
+    np.testing.assert_allclose([on_slices[s] for s in curve], [curve[s] for s in curve], rtol=SLICES_RTOL)
+    # 2 slices -> 1 device, and 1 device -> 2 slices, from the step-10 checkpoints
+    for source, target in ((tmp_path / "slices", tmp_path / "to-one"), (out, tmp_path / "to-two")):
+        shutil.copytree(os.path.join(source, "run", "checkpoints", str(N // 2)),
+                        target / "run" / "checkpoints" / str(N // 2))
+    assert "resumed from" in run(cpu_env, tmp_path / "to-one", *MESH1).stdout
+    assert "resumed from" in run_two_slices(cpu_env, tmp_path / "to-two")
+    for target in (tmp_path / "to-one", tmp_path / "to-two"):
+        resumed = losses(target)
+        assert sorted(resumed) == list(range(N // 2 + 1, N + 1))
+        np.testing.assert_allclose([resumed[s] for s in resumed], [curve[s] for s in resumed], rtol=SLICES_RTOL,
+                                   err_msg=target.name)
+        np.testing.assert_array_equal(params(target, N)["router_bias"], params(out, N)["router_bias"])
 
 
 def _garbage(state):

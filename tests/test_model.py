@@ -69,9 +69,16 @@ def test_a_deepseek_v3_shaped_model_equals_its_one_device_run(deepseek_v3_refere
     assert_equals_one_device(deepseek_v3_reference, with_model(DSV3, **changes), shape, n_micro)
 
 
-def assert_equals_one_device(reference, cfg, shape, n_micro):
+@pytest.mark.parametrize("shape,n_micro,changes", [((4, 1, 2), 2, EP), ((4, 2, 1), 4, CIRCULAR | {"fsdp_gather": "tick"}),
+                                                   ((2, 2, 2), 2, {"remat": "full"})])
+def test_two_slices_equal_one_device(reference, shape, n_micro, changes):
+    """DP split over 2 slices (FSDP and expert parallelism within a slice, the gradient summed across them)."""
+    assert_equals_one_device(reference, with_model(CFG, **changes), shape, n_micro, n_slices=2)
+
+
+def assert_equals_one_device(reference, cfg, shape, n_micro, n_slices=1):
     params, ref_loss, ref_metrics, ref_grads = reference
-    mesh = sharding.make_mesh(shape)
+    mesh = sharding.make_mesh(shape, n_slices=n_slices)
     stored = sharding.Layout(cfg.pipeline_repeats).store(params)        # as the training state holds them
     sharded = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
     (loss, metrics), grads = sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(sharded, *batch())

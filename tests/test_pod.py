@@ -44,7 +44,7 @@ def test_each_dp_row_is_one_hosts_pp_by_tp_plane_of_neighbouring_chips(topology,
     tpu = hardware.tpu_slice(slice_name)
     assert len(devices) == tpu.chips and len({d.process_index for d in devices}) == tpu.hosts
     mesh = sharding.make_mesh(shape, devices)
-    grid = mesh.devices
+    grid = mesh.devices[0]                          # the one slice's [dp, pp, tp]
     hosts = [{d.process_index for d in plane.flat} for plane in grid]
     assert all(len(h) == 1 for h in hosts), f"a pp x tp plane spans hosts: {hosts}"
     assert len(set.union(*hosts)) == shape[0], "two dp rows share a host"
@@ -65,7 +65,20 @@ def test_jax_make_mesh_cannot_place_the_guides_mesh_on_v4_64(topology):
     import jax
     with pytest.raises(Exception):
         jax.make_mesh((8, 2, 2), collectives.MESH_AXES, devices=topology("v4-64"))
-    assert sharding.make_mesh((8, 2, 2), topology("v4-64")).devices.shape == (8, 2, 2)
+    assert sharding.make_mesh((8, 2, 2), topology("v4-64")).devices.shape == (1, 8, 2, 2)
+
+
+def test_two_slices_each_hold_their_replicas_and_only_the_slice_axis_crosses_them(topology):
+    """--n_device_axis 8 2 2 --n_slices 2 on 2xv4-32: slice s of the mesh is TPU slice s, each of its 4 dp rows
+    one host's pp x tp plane, as on one v4-32."""
+    devices = topology("2xv4-32")
+    assert len(devices) == 32 and {d.slice_index for d in devices} == {0, 1}
+    mesh = sharding.make_mesh((8, 2, 2), devices, n_slices=2)
+    assert mesh.devices.shape == (2, 4, 2, 2)
+    for s in (0, 1):
+        assert {d.slice_index for d in mesh.devices[s].flat} == {s}
+        assert all(len({d.process_index for d in plane.flat}) == 1 for plane in mesh.devices[s])
+    assert sharding.axes_across_hosts(mesh) == ["slice", "dp"]
 
 
 def test_real_devices_keep_their_order():
@@ -138,6 +151,34 @@ def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall_and_a_s
     command = lines[next(i for i, line in enumerate(lines) if line.startswith("fits with")) + 1].strip()
     assert command.startswith("python main.py --preset tiny --T 8192 --micro_batch_size 1 --compile_for v4-8 ")
     assert command.endswith(chosen.group(1)), command
+
+
+def test_compile_for_two_slices_reports_what_crosses_them_apart(tmp_path):
+    """2xv4-8: the run spans the two slices (--n_slices 2 implied), dp 4 = 2 slices of 2; the collectives
+    within a slice (ICI) and megascale's transfers across them (DCN) are counted apart: the train step's
+    gradient crosses, at least its fp32 params' bytes a chip; the eval step only its loss."""
+    p = compile_for("--preset", "tiny", "--n_device_axis", "4", "1", "2", "--compile_for", "2xv4-8", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout
+    assert "slice: 2xv4-8 = 2 slices of 4 TPU v4 chips (v4:2x2x1) on 2 host(s)" in out, out[:2000]
+    assert "mesh: dp=4 pp=1 tp=2 (2 slices of dp=2, joined over DCN); crossing hosts: slice" in out
+    train, evaluate = out[out.index("train step:"):out.index("eval step:")], out[out.index("eval step:"):]
+    state = float(re.search(r"HBM per chip: state +([\d.]+) GiB", train).group(1))
+    for step in (train, evaluate):
+        assert "collectives per chip per step within a slice (ICI)" in step
+        assert re.search(r"\n    all-gather +[\d,]+ ops", step)
+    dcn = [float(re.search(r"across slices per chip per step .*\n    all-reduce +[\d,]+ ops +([\d.]+) GiB", step).group(1))
+           for step in (train, evaluate)]
+    assert dcn[0] >= state / 3 > 0 and dcn[1] < 0.01, (dcn, state)     # params are a third of the state (Adam's two)
+    assert re.search(r"at 100 Gb/s a host \(4 chips' [\d.]+ GiB\): \d+ ms a step", train)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n_device_axis", "4", "1", "2", "--n_slices", "3"], "--n_slices (3) must divide DP of --n_device_axis (4)"),
+    (["--n_device_axis", "4", "1", "2", "--n_slices", "4"], "--n_slices (4) must be 2: these devices are 2 TPU slices")])
+def test_compile_for_two_slices_refuses_another_slice_count(tmp_path, flags, message):
+    p = compile_for("--preset", "tiny", *flags, "--compile_for", "2xv4-8", cwd=tmp_path)
+    assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]
 
 
 def test_compile_for_an_unknown_slice_exits_2_listing_the_known_ones(tmp_path):
@@ -312,6 +353,19 @@ def test_the_guides_run_on_v4_64_keeps_its_plan():
     """moe1B on v4-64, as issue 27 left it: 1.32x the model's FLOPs, 9.18 GiB of collectives, 18.32 GiB."""
     gib, ratio, collective_gib = train_plan_for("v4-64", "--preset", "moe1B")
     assert (round(gib, 2), round(ratio, 2), round(collective_gib, 2)) == (18.32, 1.32, 9.18)
+
+
+@pytest.mark.slow("~5 min")
+def test_the_guides_run_on_two_v4_32_slices_fits_and_says_what_crosses_them(tmp_path):
+    """moe1B on 2xv4-32 (dp 8 = 2 slices of 4, the guide's global batch): fits; its gradient crosses the slices
+    once a step over DCN, about its fp32 params' bytes a chip, beside what stays on ICI."""
+    p = compile_for("--preset", "moe1B", "--compile_for", "2xv4-32", "--eval_tasks", "", cwd=tmp_path)
+    assert p.returncode == 0 and "fits on 2xv4-32" in p.stdout, (p.stdout[-3000:], p.stderr[-3000:])
+    train = p.stdout[p.stdout.index("train step:"):p.stdout.index("eval step:")]
+    state = float(re.search(r"HBM per chip: state +([\d.]+) GiB", train).group(1))
+    ici = float(re.search(r"within a slice \(ICI\).*?\n    total +[\d,]+ ops +([\d.]+) GiB", train, re.S).group(1))
+    dcn = float(re.search(r"across slices per chip per step .*\n    all-reduce +[\d,]+ ops +([\d.]+) GiB", train).group(1))
+    assert state / 3 <= dcn <= 1.1 * state / 3 and ici > dcn, (state, dcn, ici)
 
 
 @pytest.mark.slow("~20-40 s")
