@@ -292,6 +292,10 @@ class Watchdog:
 
     def __init__(self, timeout, heartbeat_file=""):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # Asked of jax once, here: when the watchdog fires, the main thread may be unwinding an error (a
+        # collective's timeout) through jax's shutdown, and a call into jax then tries to make a new backend,
+        # fails, and ends this thread instead of the process.
+        self.process = f"{jax.process_index()} of {jax.process_count()}"
         self.timeout, self.last, self.doing = timeout, None, "compiling the training step"
         self.heartbeat, self.step, self.step_time, self.notes = heartbeat_file, None, None, {}
         self._beat()                        # the clock starts with the first step; the file at once
@@ -312,7 +316,7 @@ class Watchdog:
         if not self.heartbeat:
             return
         fields = {"step": self.step, "step_time": self.step_time, "time": time.time(), "doing": self.doing,
-                  "process": f"{jax.process_index()} of {jax.process_count()}", **self.notes}
+                  "process": self.process, **self.notes}
         tmp = f"{self.heartbeat}.tmp"
         try:
             with open(tmp, "w") as f:
@@ -328,7 +332,7 @@ class Watchdog:
             last = self.last
             if last is not None and time.monotonic() - last > self.timeout:
                 # os.write and faulthandler: the main thread may hold locks print would need
-                _write_quietly(2, (f"\nerror: process {jax.process_index()} of {jax.process_count()} made no progress "
+                _write_quietly(2, (f"\nerror: process {self.process} made no progress "
                                    f"for {self.timeout} s (--hang_timeout) after: {self.doing}; a host is stopped, "
                                    f"hung or gone if this waits in a collective. Every thread's stack follows; "
                                    f"exiting {HUNG_EXIT} (the same command resumes from the last checkpoint)\n").encode())
