@@ -308,6 +308,7 @@ def train_plan_for(slice_name, *flags):
     import pod
     cfg, target = utils.config_from_args(list(flags)), hardware.tpu_slice(slice_name)
     utils.validate(cfg, target.chips)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
     return pod.train_plan(cfg, pod.target_mesh(cfg, target))
 
 
