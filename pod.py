@@ -72,7 +72,8 @@ def main(cfg, argv=()):
     target = hardware.compile_target(cfg.run.compile_for)
     if target is None:
         return _usage(f"--compile_for {cfg.run.compile_for!r} is not a target this knows. TPU slices: "
-                      + ", ".join(t.name for t in hardware.tpu_slices()) + "; GPUs: "
+                      + ", ".join(t.name for t in hardware.tpu_slices()) + " (NxSLICE: N of one over DCN, e.g. "
+                      "2xv4-32); GPUs: "
                       + ", ".join(g.name for g in hardware.gpu_targets()))
     gpu = isinstance(target, hardware.GpuTarget)
     compiler, install = ("jax_plugins.xla_cuda12", PIP_COMMAND_GPU) if gpu else ("libtpu", PIP_COMMAND)

@@ -184,7 +184,8 @@ class RunConfig:
                             "#two-slices)")
     cpu_devices: int = flag(0, "simulate N CPU devices (try a 3-D mesh on one machine); 0 = the real devices")
     compile_for: str = flag("", "do not train: compile this run's training and eval steps for a TPU slice (v4-64, "
-                                "v5p-8, v5litepod-16, v6e-8, ...; pip install -r requirements-tpu.txt) or for "
+                                "v5p-8, v5litepod-16, v6e-8, ...; 2xv4-32: two slices over DCN, --n_slices 2; pip "
+                                "install -r requirements-tpu.txt) or for "
                                 "H200s (h200, h200-8; pip install -r requirements-gpu-aot.txt) on this machine, "
                                 "and print the per-chip memory plan, FLOPs, compile time and, for h200, the "
                                 "estimated step time and MFU; when the train step does not fit, compile the "
