@@ -136,7 +136,7 @@ def xla_flops(compiled):
 
 def count_step_flops(cfg):
     """Per-device FLOPs of the compiled step for cfg: XLA's cost analysis and the loop-aware count."""
-    mesh = sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices)
+    mesh = sharding.run_mesh(cfg.run)
     step, _, _, abstract_args = build_step(cfg, mesh)
     compiled = step.lower(*abstract_args()).compile()
     return {"xla_cost_analysis": xla_flops(compiled), **hlo.matmul_flops(compiled.as_text())}
@@ -335,7 +335,7 @@ def compiled_memory(compiled):
 def run_benchmark(args, cfg):
     dp, pp, tp = cfg.run.n_device_axis
     n_mesh = dp * pp * tp
-    mesh = sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices)
+    mesh = sharding.run_mesh(cfg.run)
     device_kind = jax.devices()[0].device_kind
     step, make_state, make_batch, abstract_args = build_step(cfg, mesh)
 

@@ -44,17 +44,28 @@ resolve_hosts() {
 # `name` is set from it when empty, else to "jaxformer". Sets `name_in_args` to 1 when MAIN_ARGS
 # name the run. Dies unless the name is valid (it names tmux sessions and log files).
 run_name_from_args() {
-  local args=("$@") i given=""
+  local given=""
   name_in_args=""
-  for ((i = 0; i < ${#args[@]}; i++)); do
-    [[ ${args[i]} == --name && $((i + 1)) -lt ${#args[@]} ]] && given=${args[i + 1]} name_in_args=1
-    [[ ${args[i]} == --name=* ]] && given=${args[i]#--name=} name_in_args=1
-  done
+  if given=$(arg_value --name "$@"); then name_in_args=1; fi
   if [[ -n $name && -n $name_in_args && $given != "$name" ]]; then
     die "--name '$name' differs from main.py's --name '$given' after --; give the run one name"
   fi
   name=${name:-${given:-jaxformer}}
   [[ $name =~ ^[A-Za-z0-9_.-]+$ ]] || die "run name may hold only letters, digits, '_', '.', '-': '$name'"
+}
+
+# arg_value FLAG [ARGS...]: print the value ARGS give FLAG (`FLAG VALUE` or `FLAG=VALUE`; the last one wins,
+# as in main.py's parser); exit status 1 when they give it none
+arg_value() {
+  local flag=$1 i value="" found=1
+  shift
+  local args=("$@")
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    [[ ${args[i]} == "$flag" && $((i + 1)) -lt ${#args[@]} ]] && value=${args[i + 1]} found=0
+    [[ ${args[i]} == "$flag"=* ]] && value=${args[i]#"$flag"=} found=0
+  done
+  printf '%s' "$value"
+  return "$found"
 }
 
 # q WORD: WORD quoted for bash (printf %q). sq WORD: WORD in POSIX single quotes, for any login shell.

@@ -85,7 +85,7 @@ EOF
 die() { echo "launcher.sh: error: $*" >&2; exit 2; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source-path=SCRIPTDIR source=launch_lib.sh
-. "$here/launch_lib.sh"   # value, resolve_hosts, run_name_from_args
+. "$here/launch_lib.sh"   # value, resolve_hosts, run_name_from_args, arg_value
 
 hosts_file="" tpu="" zone="" project="" name="" local_logs="" coordinator="" timeout=900
 mode=start dry_run=0 wait=0 keep_going=0 retries=0 recreate="" setup="" main=main.py megascale_port=8081
@@ -169,12 +169,9 @@ resolve_slices() {
 # n_slices_in_args: main.py's --n_slices must be the number of TPUs: given it when missing (several
 # TPUs), a usage error when it differs. Another program (--main) keeps its own arguments.
 n_slices_in_args() {
-  local i given="" n_tpus=${#tpus[@]}
+  local given="" n_tpus=${#tpus[@]}
   [[ $mode == start && $n_tpus -gt 0 && $(basename "$main") == main.py ]] || return 0
-  for ((i = 0; i < ${#main_args[@]}; i++)); do
-    [[ ${main_args[i]} == --n_slices && $((i + 1)) -lt ${#main_args[@]} ]] && given=${main_args[i + 1]}
-    [[ ${main_args[i]} == --n_slices=* ]] && given=${main_args[i]#--n_slices=}
-  done
+  given=$(arg_value --n_slices ${main_args[@]+"${main_args[@]}"}) || true
   if [[ -z $given ]]; then
     ((n_tpus == 1)) || main_args+=(--n_slices "$n_tpus")
   elif [[ ! $given =~ ^[0-9]+$ ]] || ((10#$given != n_tpus)); then

@@ -166,8 +166,7 @@ def print_header(cfg):
     counts = sharding.count_params(cfg.model)
     log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
         f"(active: used per token, without the embedding)")
-    slices = f" ({cfg.run.n_slices} slices of dp={dp // cfg.run.n_slices}, joined over DCN)" if cfg.run.n_slices > 1 else ""
-    log(f"mesh: dp={dp} pp={pp} tp={tp}{slices} over {dp * pp * tp} of {jax.device_count()} "
+    log(f"mesh: {utils.mesh_words(cfg)} over {dp * pp * tp} of {jax.device_count()} "
         f"{jax.devices()[0].device_kind} device(s), {jax.process_count()} process(es)")
     log(f"{hardware.MFU_FORMULA}; model FLOPs per token = {sharding.FLOPS_PER_TOKEN} (rope_layers: every layer with "
         f"--rope_all_layers, else the dense ones); pipeline bubbles and remat are not counted")
@@ -419,7 +418,7 @@ def validate_on_devices(cfg):
 def restore_on_this_mesh(cfg, mngr):
     """(trainer, state, metadata) of the newest readable checkpoint, restored on --n_device_axis whatever
     mesh saved it."""
-    trainer = build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices))
+    trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
     state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
     mngr.close()
     return trainer, state, meta
@@ -484,7 +483,7 @@ def main(argv=None):
         if cfg.run.evaluate:
             return evaluate_checkpoint(cfg)
         check_data_source(cfg)
-        return train(validate_on_devices(cfg), sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices))
+        return train(validate_on_devices(cfg), sharding.run_mesh(cfg.run))
     except utils.ConfigError as e:
         print(e, file=sys.stderr)
         return 2

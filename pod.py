@@ -186,7 +186,7 @@ def plan_a_fit(cfg, target, argv):
 
 
 def target_mesh(cfg, target):
-    return sharding.make_mesh(cfg.run.n_device_axis, target_devices(target), cfg.run.n_slices)
+    return sharding.run_mesh(cfg.run, target_devices(target))
 
 
 def train_plan(cfg, mesh):
@@ -274,15 +274,14 @@ class Report:
         if self.gpu:
             print(f"target: {target.name} = {target.chips} {kind} GPU(s) on one host (XLA:GPU with XLA's H200 "
                   f"description; no GPU here); memory {target.hbm_bytes / GiB:.2f} GiB per GPU")
-            print(f"mesh: dp={dp} pp={pp} tp={tp}")
+            print(f"mesh: {utils.mesh_words(self.cfg)}")
             return
         crossing = sharding.axes_across_hosts(mesh)
         n = target.slices
         slices = f"{n} slices of " if n > 1 else ""
         print(f"slice: {target.name} = {slices}{target.chips // n} {kind} chips ({target.topology_name}) on {target.hosts} "
               f"host(s) of {target.chips_per_host} chips; usable HBM {target.hbm_bytes / GiB:.2f} GiB per chip")
-        across = f" ({n} slices of dp={dp // n}, joined over DCN)" if n > 1 else ""
-        print(f"mesh: dp={dp} pp={pp} tp={tp}{across}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
+        print(f"mesh: {utils.mesh_words(self.cfg)}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
         for i, plane in enumerate(mesh.devices.reshape(dp, pp, tp)[:min(dp, 4)]):
             hosts = sorted({d.process_index for d in plane.flat})
             coords = " ".join("(" + ",".join(map(str, d.coords)) + ")" for d in plane.flat)

@@ -320,6 +320,11 @@ def make_mesh(shape, devices=None, n_slices=1):
                              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
+def run_mesh(rc, devices=None):
+    """The mesh a run's config (cfg.run) asks for: --n_device_axis over --n_slices slices."""
+    return make_mesh(rc.n_device_axis, devices, rc.n_slices)
+
+
 def axes_across_hosts(mesh):
     """Mesh axis names along which neighbouring devices belong to different processes (hosts)."""
     hosts = np.vectorize(lambda d: d.process_index)(mesh.devices)

@@ -564,6 +564,12 @@ def describe(cfg):
     return "\n".join(lines)
 
 
+def mesh_words(cfg):
+    """The mesh for a log line: "dp=D pp=P tp=T", and over several slices how dp splits."""
+    (dp, pp, tp), n = cfg.run.n_device_axis, cfg.run.n_slices
+    return f"dp={dp} pp={pp} tp={tp}" + (f" ({n} slices of dp={dp // n}, joined over DCN)" if n > 1 else "")
+
+
 def global_batch(cfg):
     """Sequences per micro-step over every data-parallel replica: DP x --train_batch_size (the guide's
     --train_batch_size is per replica)."""

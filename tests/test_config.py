@@ -203,10 +203,11 @@ def test_a_slice_count_that_does_not_divide_dp_exits_2_before_any_compile(cpu_en
     import os
     import subprocess
     import sys
+    from ceiling import CEILING_S
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "main.py", "--n_device_axis", "4", "1", "1", "--n_slices", "3",
                            "--cpu_devices", "4", "--output_dir", str(tmp_path)], cwd=root, env=cpu_env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--n_slices (3) must divide DP of --n_device_axis (4)" in proc.stderr and "compil" not in proc.stdout
     assert not os.listdir(tmp_path)

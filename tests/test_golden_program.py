@@ -46,7 +46,7 @@ def programs(case):
     """{"train": StableHLO text, "eval": StableHLO text} of main.py's jitted steps for CASES[case]."""
     cfg = utils.config_from_args(BASE + CASES[case])
     utils.validate(cfg, jax.device_count())
-    mesh = sharding.make_mesh(cfg.run.n_device_axis, n_slices=cfg.run.n_slices)
+    mesh = sharding.run_mesh(cfg.run)
     trainer = build_trainer(cfg, mesh)
     train_args, eval_args = abstract_step_args(cfg, trainer)
     return {"train": trainer.step.lower(*train_args).as_text(), "eval": trainer.eval_step.lower(*eval_args).as_text()}
