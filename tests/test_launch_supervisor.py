@@ -98,8 +98,8 @@ def test_a_preempted_run_comes_back_by_itself_with_the_same_losses(tmux_env, lau
     assert [s for s, _ in first] == list(range(1, len(first) + 1)) and len(first) >= 12, logged
     assert [s for s, _ in resumed] == list(range(11, STEPS + 1)), logged
     # Step 11 again: the restored state and data position give its loss bit for bit. The later steps done again
-    # are held to 2% only: two CPU processes over gloo do not repeat a session's sums exactly (a session in four
-    # or so drifts from a random step on, by <= 1% over 16 steps; docs/performance-log.md#2026-12-05-gloo-drift).
+    # are held to 2% only: two CPU processes over gloo do not repeat a session's sums exactly (about one session
+    # in five drifts from a random step on, by <= 1% over 16 steps; docs/performance-log.md#2026-12-05-gloo-drift).
     redone = len(first) - 10
     assert resumed[0] == first[10], (resumed, first)
     np.testing.assert_allclose(resumed[1:redone], first[11:], rtol=2e-2)
