@@ -67,7 +67,7 @@ def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_ste
     cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 128 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
                                  "--vocab_size 1024 --train_batch_size 16 --val_batch_size 16 --remat full "
                                  "--n_device_axis 2 2 2".split())
-    mesh = sharding.make_mesh(cfg.run.n_device_axis)
+    mesh = sharding.run_mesh(cfg.run)
     trainer = build_trainer(cfg, mesh)
     fit.check_fits(cfg, trainer)
     memory = trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile().memory_analysis()

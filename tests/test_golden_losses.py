@@ -33,7 +33,7 @@ def first_losses(steps=STEPS):
     import sharding
     import utils
     cfg = utils.config_from_args(["--model_dtype", "float32"])
-    trainer = build_trainer(cfg, sharding.make_mesh(cfg.run.n_device_axis))
+    trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
     train_ds = main.load_data(cfg, trainer.data_sharding)[0]
     loader = dataset.BatchLoader(train_ds, cfg.model.T, utils.global_batch(cfg), trainer.data_sharding, cfg.run.seed)
     state, losses = trainer.fresh_state(cfg.run.seed), []

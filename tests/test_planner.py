@@ -26,7 +26,7 @@ MODEL = utils.override(utils.PRESETS["tiny"], model_dimension=64, T=128, vocab_s
 
 
 def mesh_for(cfg):
-    return sharding.make_mesh(cfg.run.n_device_axis)
+    return sharding.run_mesh(cfg.run)
 
 
 def test_every_setting_is_valid_and_keeps_the_global_batch():
