@@ -192,9 +192,13 @@ def test_second_run_is_refused_then_a_store_outage_is_one_line_and_the_next_star
         assert fs.info(f"{BUCKET}/outage/run/lock")["generation"] == lock["generation"]
         assert not fs.exists(f"{BUCKET}/outage/run/replaced")
 
-        while "step     12 |" not in log.read_text():
+        # the store goes down once the checkpoint of step 10 is complete (Orbax's mark on a bucket): its async
+        # save can outlast step 12 on a loaded machine, and killed mid-save the run's error is the save's
+        while "step     12 |" not in log.read_text() or not fs.exists(f"{BUCKET}/outage/run/checkpoints/10/"
+                                                                         "commit_success.txt"):
             assert first.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
+            fs.invalidate_cache()
         proc.kill()
         proc.wait()
         tokenizer = subprocess.run([sys.executable, "-m", "data.tokenize_local", "--source", "bundled", "--out",
