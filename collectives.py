@@ -42,6 +42,22 @@ def axis_index(axis):
     return 0 if axis is None else lax.axis_index(axis)
 
 
+def over_gloo():
+    """Whether collectives run through gloo: CPU devices of a multi-process jax.distributed job."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def psum_scatter(x, axis, dim):
+    """x summed over mesh axis `axis`, each rank keeping its 1/n of dim `dim` (lax.psum_scatter, tiled).
+    Over gloo a psum then this rank's slice, twice the bytes: the pinned jaxlib's gloo reduce-scatter sends
+    from a buffer it then overwrites, so when the ranks arrive apart rank 0 silently gets wrong values at
+    the end of a large slice (jax-ml/jax#40830; docs/performance-log.md#2026-12-05-gloo-drift)."""
+    if not over_gloo():
+        return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    n = x.shape[dim] // lax.axis_size(axis)
+    return lax.dynamic_slice_in_dim(lax.psum(x, axis), lax.axis_index(axis) * n, n, axis=dim)
+
+
 def tp_sum(x, tp, dtype):
     """x (a branch's partial output, or an activation's partial gradient) summed over the mesh axes `tp`
     (a name, a tuple of names or None), the all-reduce carried in the matmul dtype as Megatron does: half

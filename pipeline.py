@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
-from collectives import Axes, data_axes, vary_like
+from collectives import Axes, data_axes, psum_scatter, vary_like
 from engine import engine_for
 from loss import summarise
 from sharding import Layout, build, model_order
@@ -247,7 +247,7 @@ def _last_stage_share(out):
     reduce-scattered over pp, [M, b/M, T, D] -> [M/pp, b/M, T, D] (so the large-vocab output layer's work is
     split over the stages), final-normed, with their targets: ([M/pp b/M, T, D], [M/pp b/M, T])."""
     M, T, n_stages = out.y_MbT.shape[0], out.y_MbT.shape[-1], lax.axis_size("pp")
-    mine_MbTD = lax.psum_scatter(out.outputs_MbTD, "pp", scatter_dimension=0, tiled=True)
+    mine_MbTD = psum_scatter(out.outputs_MbTD, "pp", 0)
     targets_MbT = lax.dynamic_slice_in_dim(out.y_MbT, lax.axis_index("pp") * (M // n_stages), M // n_stages)
     h_MbTD = out.transformer.final_norm(mine_MbTD)
     return h_MbTD.reshape(-1, T, h_MbTD.shape[-1]), targets_MbT.reshape(-1, T)

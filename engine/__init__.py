@@ -47,7 +47,8 @@ CPU_CHUNK_TOKENS, GPU_CHUNK_TOKENS = 128, 8192
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """--engine reference: every seam the guide's plain math, no custom VJP and no named remat."""
+    """--engine reference: every seam the guide's plain math, no custom VJP (but over gloo, fsdp.plain_gather's)
+    and no named remat."""
     platform: str | None = None      # the mesh's ("cpu", "gpu", "tpu"; None: portable code)
 
     def mm(self, spec, a, b, dtype, out_dtype=jnp.float32):

@@ -20,6 +20,7 @@ from flax import nnx
 from jax import lax
 
 import sharding
+from collectives import over_gloo, psum_scatter
 
 FP32_WEIGHTS = frozenset({"router"})
 
@@ -43,7 +44,7 @@ def _gather_over_dp_fwd(w, dtype, dp, axis):
 
 def _gather_over_dp_bwd(dtype, dp, axis, _, g):
     # [.., D, ..] dtype -> fp32 -> summed over dp, each rank keeping its own slice: [.., D/dp, ..] fp32
-    return (lax.psum_scatter(g.astype(jnp.float32), dp, scatter_dimension=axis, tiled=True),)
+    return (psum_scatter(g.astype(jnp.float32), dp, axis),)
 
 
 gather_over_dp.defvjp(_gather_over_dp_fwd, _gather_over_dp_bwd)
@@ -73,7 +74,10 @@ def gather_stage(layers, part, names, cfg, axes, lead=0, gather=gather_over_dp):
 
 def plain_gather(w, dtype, dp, axis):
     """The reference engine's gather: the fp32 shard gathered as it is, rounded after (JAX's own
-    transpose then reduce-scatters in fp32); the same values as gather_over_dp's."""
+    transpose then reduce-scatters in fp32); the same values as gather_over_dp's. Over gloo it is
+    gather_over_dp in fp32, whose transpose is the same sum without gloo's reduce-scatter (psum_scatter)."""
+    if over_gloo():
+        return gather_over_dp(w, jnp.float32, dp, axis).astype(dtype)
     return lax.all_gather(w, dp, axis=axis, tiled=True).astype(dtype)
 
 
