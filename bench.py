@@ -44,8 +44,8 @@ Examples:
   python bench.py --preset tiny --n_device_axis 8 1 1 --train_batch_size 2 --cpu_devices 8 --grad_error
 """
 import argparse
-import dataclasses
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -57,12 +57,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fit
 import hardware
 import hlo
 import multihost
 import pipeline
+import pod
 import sharding
 import utils
+from engine import matmul_precision
 from trainer import abstract_step_args, build_trainer
 
 
@@ -250,8 +253,9 @@ def grad_error(cfg, tokens="zipf"):
              jax.random.randint(key, shape, 0, m.vocab_size))
     x, y = batch[:, :-1], batch[:, 1:]
     fp32 = utils.override(cfg, model_dtype="float32").model
-    reference = jax.device_get(jax.jit(jax.grad(
-        lambda p: pipeline.one_device_loss(p, x, y, key, fp32)[0]))(params))
+    with matmul_precision(fp32.model_dtype):     # traced at full precision, as a run in fp32 is (a TPU's default is not)
+        reference = jax.device_get(jax.jit(jax.grad(
+            lambda p: pipeline.one_device_loss(p, x, y, key, fp32)[0]))(params))
     ref_leaves = jax.tree_util.tree_leaves_with_path(reference)
 
     def errors(grads):
@@ -263,7 +267,8 @@ def grad_error(cfg, tokens="zipf"):
     def on_mesh(shape, mc=m):
         mesh = sharding.make_mesh(shape)
         grad = jax.jit(jax.grad(lambda p: pipeline.loss_and_metrics(p, x, y, key, mc, mesh, M)[0]))
-        return errors(grad(jax.device_put(params, sharding.param_shardings(params, mesh, mc.expert_parallel))))
+        with matmul_precision(mc.model_dtype):
+            return errors(grad(jax.device_put(params, sharding.param_shardings(params, mesh, mc.expert_parallel))))
 
     other_engine = dataclasses.replace(m, engine="reference" if m.engine == "fast" else "fast")
     runs = {"mesh": on_mesh(cfg.run.n_device_axis), "one_device": on_mesh((1, 1, 1)),
@@ -311,28 +316,32 @@ def matmul_peak(device, size):
 
 
 def peak_memory(devices):
-    peaks = []
+    """The most memory a device holds running the step. Where the runtime reserves a program's temporaries apart
+    from its buffers (a TPU's bytes_reserved), what each device holds after the timed steps: its buffers (the
+    state, the batch) and the step's reservation (peak_bytes_in_use leaves that out, and it peaks while the state
+    is initialised). Elsewhere the buffers' peak."""
+    held = []
     for d in devices:
         try:
             stats = d.memory_stats()
         except Exception:           # not implemented on some backends
             stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    return max(peaks) if peaks else None
+        if stats and "bytes_reserved" in stats:
+            held.append(int(stats["bytes_in_use"]) + int(stats["bytes_reserved"]))
+        elif stats and "peak_bytes_in_use" in stats:
+            held.append(int(stats["peak_bytes_in_use"]))
+    return max(held) if held else None
 
 
-def compiled_memory(compiled):
-    """Bytes per device XLA plans for the step: arguments + outputs + temporaries - donated aliases."""
+def compiled_memory(compiled, platform):
+    """Bytes per device the compiled step plans (pod.planned_gib: the plan --compile_for and --fit read)."""
     try:
-        m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - m.alias_size_in_bytes)
+        return int(pod.planned_gib(compiled.memory_analysis(), platform) * pod.GiB)
     except Exception:
         return None
 
 
-def run_benchmark(args, cfg):
+def run_benchmark(args, cfg, argv):
     dp, pp, tp = cfg.run.n_device_axis
     n_mesh = dp * pp * tp
     mesh = sharding.run_mesh(cfg.run)
@@ -340,23 +349,19 @@ def run_benchmark(args, cfg):
     step, make_state, make_batch, abstract_args = build_step(cfg, mesh)
 
     t = time.perf_counter()
-    compiled = step.lower(*abstract_args()).compile()
+    say = lambda line: print(line, file=sys.stderr, flush=True)     # stdout: the JSON line alone
+    compiled = fit.compile_step(step, abstract_args(), cfg, mesh, argv, say, "python bench.py")
     compile_s = time.perf_counter() - t
     if args.dump_hlo:
         with open(args.dump_hlo, "w") as f:
             f.write(compiled.as_text())
 
-    state = make_state(cfg.run.seed)
     batch = make_batch(cfg.run.seed + 1)
-    for _ in range(args.warmup):
-        state, stats = compiled(state, batch)
-    jax.block_until_ready((state, stats) if args.warmup else state)
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        state, stats = compiled(state, batch)
-        jax.block_until_ready((state, stats))
-        times.append(time.perf_counter() - t)
+    try:
+        state, stats, times = time_steps(compiled, make_state(cfg.run.seed), batch, args)
+    except jax.errors.JaxRuntimeError as e:
+        raise fit.runtime_out_of_memory(e, "the benchmark's steps ran") or e from None
+    held = peak_memory(mesh.devices.flat)       # before anything else runs (the matmul below reserves its own)
 
     profile = profile_steps(compiled, state, batch, args.steps, args.profile) if args.profile else None
 
@@ -381,13 +386,28 @@ def run_benchmark(args, cfg):
         "mfu": hardware.mfu(tok_s, fpt, n_mesh, spec_peak), "spec_peak_flops": spec_peak,
         "mfu_vs_measured_peak": hardware.mfu(tok_s, fpt, n_mesh, measured_peak),
         "matmul_peak_flops": measured_peak, "matmul_shape": matmul_shape,
-        "peak_memory_bytes": peak_memory(mesh.devices.flat),
-        "compiled_memory_bytes": compiled_memory(compiled),
+        "peak_memory_bytes": held,
+        "compiled_memory_bytes": compiled_memory(compiled, jax.devices()[0].platform),
         "hlo_matmul_flops_per_device_step": (hlo.matmul_flops(compiled.as_text()) or {}).get("total"),
         "params_total": counts["total"], "params_active": counts["active"],
         "final_loss": float(stats["loss"]),
         **({"profile": profile} if profile else {}),
     }
+
+
+def time_steps(compiled, state, batch, args):
+    """(state, the last step's stats, the seconds of each of --steps steps) after --warmup untimed ones."""
+    stats = None
+    for _ in range(args.warmup):
+        state, stats = compiled(state, batch)
+    jax.block_until_ready((state, stats) if args.warmup else state)
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        state, stats = compiled(state, batch)
+        jax.block_until_ready((state, stats))
+        times.append(time.perf_counter() - t)
+    return state, stats, times
 
 
 def profile_steps(compiled, state, batch, steps, trace_dir):
@@ -437,6 +457,7 @@ def print_op_times(profile, out):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args, cfg = parse_args(argv)
     multihost.set_up_devices(cfg)
     utils.validate(cfg, jax.device_count())
@@ -445,7 +466,10 @@ def main(argv=None):
     elif args.pipeline_flops:
         result = {"preset": args.preset, **pipeline_flops(cfg)}
     else:
-        result = run_benchmark(args, cfg)
+        try:
+            result = run_benchmark(args, cfg, argv)
+        except fit.OutOfMemory as e:
+            sys.exit(f"error: {e}")
     if args.pipeline_flops:
         print_pipeline_table(result, sys.stderr)
     if "profile" in result:

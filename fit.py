@@ -1,8 +1,10 @@
-"""Does a run fit the devices this process has? Two questions, asked before anything is allocated: from shapes
-alone (`check_fits`: its state, gradients and the layer inputs its backward keeps, a lower bound; a run that
-cannot fit is refused in one line) and, with --fit, from its compiled train step (`fit_to_devices`: when the
-plan exceeds the devices' memory, the cheapest setting that fits, planner.py). `--compile_for` asks the
-compiled question of a slice (pod.py)."""
+"""Does a run fit the devices this process has? Asked three times: from shapes alone, before anything is
+allocated (`check_fits`: its state, gradients and the layer inputs its backward keeps, a lower bound; a run
+that cannot fit is refused in one line); with --fit, from its compiled train step (`fit_to_devices`: when
+the plan exceeds the devices' memory, the cheapest setting that fits, planner.py); and by the compile of the
+step the run trains with (`compile_train_step`: the plan said on an accelerator, a step too large for the
+devices one line naming the shortfall and the setting that fits). `--compile_for` asks the compiled
+question of a slice (pod.py)."""
 import math
 
 import jax
@@ -16,12 +18,16 @@ import pod
 import sharding
 import utils
 from rundir import RunRefused
-from trainer import build_trainer
+from trainer import abstract_step_args, build_trainer
 
 GiB = 2**30
 
 
 RESIDUAL_BYTES = 4                  # the residual stream is fp32 (model.Layer), whatever --model_dtype
+
+
+class OutOfMemory(Exception):
+    """The train step does not fit the devices' memory: one line (exit 1)."""
 
 
 def check_fits(cfg, trainer):
@@ -65,6 +71,63 @@ def fit_to_devices(cfg, mesh, say=print):
     say(f"--fit: running with {planner.flags(chosen.changes)} ({chosen.gib:.2f} GiB a device, FLOPs "
         f"{chosen.flops_ratio:.2f}x the model's)")
     return chosen.cfg
+
+
+def compile_train_step(cfg, trainer, argv, say=print, program="python main.py"):
+    """trainer with its train step compiled for its mesh, the compile the first step would otherwise make. On an
+    accelerator its plan (pod.planned_gib) is said in one line; a step the devices cannot hold (the compiler
+    refuses it, as XLA:TPU does, or its plan exceeds the memory the runtime reports) is OutOfMemory, after the
+    settings that trade compute for memory are compiled (planner.py) to name the cheapest that fits."""
+    mesh = trainer.data_sharding.mesh
+    compiled = compile_step(trainer.step, abstract_step_args(cfg, trainer)[0], cfg, mesh, argv, say, program)
+    memory = device_memory(mesh)
+    if memory is not None and memory[1] == 1:       # an accelerator's own memory (a CPU's is the host's)
+        gib, have = pod.planned_gib(compiled.memory_analysis(), mesh.devices.flat[0].platform), memory[0] / GiB
+        if gib > have:
+            raise OutOfMemory(does_not_fit(cfg, mesh, gib, argv, say, program))
+        say(f"the train step plans {gib:.2f} of {have:.2f} GiB a device ({100 * gib / have:.0f}%)")
+    return trainer._replace(step=compiled)
+
+
+def compile_step(step, args, cfg, mesh, argv, say=print, program="python main.py"):
+    """cfg's jitted train step compiled for args; OutOfMemory (`does_not_fit`) where the compiler refuses it
+    for want of memory."""
+    try:
+        return step.lower(*args).compile()
+    except Exception as e:                  # noqa: BLE001 - XLA:TPU refuses a plan over HBM so, with its size
+        needed = pod.hbm_shortfall(str(e))
+        if needed is None:
+            raise
+        raise OutOfMemory(does_not_fit(cfg, mesh, needed, argv, say, program)) from None
+
+
+def does_not_fit(cfg, mesh, needed_gib, argv, say=print, program="python main.py"):
+    """The line for a train step that needs needed_gib per device, more than the devices have: the shortfall and
+    the cheapest setting that fits with its command, or that none does; the settings are compiled first
+    (planner.cheapest_fit, each said as it is)."""
+    memory = device_memory(mesh)
+    if memory is None:                      # the runtime does not say what the devices have
+        return f"out of memory: the train step needs {needed_gib:.2f} GiB a device"
+    have = memory[0] / memory[1] / GiB
+    say(f"out of memory: the train step needs {needed_gib:.2f} GiB a device, more than the {have:.2f} GiB it has; "
+        f"compiling the settings that trade compute for memory:")
+    chosen, _ = planner.cheapest_fit(cfg, mesh.size, have, lambda c: pod.train_plan(c, mesh), say)
+    head = (f"out of memory: the train step needs {needed_gib:.2f} GiB a device, {memory[2]} "
+            f"({needed_gib - have:.2f} GiB short); ")
+    if chosen is None:
+        return head + "no setting that trades compute for memory fits: a larger pp or tp, a smaller model or more devices"
+    return (head + f"it fits with {planner.flags(chosen.changes)} ({chosen.gib:.2f} GiB, FLOPs {chosen.flops_ratio:.2f}x "
+            f"the model's): {planner.command(argv, chosen.changes, program)}")
+
+
+def runtime_out_of_memory(error, what):
+    """OutOfMemory for a device allocation that failed while `what` ran (a plan that fit, with other buffers
+    resident), in the runtime's own sentence; None for any other error."""
+    message = str(error)
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    sentence = next((line.strip() for line in message.splitlines() if "not possible" in line), message.splitlines()[-1])
+    return OutOfMemory(f"out of memory on the device while {what}: {sentence}")
 
 
 def planned_bytes(cfg, trainer):

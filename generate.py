@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from collectives import Axes
-from engine import engine_for
+from engine import engine_for, matmul_precision
 from model import output_logits
 from sharding import build, model_order
 
@@ -62,7 +62,8 @@ def _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, u
         return (tokens_T, caches), logits_V
 
     caches = init_caches(cfg, 1, T) if use_cache else None
-    (tokens_T, _), logits_PV = lax.scan(step, (tokens_T, caches), jnp.arange(n_total - 1))
+    with matmul_precision(cfg.model_dtype):
+        (tokens_T, _), logits_PV = lax.scan(step, (tokens_T, caches), jnp.arange(n_total - 1))
     return tokens_T, logits_PV
 
 

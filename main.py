@@ -102,7 +102,7 @@ class Run:
 
 def check_data_source(cfg):
     """RunRefused when a pod preset would train on the bundled corpus (no --data_dir)."""
-    if cfg.preset in utils.PRESET_SLICES and not cfg.run.data_dir:
+    if cfg.preset in utils.FINEWEB_PRESETS and not cfg.run.data_dir:
         raise RunRefused(f"--data_dir: --preset {cfg.preset} is the guide's run on FineWeb-Edu, not the bundled "
                          f"corpus; tokenize it first ({utils.TOKENIZE_FINEWEB}) and pass --data_dir "
                          f"gs://BUCKET/fineweb-edu (--compile_for needs no data)")
@@ -336,14 +336,21 @@ def finish(run, state, step, val_ce, saved, progress):
 # The run
 
 
-def train(cfg, mesh):
+def train(cfg, mesh, argv=()):
     """Train the run in OUTPUT_DIR/NAME from its newest checkpoint (or from scratch) to --training_steps
-    or --stop_at_val_loss; SIGTERM or Ctrl-C saves and stops early."""
+    or --stop_at_val_loss; SIGTERM or Ctrl-C saves and stops early. argv: the command line, for the command
+    a step too large for the devices names (fit.does_not_fit)."""
     run = open_run(cfg, mesh)
     cfg = run.cfg                                 # --fit's choice, if it made one
     if finished(run):
         return nothing_to_do(run)
     progress = Progress(run)
+    try:
+        run.trainer = fit.compile_train_step(cfg, run.trainer, argv, log)
+    except fit.OutOfMemory:                        # nothing trained: nothing to save
+        progress.close()
+        close_run(run)
+        raise
     state, step, batches = run.state, run.start_step, run.loader.iterate(0)
     val_ce, reached, last_saved = None, False, None
     try:
@@ -367,6 +374,13 @@ def train(cfg, mesh):
         run.logger.close()
         run.loader.close()
         raise
+    except jax.errors.JaxRuntimeError as e:     # the state was donated to the step that failed: nothing to save
+        oom = fit.runtime_out_of_memory(e, f"training step {step + 1} ran")
+        if oom is None:
+            raise
+        progress.close()
+        close_run(run)
+        raise oom from None
     progress.close()
     if progress.stopping:
         return stopped(run, state, step, progress)
@@ -483,14 +497,14 @@ def main(argv=None):
         if cfg.run.evaluate:
             return evaluate_checkpoint(cfg)
         check_data_source(cfg)
-        return train(validate_on_devices(cfg), sharding.run_mesh(cfg.run))
+        return train(validate_on_devices(cfg), sharding.run_mesh(cfg.run), argv)
     except utils.ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     except RunRefused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (SaveFailed, Diverged, dataset.DataUnavailable) as e:
+    except (SaveFailed, Diverged, dataset.DataUnavailable, fit.OutOfMemory) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except dataset.DataError as e:          # the data (or --T, --vocab_size) does not fit the run

@@ -169,7 +169,8 @@ def set_up_devices(cfg):
         except Exception as e:            # a single-host TPU VM needs no coordination
             if _tpu_multihost():
                 raise
-            warnings.warn(f"jax.distributed.initialize() skipped on a single TPU host: {e}")
+            # one line: the cause (often the TPU metadata server, unreachable) is a page of HTTP retries
+            print(f"one TPU host: running without jax.distributed ({type(e).__name__})", file=sys.stderr, flush=True)
 
 
 def _has_cuda_plugin():

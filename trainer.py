@@ -15,6 +15,7 @@ import pipeline
 import sharding
 import utils
 from collectives import data_axes
+from engine import matmul_precision
 from optimizer import lr_schedule, make_optimizer
 
 
@@ -89,7 +90,8 @@ def init_state(cfg, optimizer, shardings, mesh, seed):
 def train_step(state, batch, *, cfg, mesh, optimizer):
     """One optimizer update from --grad_step micro-steps: (state, (xs, ys)) -> (state, metrics)."""
     key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
-    grads, metrics = accumulate_gradients(state["params"], state["router_bias"], batch, step_key, cfg, mesh)
+    with matmul_precision(cfg.model.model_dtype):
+        grads, metrics = accumulate_gradients(state["params"], state["router_bias"], batch, step_key, cfg, mesh)
     metrics["grad_norm"] = optax.tree.norm(grads)
     # Guide: the update runs inside shard_map; here outside it, on global arrays that jit partitions.
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -152,8 +154,9 @@ def update_router_bias(router_bias, tokens_per_expert, rate):
 
 
 def eval_step(params, router_bias, x, y, *, cfg, mesh):
-    _, metrics = pipeline.loss_and_metrics(sharding.with_router_bias(params, router_bias), x, y, jax.random.key(0),
-                                        cfg.model, mesh, cfg.run.micro_batch_size, False)
+    with matmul_precision(cfg.model.model_dtype):
+        _, metrics = pipeline.loss_and_metrics(sharding.with_router_bias(params, router_bias), x, y,
+                                               jax.random.key(0), cfg.model, mesh, cfg.run.micro_batch_size, False)
     return metrics["ce"], jnp.sum(metrics["balance"])
 
 
@@ -162,5 +165,6 @@ def score_step(params, router_bias, x, y, mask, window, *, cfg, mesh):
     log-likelihood of a task's continuation (scoring.py); and whether each of those targets is the greedy
     choice [B] (lm-evaluation-harness's is_greedy). window (static): the longest continuation's tokens, at
     most T (pipeline.row_scores)."""
-    return pipeline.row_scores(sharding.with_router_bias(params, router_bias), x, y, mask, cfg.model, mesh,
-                               cfg.run.micro_batch_size, window)
+    with matmul_precision(cfg.model.model_dtype):
+        return pipeline.row_scores(sharding.with_router_bias(params, router_bias), x, y, mask, cfg.model, mesh,
+                                   cfg.run.micro_batch_size, window)

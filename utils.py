@@ -254,10 +254,9 @@ PRESETS = {
                       checkpoint_steps=100, eval_steps=20, n_device_axis=(8, 2, 2), stop_at_val_loss=3.28)),
 }
 # The same model and global batch (256 sequences a step) on a v4-32 (16 chips, 4 hosts): half the
-# replicas, each with twice the sequences, in 8 micro-batches of 8; remat full, as --remat dots would
-# plan 33.3 GiB a chip (30.75 usable).
+# replicas, each with twice the sequences, in 8 micro-batches of 8; --remat auto (dots) plans 28.22 of 30.75 GiB a chip.
 PRESETS["moe1B-v4-32"] = dataclasses.replace(
-    PRESETS["moe1B"], model=dataclasses.replace(PRESETS["moe1B"].model, remat="full"),
+    PRESETS["moe1B"],
     run=dataclasses.replace(PRESETS["moe1B"].run, name="moe1B-v4-32", n_device_axis=(4, 2, 2), train_batch_size=64,
                             val_batch_size=256, micro_batch_size=8))
 # The tiny preset in DeepSeek-V3's architecture (every option of docs/model.md's "DeepSeek-V3" on), which
@@ -275,17 +274,28 @@ PRESETS["dsv3-tiny"] = dataclasses.replace(
 # A 10B MoE (10.5B total, 2.2B active without the embedding) on the guide's v4-64 at its global batch: width
 # 2048, 32 experts, blocks of 4 layers. The settings are the cheapest `--compile_for v4-64` finds (planner.py):
 # the routed experts split over dp (each chip keeps its 4 experts whole instead of gathering all 32), and
-# the 256 sequences a step in 4 passes of 8 a replica (--grad_step 4), so each pass keeps a quarter of the
-# activations and the products can be kept (--remat auto, dots on a TPU) rather than recomputed: 24.07 of
-# 30.75 GiB a chip at 1.35x the model's FLOPs (one pass with --remat full: 26.50 GiB at 1.50x; docs/launch.md).
+# the 256 sequences a step in 2 passes of 16 a replica (--grad_step 2), so each pass keeps half the activations
+# and the products can be kept (--remat auto, dots on a TPU) rather than recomputed: 22.79 of 30.75 GiB a chip
+# at 1.35x the model's FLOPs (4 passes of 8, the preset while plans overstated: 17.13 GiB, 1.35x, 23% more
+# collective bytes; one pass with --remat full: 20.14 GiB at 1.50x; with dots it is refused; docs/launch.md).
 PRESETS["moe10B"] = dataclasses.replace(
     PRESETS["moe1B"], model=dataclasses.replace(
         PRESETS["moe1B"].model, model_dimension=2048, n_head=16, n_experts=32, layers_per_block=4, latent_dim=512,
         q_latent_dim=768, dhR=64, expert_parallel=True),
-    optim=dataclasses.replace(PRESETS["moe1B"].optim, grad_step=4),
-    run=dataclasses.replace(PRESETS["moe1B"].run, name="moe10B", train_batch_size=8))
-PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32", "moe10B": "v4-64"}     # the TPU slice each pod preset's mesh fills
-# The pod presets are the guide's run on FineWeb-Edu: they train on --data_dir, never on the bundled corpus.
+    optim=dataclasses.replace(PRESETS["moe1B"].optim, grad_step=2),
+    run=dataclasses.replace(PRESETS["moe1B"].run, name="moe10B", train_batch_size=16))
+# One TPU chip of 16 GiB (a v5e-1 VM: README's "One TPU VM"): the moe1B preset's layers at half its depth (4 blocks
+# of 6: 543M parameters, 202M active), 8 sequences a step (13.91 of 15.75 GiB; 12 sequences or 2 micro-batches
+# need 16.4-16.5). The guide's learning rates on a one-chip schedule: 20,000 steps of 8,192 tokens (164M tokens),
+# about 1.6 h at the chip's 0.29 s a step; the bundled corpus (~1M tokens) is for trying it, --data_dir for training.
+PRESETS["moe1B-v5e-1"] = dataclasses.replace(
+    PRESETS["moe1B"], model=dataclasses.replace(PRESETS["moe1B"].model, blocks=4),
+    optim=dataclasses.replace(PRESETS["moe1B"].optim, warmup_steps=200, end_steps=20_000, training_steps=20_000),
+    run=dataclasses.replace(PRESETS["moe1B"].run, name="moe1B-v5e-1", n_device_axis=(1, 1, 1), train_batch_size=8,
+                            val_batch_size=8, micro_batch_size=1, stop_at_val_loss=0.0))
+PRESET_SLICES = {"moe1B": "v4-64", "moe1B-v4-32": "v4-32", "moe10B": "v4-64", "moe1B-v5e-1": "v5e-1"}  # the TPU slice each preset's mesh fills
+# The guide's run on FineWeb-Edu: these presets train on --data_dir, never on the bundled corpus.
+FINEWEB_PRESETS = ("moe1B", "moe1B-v4-32", "moe10B")
 TOKENIZE_FINEWEB = ("python -m data.tokenize_local --source HuggingFaceFW/fineweb-edu --hf_config sample-350BT "
                     "--out gs://BUCKET/fineweb-edu --shard_size 100000000 --val_shards 1 --max_tokens 26400000000")
 

@@ -62,7 +62,7 @@ def pytest_configure(config):
 # that worker's XLA_CACHE: each worker imports this file), and the rest, mostly compiling in-process at -O0, to
 # the other.
 END_TO_END = {"test_main", "test_run_safety", "test_gcs", "test_main_data_errors", "test_newcomer", "test_hang",
-              "test_launch_supervisor", "test_launch_multihost", "test_launch", "test_launch_ops"}
+              "test_launch_supervisor", "test_launch_multihost", "test_launch", "test_launch_ops", "test_tpu"}
 
 
 @pytest.hookimpl(tryfirst=True)       # before xdist's own hook, which names each test by its group

@@ -156,7 +156,7 @@ def test_help_states_flag_meanings(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "NUMBER of pipeline micro-batches" in out and "checkpoint is saved every 10 intervals" in out
     # each flag shows what the presets set it to (argparse's own default would say None)
-    assert "d_model (tiny: 64, moe1B: 768, moe1B-v4-32: 768, dsv3-tiny: 64, moe10B: 2048)" in out and "mesh sizes DP PP TP (tiny: 1 1 1," in out
+    assert "d_model (tiny: 64, moe1B: 768, moe1B-v4-32: 768, dsv3-tiny: 64, moe10B: 2048, moe1B-v5e-1: 768)" in out and "mesh sizes DP PP TP (tiny: 1 1 1," in out
     assert "None" not in out
 
 

@@ -7,6 +7,7 @@ and so allocatable, so that a run without the check fills memory (it did, silent
 runs as a subprocess watched for its resident memory and killed past RSS_LIMIT."""
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import jax
 import psutil
 
 import fit
+import pod
 import sharding
 import utils
 from ceiling import CEILING_S
@@ -70,11 +72,27 @@ def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_ste
     mesh = sharding.run_mesh(cfg.run)
     trainer = build_trainer(cfg, mesh)
     fit.check_fits(cfg, trainer)
-    memory = trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile().memory_analysis()
-    compiled = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-                + memory.temp_size_in_bytes)
+    compiled = pod.planned_gib(trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile().memory_analysis(), "cpu") * GiB
     plan = fit.planned_bytes(cfg, trainer)
     assert plan["params"] == plan["gradients"] and plan["optimizer state"] >= 2 * plan["params"], plan
     assert plan["activations"] > plan["params"], plan
     assert 0 < sum(plan.values()) <= compiled, (plan, compiled)
     assert jax.device_count() == 8
+
+
+def test_a_step_the_devices_cannot_hold_is_one_line_naming_the_cheapest_setting_that_fits():
+    """fit.does_not_fit, the line main.py and bench.py end with when the compiler refuses a step for want of
+    memory (on a TPU; tests/test_tpu.py meets it there): the shortfall against what the devices have, and the
+    cheapest setting that fits, compiled here (planner.py), with its command."""
+    cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 64 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
+                                 "--vocab_size 1024 --train_batch_size 8 --micro_batch_size 2 --n_device_axis 2 1 1".split())
+    mesh = sharding.run_mesh(cfg.run)
+    have = fit.device_memory(mesh)
+    needed = have[0] / have[1] / GiB + 1            # a GiB more than each device's share of this host's memory
+    said = []
+    line = fit.does_not_fit(cfg, mesh, needed, ["--remat", "none", "--micro_batch_size", "2"], said.append)
+    assert said[0].startswith(f"out of memory: the train step needs {needed:.2f} GiB a device") and len(said) > 1
+    m = re.fullmatch(r"out of memory: the train step needs ([\d.]+) GiB a device, the 2 CPU devices share [\d.]+ GiB "
+                     r"of available host memory \([\d.]+ GiB short\); it fits with (--.+) \([\d.]+ GiB, FLOPs [\d.]+x "
+                     r"the model's\): (python main.py .+)", line)
+    assert m and float(m[1]) == round(needed, 2) and m[3].endswith(" " + m[2]), line

@@ -6,6 +6,8 @@ engines), so no module outside engine/ imports a file inside it; data/ is below 
 nothing of the top level. In tests/, no test module imports another: what tests share is in a helper module."""
 import ast
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,3 +131,10 @@ def test_no_test_module_imports_another():
     assert {"test_main", "test_model", "test_layout"} <= set(graph)
     imports = {m: imported for m, imported in graph.items() if imported}
     assert imports == {}, imports
+
+
+def test_importing_main_loads_no_pyarrow():
+    """A TPU VM's image may lack pyarrow: only the olmo_* tasks read Arrow files (tasks._olmo_rows imports it)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys, main; print(sorted(m for m in sys.modules if 'arrow' in m))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

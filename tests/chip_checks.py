@@ -1,0 +1,85 @@
+"""The work of tests/test_tpu.py's checks, each in a process of its own (one process at a time holds a TPU chip;
+the test process stays on the CPU). Every result is one JSON line on stdout.
+
+    python tests/chip_checks.py memory CASE [CASE ...]   per case (MODEL's flags + CASE's): the compiler's verdict
+        and plan (pod.planned_gib), and what the device held after three steps: its buffers (bytes_in_use) and
+        the program's reserved temporaries (bytes_reserved)
+    python tests/chip_checks.py fp32                      the tiny preset's first three steps in fp32: loss, grad norm
+"""
+import gc
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pod  # noqa: E402
+import sharding  # noqa: E402
+import utils  # noqa: E402
+from trainer import abstract_step_args, build_trainer  # noqa: E402
+
+GiB = 2**30
+# issue 56's model: the moe1B preset's layers, 4 blocks of 6 (543M parameters, 202M active), T 1024, one chip
+MODEL = ("--model_dimension 768 --n_head 12 --blocks 4 --layers_per_block 6 --T 1024 --latent_dim 128 --q_latent_dim 128 "
+         "--dhR 128 --n_experts 16 --n_shared 2 --capacity_factor 1.5 --val_batch_size 8 --n_device_axis 1 1 1").split()
+# MODEL at the edge of a v5e chip's 15.75 GiB, as one chip met it on 2026-12-06 (jax 0.10.2, libtpu 0.0.42.1;
+# docs/performance-log.md#2026-12-06-tpu-memory-plans): the GiB it held running each that fits (its buffers and
+# the program's reserved temporaries, after three steps), and the GiB its compiler said each it refused needs
+V5E_HELD = {"--train_batch_size 16 --micro_batch_size 1 --remat full": 11.64,
+            "--train_batch_size 8 --micro_batch_size 1 --remat auto": 13.95,
+            "--train_batch_size 8 --micro_batch_size 1 --remat auto --moe_impl ragged --capacity_factor 0": 13.62,
+            "--train_batch_size 24 --micro_batch_size 1 --remat full": 12.83}
+V5E_REFUSED = {"--train_batch_size 8 --micro_batch_size 2 --remat auto": 16.51,
+               "--train_batch_size 12 --micro_batch_size 1 --remat auto": 16.40,
+               "--train_batch_size 8 --micro_batch_size 1 --remat none": 52.33}
+PLAN_TOLERANCE = 0.15       # a plan that fits is within this share of what the chip holds
+
+
+def batch(cfg, trainer, seed):
+    """A train step's batch of random token ids, laid out as the trainer's data."""
+    T, rows = cfg.model.T, utils.global_batch(cfg)
+    tokens = jax.random.randint(jax.random.key(seed), (cfg.optim.grad_step, rows, T + 1), 0, cfg.model.vocab_size)
+    return tuple(tuple(jax.device_put(tokens[i, :, part], trainer.data_sharding) for i in range(cfg.optim.grad_step))
+                 for part in (slice(None, -1), slice(1, None)))
+
+
+def memory(case):
+    cfg = utils.config_from_args(MODEL + case.split())
+    trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
+    try:
+        compiled = trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile()
+    except Exception as e:       # noqa: BLE001 - XLA:TPU refuses a plan over HBM so, with its size
+        return {"case": case, "refused": True, "needed_gib": pod.hbm_shortfall(str(e))}
+    planned = pod.planned_gib(compiled.memory_analysis(), jax.devices()[0].platform)
+    state, data = trainer.fresh_state(0), batch(cfg, trainer, 1)
+    for _ in range(3):
+        state, metrics = compiled(state, data)
+    jax.block_until_ready(metrics)
+    stats = jax.devices()[0].memory_stats()
+    held = stats["bytes_in_use"] + stats.get("bytes_reserved", 0)
+    del state, data, metrics, compiled
+    gc.collect()                # the program's reservation goes with it, before the next case compiles
+    return {"case": case, "refused": False, "planned_gib": planned, "held_gib": held / GiB,
+            "usable_gib": stats["bytes_limit"] / GiB}
+
+
+def fp32():
+    cfg = utils.config_from_args(["--preset", "tiny", "--model_dtype", "float32", "--n_device_axis", "1", "1", "1"])
+    trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
+    state, steps = trainer.fresh_state(0), []
+    for i in range(3):
+        state, metrics = trainer.step(state, batch(cfg, trainer, 100 + i))
+        steps.append([float(metrics["loss"]), float(metrics["grad_norm"])])
+    return {"platform": jax.default_backend(), "steps": steps}
+
+
+if __name__ == "__main__":
+    jnp.zeros(()).block_until_ready()        # the device is opened before anything is timed or measured
+    if sys.argv[1] == "memory":
+        for case in sys.argv[2:]:
+            print(json.dumps(memory(case)), flush=True)
+    else:
+        print(json.dumps(fp32()), flush=True)

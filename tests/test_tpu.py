@@ -1,0 +1,104 @@
+"""On a TPU chip, what the CPU suite cannot prove: the memory plan (`--compile_for`, `--fit` and main.py read
+pod.planned_gib) against what the chip holds and what its compiler refuses, fp32 that is fp32, a step too large
+for the chip in one line, and a stop on the chip resumed bit for bit. Skipped unless JAXFORMER_TPU_TESTS=1 (CI
+has no TPU); on a TPU VM, from the repository root (about 8 minutes on one v5e):
+
+    JAXFORMER_TPU_TESTS=1 python -m pytest -q -p no:xdist tests/test_tpu.py
+
+One process at a time can hold a chip: this one stays on the CPU and every check runs the chip in a
+subprocess (tests/chip_checks.py, main.py, bench.py)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ceiling import CEILING_S
+from chip_checks import PLAN_TOLERANCE, V5E_HELD, V5E_REFUSED
+from run_util import MESH1, REPO, last_step, records, run, start, wait_for_step
+
+pytestmark = pytest.mark.skipif(os.environ.get("JAXFORMER_TPU_TESTS") != "1",
+                                reason="on a TPU chip only (JAXFORMER_TPU_TESTS=1)")
+CHECKS = os.path.join(REPO, "tests", "chip_checks.py")
+FITS = list(V5E_HELD)[:3]            # three that fit (the fourth, a slower compile, is the CPU's: tests/test_pod.py)
+# A step the chip's compiler refuses (24.38 GiB: every activation of 256 sequences of 2048 kept) whose planner
+# settings compile in seconds; 128 sequences plan 13.48 GiB
+TOO_LARGE = ("--model_dimension 256 --n_head 4 --blocks 1 --layers_per_block 2 --T 2048 --latent_dim 64 --q_latent_dim 64 "
+             "--dhR 32 --n_experts 4 --n_device_axis 1 1 1 --train_batch_size 256 --micro_batch_size 1 --remat none "
+             "--val_batch_size 8 --eval_tasks= --max_tokens 0").split()
+
+
+@pytest.fixture(scope="module")
+def tpu_env(cpu_env):
+    """A subprocess's environment on the TPU: cpu_env's, less JAX_PLATFORMS=cpu."""
+    return {k: v for k, v in cpu_env.items() if k != "JAX_PLATFORMS"}
+
+
+def checks(env, *args):
+    proc = subprocess.run([sys.executable, CHECKS, *args], env=env, capture_output=True, text=True,
+                          timeout=CEILING_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def chip_memory(tpu_env):
+    """{case: chip_checks.memory's result}, all cases in one process (the chip is opened once)."""
+    return {r["case"]: r for r in checks(tpu_env, "memory", *FITS, *V5E_REFUSED)}
+
+
+@pytest.mark.parametrize("case", FITS)
+def test_a_plan_that_fits_is_what_the_chip_holds(chip_memory, case):
+    result = chip_memory[case]
+    assert not result["refused"] and result["planned_gib"] <= result["usable_gib"], result
+    assert abs(result["planned_gib"] - result["held_gib"]) <= PLAN_TOLERANCE * result["held_gib"], result
+
+
+@pytest.mark.parametrize("case", V5E_REFUSED)
+def test_a_plan_over_the_chip_is_refused_by_its_compiler(chip_memory, case):
+    result = chip_memory[case]
+    assert result["refused"] and result["needed_gib"] > 15.75, result
+
+
+def test_fp32_on_the_chip_is_the_cpus_fp32(tpu_env, cpu_env):
+    chip, cpu = checks(tpu_env, "fp32")[0], checks(cpu_env, "fp32")[0]
+    assert (chip["platform"], cpu["platform"]) == ("tpu", "cpu")
+    for (loss, norm), (cpu_loss, cpu_norm) in zip(chip["steps"], cpu["steps"]):
+        assert abs(loss - cpu_loss) <= 1e-6 * cpu_loss and abs(norm - cpu_norm) <= 1e-6 * cpu_norm, (chip, cpu)
+
+
+ONE_LINE = re.compile(r"error: out of memory: the train step needs [\d.]+ GiB a device, the TPU v5 lite devices have "
+                      r"[\d.]+ GiB each \([\d.]+ GiB short\); it fits with (?P<flags>--.+) \([\d.]+ GiB, FLOPs "
+                      r"[\d.]+x the model's\): python (?P<program>\w+\.py) .+")
+
+
+@pytest.mark.parametrize("program", ["main.py", "bench.py"])
+def test_a_step_too_large_for_the_chip_is_one_line_naming_a_setting_that_fits(tpu_env, tmp_path, program):
+    args = ["--output_dir", str(tmp_path), "--name", "run"] if program == "main.py" else ["--steps", "1"]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, program), *TOO_LARGE, *args], cwd=tmp_path, env=tpu_env,
+                          capture_output=True, text=True, timeout=CEILING_S)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and errors == [proc.stderr.splitlines()[-1]], proc.stderr[-3000:]
+    assert (m := ONE_LINE.fullmatch(errors[0])) and m["program"] == program, errors[0]
+    assert "Traceback" not in proc.stderr
+    written = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
+    assert not [f for f in written if "checkpoints" in f or ".tmp" in f], written
+
+
+def test_a_stop_on_the_chip_resumes_bit_for_bit(tpu_env, tmp_path):
+    """SIGTERM mid-run on the chip saves; the same command resumes, and every step's loss and grad norm equal an
+    uninterrupted run's."""
+    run(tpu_env, tmp_path / "whole", *MESH1, steps=100)
+    out, log = tmp_path / "stopped", tmp_path / "stopped.log"
+    proc = start(tpu_env, out, log, *MESH1, steps=100)
+    wait_for_step(proc, out, log, 5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=CEILING_S) == 0, open(f"{log}.err").read()[-3000:]
+    stopped = last_step(out)
+    assert stopped < 100, "the run ended before the stop: nothing resumed"
+    run(tpu_env, out, *MESH1, steps=100)
+    curve = lambda path: {r["step"]: (r["loss"], r["grad_norm"]) for r in records(path) if "loss" in r}
+    assert curve(out) == curve(tmp_path / "whole") and len(curve(out)) == 100
