@@ -80,9 +80,9 @@ def compile_train_step(cfg, trainer, argv, say=print, program="python main.py"):
     settings that trade compute for memory are compiled (planner.py) to name the cheapest that fits."""
     mesh = trainer.data_sharding.mesh
     compiled = compile_step(trainer.step, abstract_step_args(cfg, trainer)[0], cfg, mesh, argv, say, program)
-    memory = device_memory(mesh)
-    if memory is not None and memory[1] == 1:       # an accelerator's own memory (a CPU's is the host's)
-        gib, have = pod.planned_gib(compiled.memory_analysis(), mesh.devices.flat[0].platform), memory[0] / GiB
+    memory, platform = device_memory(mesh), mesh.devices.flat[0].platform
+    if memory is not None and platform != "cpu":     # an accelerator's own memory (a CPU's is the host's)
+        gib, have = pod.planned_gib(compiled.memory_analysis(), platform), memory[0] / GiB
         if gib > have:
             raise OutOfMemory(does_not_fit(cfg, mesh, gib, argv, say, program))
         say(f"the train step plans {gib:.2f} of {have:.2f} GiB a device ({100 * gib / have:.0f}%)")
