@@ -1,7 +1,8 @@
 """On a TPU chip, what the CPU suite cannot prove: the memory plan (`--compile_for`, `--fit` and main.py read
 pod.planned_gib) against what the chip holds and what its compiler refuses, fp32 that is fp32, a step too large
 for the chip in one line, and a stop on the chip resumed bit for bit. Skipped unless JAXFORMER_TPU_TESTS=1 (CI
-has no TPU); on a TPU VM, from the repository root (about 8 minutes on one v5e):
+has no TPU); on a TPU VM, from the repository root (on one v5e: the memory checks and fp32 took about 7 minutes,
+the stop 2.5; docs/performance-log.md#2026-12-06-tpu-memory-plans):
 
     JAXFORMER_TPU_TESTS=1 python -m pytest -q -p no:xdist tests/test_tpu.py
 
