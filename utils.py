@@ -254,7 +254,8 @@ PRESETS = {
                       checkpoint_steps=100, eval_steps=20, n_device_axis=(8, 2, 2), stop_at_val_loss=3.28)),
 }
 # The same model and global batch (256 sequences a step) on a v4-32 (16 chips, 4 hosts): half the
-# replicas, each with twice the sequences, in 8 micro-batches of 8; --remat auto (dots) plans 28.22 of 30.75 GiB a chip.
+# replicas, each with twice the sequences, in 8 micro-batches of 8, the products kept (--remat auto: dots fit;
+# docs/launch.md).
 PRESETS["moe1B-v4-32"] = dataclasses.replace(
     PRESETS["moe1B"],
     run=dataclasses.replace(PRESETS["moe1B"].run, name="moe1B-v4-32", n_device_axis=(4, 2, 2), train_batch_size=64,
@@ -275,9 +276,8 @@ PRESETS["dsv3-tiny"] = dataclasses.replace(
 # 2048, 32 experts, blocks of 4 layers. The settings are the cheapest `--compile_for v4-64` finds (planner.py):
 # the routed experts split over dp (each chip keeps its 4 experts whole instead of gathering all 32), and
 # the 256 sequences a step in 2 passes of 16 a replica (--grad_step 2), so each pass keeps half the activations
-# and the products can be kept (--remat auto, dots on a TPU) rather than recomputed: 22.79 of 30.75 GiB a chip
-# at 1.35x the model's FLOPs (4 passes of 8, the preset while plans overstated: 17.13 GiB, 1.35x, 23% more
-# collective bytes; one pass with --remat full: 20.14 GiB at 1.50x; with dots it is refused; docs/launch.md).
+# and the products can be kept (--remat auto, dots on a TPU) rather than recomputed: the FLOPs of 4 passes with
+# fewer collective bytes (the plans and the alternatives: docs/launch.md).
 PRESETS["moe10B"] = dataclasses.replace(
     PRESETS["moe1B"], model=dataclasses.replace(
         PRESETS["moe1B"].model, model_dimension=2048, n_head=16, n_experts=32, layers_per_block=4, latent_dim=512,
@@ -285,9 +285,8 @@ PRESETS["moe10B"] = dataclasses.replace(
     optim=dataclasses.replace(PRESETS["moe1B"].optim, grad_step=2),
     run=dataclasses.replace(PRESETS["moe1B"].run, name="moe10B", train_batch_size=16))
 # One TPU chip of 16 GiB (a v5e-1 VM: README's "One TPU VM"): the moe1B preset's layers at half its depth (4 blocks
-# of 6: 543M parameters, 202M active), 8 sequences a step (13.91 of 15.75 GiB; 12 sequences or 2 micro-batches
-# need 16.4-16.5). The guide's learning rates on a one-chip schedule: 20,000 steps of 8,192 tokens (164M tokens),
-# about 1.6 h at the chip's 0.29 s a step; the bundled corpus (~1M tokens) is for trying it, --data_dir for training.
+# of 6), 8 sequences a step, the most that fit (docs/training.md). The guide's learning rates on a one-chip
+# schedule of 20,000 steps; the bundled corpus is for trying it, --data_dir for training.
 PRESETS["moe1B-v5e-1"] = dataclasses.replace(
     PRESETS["moe1B"], model=dataclasses.replace(PRESETS["moe1B"].model, blocks=4),
     optim=dataclasses.replace(PRESETS["moe1B"].optim, warmup_steps=200, end_steps=20_000, training_steps=20_000),

@@ -19,10 +19,10 @@ import jax.numpy as jnp  # noqa: E402
 import pod  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
-from trainer import abstract_step_args, build_trainer  # noqa: E402
+from bench import build_step  # noqa: E402
 
 GiB = 2**30
-# issue 56's model: the moe1B preset's layers, 4 blocks of 6 (543M parameters, 202M active), T 1024, one chip
+# the moe1B preset's layers at 4 blocks of 6 on one chip: a model at the edge of a 16 GiB chip
 MODEL = ("--model_dimension 768 --n_head 12 --blocks 4 --layers_per_block 6 --T 1024 --latent_dim 128 --q_latent_dim 128 "
          "--dhR 128 --n_experts 16 --n_shared 2 --capacity_factor 1.5 --val_batch_size 8 --n_device_axis 1 1 1").split()
 # MODEL at the edge of a v5e chip's 15.75 GiB, as one chip met it on 2026-12-06 (jax 0.10.2, libtpu 0.0.42.1;
@@ -38,23 +38,15 @@ V5E_REFUSED = {"--train_batch_size 8 --micro_batch_size 2 --remat auto": 16.51,
 PLAN_TOLERANCE = 0.15       # a plan that fits is within this share of what the chip holds
 
 
-def batch(cfg, trainer, seed):
-    """A train step's batch of random token ids, laid out as the trainer's data."""
-    T, rows = cfg.model.T, utils.global_batch(cfg)
-    tokens = jax.random.randint(jax.random.key(seed), (cfg.optim.grad_step, rows, T + 1), 0, cfg.model.vocab_size)
-    return tuple(tuple(jax.device_put(tokens[i, :, part], trainer.data_sharding) for i in range(cfg.optim.grad_step))
-                 for part in (slice(None, -1), slice(1, None)))
-
-
 def memory(case):
     cfg = utils.config_from_args(MODEL + case.split())
-    trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
+    step, fresh_state, make_batch, abstract_args = build_step(cfg, sharding.run_mesh(cfg.run))
     try:
-        compiled = trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile()
+        compiled = step.lower(*abstract_args()).compile()
     except Exception as e:       # noqa: BLE001 - XLA:TPU refuses a plan over HBM so, with its size
         return {"case": case, "refused": True, "needed_gib": pod.hbm_shortfall(str(e))}
     planned = pod.planned_gib(compiled.memory_analysis(), jax.devices()[0].platform)
-    state, data = trainer.fresh_state(0), batch(cfg, trainer, 1)
+    state, data = fresh_state(0), make_batch(1)
     for _ in range(3):
         state, metrics = compiled(state, data)
     jax.block_until_ready(metrics)
@@ -68,10 +60,10 @@ def memory(case):
 
 def fp32():
     cfg = utils.config_from_args(["--preset", "tiny", "--model_dtype", "float32", "--n_device_axis", "1", "1", "1"])
-    trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
-    state, steps = trainer.fresh_state(0), []
+    step, fresh_state, make_batch, _ = build_step(cfg, sharding.run_mesh(cfg.run))
+    state, steps = fresh_state(0), []
     for i in range(3):
-        state, metrics = trainer.step(state, batch(cfg, trainer, 100 + i))
+        state, metrics = step(state, make_batch(100 + i))
         steps.append([float(metrics["loss"]), float(metrics["grad_norm"])])
     return {"platform": jax.default_backend(), "steps": steps}
 

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from ceiling import CEILING_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -136,5 +138,5 @@ def test_no_test_module_imports_another():
 def test_importing_main_loads_no_pyarrow():
     """A TPU VM's image may lack pyarrow: only the olmo_* tasks read Arrow files (tasks._olmo_rows imports it)."""
     proc = subprocess.run([sys.executable, "-c", "import sys, main; print(sorted(m for m in sys.modules if 'arrow' in m))"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
