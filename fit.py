@@ -92,13 +92,10 @@ def compile_train_step(cfg, trainer, argv, say=print, program="python main.py"):
 def compile_step(step, args, cfg, mesh, argv, say=print, program="python main.py"):
     """cfg's jitted train step compiled for args; OutOfMemory (`does_not_fit`) where the compiler refuses it
     for want of memory."""
-    try:
-        return step.lower(*args).compile()
-    except Exception as e:                  # noqa: BLE001 - XLA:TPU refuses a plan over HBM so, with its size
-        needed = pod.hbm_shortfall(str(e))
-        if needed is None:
-            raise
-        raise OutOfMemory(does_not_fit(cfg, mesh, needed, argv, say, program)) from None
+    compiled, needed = pod.compiled_or_shortfall(step, args)
+    if compiled is None:
+        raise OutOfMemory(does_not_fit(cfg, mesh, needed, argv, say, program))
+    return compiled
 
 
 def does_not_fit(cfg, mesh, needed_gib, argv, say=print, program="python main.py"):

@@ -195,12 +195,8 @@ def train_plan(cfg, mesh):
     large."""
     trainer = build_trainer(cfg, mesh)
     train_args, _ = abstract_step_args(cfg, trainer)
-    try:
-        compiled = trainer.step.lower(*train_args).compile()
-    except Exception as e:               # noqa: BLE001 - libtpu refuses some plans that do not fit so
-        needed = hbm_shortfall(str(e))
-        if needed is None:
-            raise
+    compiled, needed = compiled_or_shortfall(trainer.step, train_args)
+    if compiled is None:
         return needed, None, None
     text = compiled.as_text()
     return (planned_gib(compiled.memory_analysis(), mesh.devices.flat[0].platform),
@@ -251,6 +247,18 @@ def _compile(jitted, args, what):
         done.set()
         ticker.join()
     return compiled, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def compiled_or_shortfall(jitted, args):
+    """(jitted compiled for args, None), or (None, GiB it needs) where the compiler refuses it as too large for the
+    device (libtpu does, saying how large)."""
+    try:
+        return jitted.lower(*args).compile(), None
+    except Exception as e:               # noqa: BLE001 - libtpu refuses some plans that do not fit so
+        needed = hbm_shortfall(str(e))
+        if needed is None:
+            raise
+        return None, needed
 
 
 def hbm_shortfall(message):

@@ -41,10 +41,9 @@ PLAN_TOLERANCE = 0.15       # a plan that fits is within this share of what the 
 def memory(case):
     cfg = utils.config_from_args(MODEL + case.split())
     step, fresh_state, make_batch, abstract_args = build_step(cfg, sharding.run_mesh(cfg.run))
-    try:
-        compiled = step.lower(*abstract_args()).compile()
-    except Exception as e:       # noqa: BLE001 - XLA:TPU refuses a plan over HBM so, with its size
-        return {"case": case, "refused": True, "needed_gib": pod.hbm_shortfall(str(e))}
+    compiled, needed = pod.compiled_or_shortfall(step, abstract_args())
+    if compiled is None:
+        return {"case": case, "refused": True, "needed_gib": needed}
     planned = pod.planned_gib(compiled.memory_analysis(), jax.devices()[0].platform)
     state, data = fresh_state(0), make_batch(1)
     for _ in range(3):
