@@ -19,9 +19,11 @@ body, i.e. every lax.scan, is costed once), so the FLOPs are also counted here f
 HLO with every loop body multiplied by its trip count (`hlo_flops`); that count is the one compared.
 
 `--profile DIR` traces --steps more steps after the timed ones (jax.profiler, into DIR; open it in XProf
-or TensorBoard) and prints the device's op time per step by name, largest first (GPU kernels and
-copies, TPU XLA ops; on a CPU, which has no device plane, the host's thunks), also in the JSON line ("profile"); every op's
-time per step, by the HLO instruction it ran for, goes to DIR/kernels.json.
+or TensorBoard) and prints the device's op time per step (each op's own: a TPU loop's body ops are taken off
+the loop, so the ops sum to the step's busy time), by seam (the named scope each kernel's ops carry: the
+engine's seams, engine.SEAM_SCOPES, and the optimizer's update) and by name, largest first (GPU kernels and
+copies, TPU XLA ops; on a CPU, which has no device plane, the host's thunks), also in the JSON line ("profile");
+every op's time per step, by the HLO instruction it ran for, goes to DIR/kernels.json.
 
 `--grad_error` measures instead: the largest per-leaf relative error of one batch's gradient in the
 matmul dtype, on the given mesh and on one device with the same M micro-batches, against the fp32
@@ -36,7 +38,7 @@ no larger than the reference's, leaf by leaf in the median ("engine_leaf_ratio")
 Examples:
   python bench.py --preset tiny --n_device_axis 2 2 2 --cpu_devices 8 --train_batch_size 8 --steps 5
   python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1
-  python bench.py --preset moe1B --n_device_axis 1 1 1 --train_batch_size 8 --micro_batch_size 1 --profile /tmp/trace
+  python bench.py --preset moe1B-v5e-1 --profile /tmp/trace
   python bench.py --preset tiny --n_device_axis 1 2 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
   python bench.py --preset tiny --blocks 4 --n_device_axis 1 4 1 --micro_batch_size 4 --cpu_devices 8 --pipeline_flops
   python bench.py --preset tiny --blocks 8 --vocab_size 1000 --n_device_axis 1 4 1 --micro_batch_size 4 \
@@ -49,6 +51,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -412,8 +415,9 @@ def time_steps(compiled, state, batch, args):
 
 def profile_steps(compiled, state, batch, steps, trace_dir):
     """`steps` more training steps under jax.profiler.trace(trace_dir), kept apart from the timed ones
-    (tracing slows the host side). Returns the trace's path, its largest device ops' times per step and
-    the path of trace_dir/kernels.json, which holds every op's (`kernel_times`)."""
+    (tracing slows the host side). Returns the trace's path, its largest device ops' times per step, the
+    step's time by seam (`by_seam`) and the path of trace_dir/kernels.json, which holds every op's
+    (`kernel_times`)."""
     with jax.profiler.trace(trace_dir):
         for _ in range(steps):
             state, stats = compiled(state, batch)
@@ -423,7 +427,8 @@ def profile_steps(compiled, state, batch, steps, trace_dir):
     with open(os.path.join(trace_dir, "kernels.json"), "w") as f:
         json.dump({"steps": steps, "kernels": kernels}, f)
     all_ms = sum(k["ms_per_step"] for k in kernels) or 1.0
-    return {"trace": path, "steps": steps, "kernels": os.path.join(trace_dir, "kernels.json"),
+    return {"trace": path, "steps": steps, "kernels": os.path.join(trace_dir, "kernels.json"), "ops_ms": all_ms,
+            "by_seam": by_seam(kernels, hlo.op_names(compiled.as_text())),
             "top_ops": [[k["name"], k["ms_per_step"], k["ms_per_step"] / all_ms] for k in kernels[:30]]}
 
 
@@ -432,26 +437,77 @@ def kernel_times(xplane_path, steps):
     the HLO instruction they ran for (their hlo_op, which XLA's kernels and copies carry; else their
     name), over the device planes: a TPU plane's "XLA Ops" line, or where a plane has none (GPU) all its
     lines, one per stream. A CPU trace has no device plane; there the host's thunks, which carry their
-    hlo_op too, stand in."""
+    hlo_op too, stand in. An op's time is its own: where ops nest on a line (a TPU's while loop holds its
+    body's ops, a CPU's loop thunk its body's thunks) the ops inside are taken off the op around them, so
+    a loop counts only the time between its body's ops and the ops sum to the time the line was busy."""
     totals, launches, names = collections.Counter(), collections.Counter(), {}
     data = jax.profiler.ProfileData.from_file(xplane_path)
     device = [plane for plane in data.planes if plane.name.startswith("/device:")]
     lines = [line for plane in device for line in ([line for line in plane.lines if line.name == "XLA Ops"] or plane.lines)]
     for line in lines or [line for plane in data.planes for line in plane.lines]:
-        for event in line.events:
-            hlo_op = dict(event.stats).get("hlo_op")
-            if lines or event.name == hlo_op:
-                key = hlo_op or event.name
-                totals[key] += event.duration_ns
-                launches[key] += 1
-                names.setdefault(key, (event.name, hlo_op))
+        ops = [(event, dict(event.stats).get("hlo_op") or _instruction(event.name)) for event in line.events]
+        ops = [(event, hlo_op) for event, hlo_op in ops if lines or event.name == hlo_op]
+        for (event, hlo_op), own_ns in zip(ops, _own_times([(e.start_ns, e.duration_ns) for e, _ in ops])):
+            key = hlo_op or event.name
+            totals[key] += own_ns
+            launches[key] += 1
+            names.setdefault(key, (event.name, hlo_op))
     return [{"name": names[key][0], "hlo_op": names[key][1], "launches": launches[key] / steps,
              "ms_per_step": ns / 1e6 / steps} for key, ns in totals.most_common()]
 
 
-def print_op_times(profile, out):
+def _instruction(event_name):
+    """The instruction an event ran for where its name is the instruction's HLO text (a TPU's XLA ops:
+    "%fusion.12 = bf16[...] fusion(...)"); else None."""
+    m = re.match(r"%([\w.\-]+) = ", event_name)
+    return m.group(1) if m else None
+
+
+def _own_times(spans):
+    """Each (start, duration) span's time less that of the spans directly inside it."""
+    own = [duration for _, duration in spans]
+    open_spans = []                                  # indices of the spans around the current one, innermost last
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1])):
+        start, duration = spans[i]
+        while open_spans and sum(spans[open_spans[-1]]) <= start:
+            open_spans.pop()
+        if open_spans:
+            own[open_spans[-1]] -= duration
+        open_spans.append(i)
+    return own
+
+
+# bench.py --profile's groups, in the order a kernel is given to the first whose named scope it carries: the
+# engine's seams (engine.SEAM_SCOPES) and the optimizer's update (trainer.train_step); "other" for the rest.
+SEAM_GROUPS = ("attention", "experts", "cross_entropy", "optimizer", "products")
+
+
+def by_seam(kernels, names):
+    """{group: ms per step} of kernel_times' rows, by the named scopes in their instructions' op_names (`names`,
+    hlo.op_names): SEAM_GROUPS' first that any carries, else "other"."""
+    groups = dict.fromkeys(SEAM_GROUPS + ("other",), 0.0)
+    for k in kernels:
+        scopes = {part for name in names.get(k["hlo_op"], []) for part in _scope_path(name)}
+        groups[next((g for g in SEAM_GROUPS if g in scopes), "other")] += k["ms_per_step"]
+    return groups
+
+
+def _scope_path(op_name):
+    """An op_name's scopes, "jit(step)/jvp()/attention/dot_general" -> ["jit", "step", "jvp", "attention", ...],
+    up to where its first one comes again: a jitted helper's lowering, reused from where it was first traced,
+    brings that place's path after its own (the dropout's under "optimizer", where nanmedian's was first)."""
+    top = op_name.split("/", 1)[0]
+    own = op_name.split("/" + top + "/", 1)[0]
+    return [part for part in re.split(r"[/()]", own) if part]
+
+
+def print_op_times(profile, step_s, out):
+    step_ms = 1e3 * step_s
     print(f"device op time per step over {profile['steps']} traced steps ({profile['trace']}; every op's in "
-          f"{profile['kernels']}):", file=out)
+          f"{profile['kernels']}): {profile['ops_ms']:.1f} ms, {100 * profile['ops_ms'] / step_ms:.0f}% of the "
+          f"timed step's {step_ms:.1f} ms", file=out)
+    print("  by seam: " + ", ".join(f"{g} {ms:.1f} ms ({100 * ms / profile['ops_ms']:.0f}%)"
+                                    for g, ms in profile["by_seam"].items()), file=out)
     for name, ms, share in profile["top_ops"]:
         print(f"  {ms:9.3f} ms  {100 * share:5.1f}%  {name[:120]}", file=out)
 
@@ -473,7 +529,7 @@ def main(argv=None):
     if args.pipeline_flops:
         print_pipeline_table(result, sys.stderr)
     if "profile" in result:
-        print_op_times(result["profile"], sys.stderr)
+        print_op_times(result["profile"], result["step_time_median_s"], sys.stderr)
     print(json.dumps(result), flush=True)
     if args.grad_error and cfg.model.model_dtype != "float32" and result["ratio"] > GRAD_ERROR_SLACK:
         sys.exit(f"the gradient on {tuple(result['mesh'])} is {result['ratio']:.2f}x one device's error "

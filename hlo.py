@@ -312,6 +312,24 @@ def largest_buffers(hlo_text, n):
     return [(what, size) for size, what in sorted(sizes.values(), key=lambda v: -v[0])[:n]]
 
 
+def op_names(hlo_text):
+    """{instruction: [op_name, ...]} of every instruction of a module (names are unique in one): the op_name JAX
+    wrote into its metadata and, for a fusion, those of the instructions fused into it (a kernel's named scopes
+    are those of everything it computes)."""
+    comps, _ = parse(hlo_text)
+    by_comp = _instructions(comps)
+
+    def names(d):
+        own = re.findall(r'op_name="([^"]*)"', d["rhs"])[:1]
+        fused = d["op"] == "fusion"
+        return own + [n for callee in (_callees(d) if fused else []) for x in by_comp.get(callee, []) for n in names(x)]
+    return {d["name"]: names(d) for ds in by_comp.values() for d in ds}
+
+
+def _callees(d):
+    return re.findall(r"calls=%?([\w.\-]+)", d["rhs"])
+
+
 def _short_scope(op_name):
     """A readable place for an op_name: the forward/backward pass and the named scope, if any."""
     scope = "output layer" if "output_layer" in op_name else "blocks" if "while" in op_name else "step"
@@ -439,13 +457,12 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
     by_comp, defined = _instructions(comps), _definitions(comps)
     shape_of = {d["name"]: d["shape"] for ds in by_comp.values() for d in ds}
     parsed = {d["rhs"]: d for ds in by_comp.values() for d in ds}
-    callees = lambda d: re.findall(r"calls=%?([\w.\-]+)", d["rhs"])
 
     def fused(comp):
         """Every instruction inside a fused computation, nested fusions included."""
         for d in by_comp.get(comp, []):
             yield d
-            for callee in callees(d):
+            for callee in _callees(d):
                 yield from fused(callee)
 
     def fusion_operand_bytes(body, index, full):
@@ -477,7 +494,7 @@ def kernel_census(hlo_text, peak_flops, hbm_bandwidth):
         operands = [_nbytes(shape_of.get(o, "")) for o in d["operands"]]
         flops, dtypes, kind = 0.0, None, op
         if op == "fusion":
-            body = callees(d)[0]
+            body = _callees(d)[0]
             inner = list(fused(body))
             ops = {x["op"] for x in inner}
             dots = [_matmul(x["rhs"], defined) for x in inner if x["op"] in ("dot", "convolution")]

@@ -92,26 +92,27 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
     key, step_key = jax.random.split(jax.random.wrap_key_data(state["key"]))
     with matmul_precision(cfg.model.model_dtype):
         grads, metrics = accumulate_gradients(state["params"], state["router_bias"], batch, step_key, cfg, mesh)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    # Guide: the update runs inside shard_map; here outside it, on global arrays that jit partitions.
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    metrics["grad_norm_ratio"], metrics["skipped"] = opt_state.ratio, opt_state.skipped
-    # A step skipped as a spike leaves the routing bias as it was, like the parameters.
-    router_bias = jnp.where(opt_state.skipped > state["opt_state"].skipped, state["router_bias"],
-                            update_router_bias(state["router_bias"], metrics["tokens_per_expert"],
-                                               cfg.optim.bias_update_rate))
-    updated = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-               "router_bias": router_bias}
-    # A non-finite loss or gradient leaves params, moments and routing bias as they were, so no
-    # checkpoint ever holds a NaN. That suffices: a finite global norm means every g^2 is finite, so
-    # Adam's moments stay finite and its update divides by at least eps (--b2 < 1). Parameters that an
-    # absurd finite --max_lr overflows make the next loss non-finite, and save_checkpoint refuses such
-    # a state. (Testing the updated state itself would be a pass over all of it.) The test reads
-    # replicated scalars: every device takes the same decision.
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-    metrics["nonfinite"] = ~finite
-    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
-                        {name: state[name] for name in updated})
+    with jax.named_scope("optimizer"):           # the update's kernels, for bench.py --profile
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        # Guide: the update runs inside shard_map; here outside it, on global arrays that jit partitions.
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        metrics["grad_norm_ratio"], metrics["skipped"] = opt_state.ratio, opt_state.skipped
+        # A step skipped as a spike leaves the routing bias as it was, like the parameters.
+        router_bias = jnp.where(opt_state.skipped > state["opt_state"].skipped, state["router_bias"],
+                                update_router_bias(state["router_bias"], metrics["tokens_per_expert"],
+                                                   cfg.optim.bias_update_rate))
+        updated = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+                   "router_bias": router_bias}
+        # A non-finite loss or gradient leaves params, moments and routing bias as they were, so no
+        # checkpoint ever holds a NaN. That suffices: a finite global norm means every g^2 is finite, so
+        # Adam's moments stay finite and its update divides by at least eps (--b2 < 1). Parameters that an
+        # absurd finite --max_lr overflows make the next loss non-finite, and save_checkpoint refuses such
+        # a state. (Testing the updated state itself would be a pass over all of it.) The test reads
+        # replicated scalars: every device takes the same decision.
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        metrics["nonfinite"] = ~finite
+        kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
+                            {name: state[name] for name in updated})
     return kept | {"key": jax.random.key_data(key)}, metrics
 
 

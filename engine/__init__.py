@@ -22,6 +22,7 @@ Both engines give the same numbers in fp32 (tests/test_engine.py); in bf16 the f
 fp32 than the reference (bench.py --grad_error --engine).
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +44,29 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS
 # products lose speed, above it memory grows for none; a GPU runs the same kernels a chunk whatever its
 # size, so fewer, larger chunks launch fewer. A TPU keeps the CPU's: its plan is set by HBM.
 CPU_CHUNK_TOKENS, GPU_CHUNK_TOKENS = 128, 8192
+# The named scope each seam's operations run under (their op_name in the compiled program): bench.py --profile
+# sums a step's kernel time by them.
+SEAM_SCOPES = {"mm": "products", "attention": "attention", "routed_experts": "experts",
+               "cross_entropy_sum": "cross_entropy", "token_scores": "cross_entropy"}
 
 
+def _scoped_seams(cls):
+    """cls with each seam it defines run under its SEAM_SCOPES name."""
+    for seam, scope in SEAM_SCOPES.items():
+        if seam not in vars(cls):
+            continue
+        method = vars(cls)[seam]
+        plain = method.__func__ if isinstance(method, staticmethod) else method
+
+        @functools.wraps(plain)
+        def scoped(*args, _plain=plain, _scope=scope, **kwargs):
+            with jax.named_scope(_scope):
+                return _plain(*args, **kwargs)
+        setattr(cls, seam, staticmethod(scoped) if isinstance(method, staticmethod) else scoped)
+    return cls
+
+
+@_scoped_seams
 @dataclasses.dataclass(frozen=True)
 class Reference:
     """--engine reference: every seam the guide's plain math, no custom VJP (but over gloo, fsdp.plain_gather's)
@@ -91,6 +113,7 @@ class Reference:
         return fsdp.read_dtypes(stack, cfg)
 
 
+@_scoped_seams
 @dataclasses.dataclass(frozen=True)
 class Fast(Reference):
     """--engine fast: the same seams as the kernels and numerics that make a step fast."""

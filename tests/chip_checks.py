@@ -1,10 +1,12 @@
 """The work of tests/test_tpu.py's checks, each in a process of its own (one process at a time holds a TPU chip;
 the test process stays on the CPU). Every result is one JSON line on stdout.
 
-    python tests/chip_checks.py memory CASE [CASE ...]   per case (MODEL's flags + CASE's): the compiler's verdict
-        and plan (pod.planned_gib), and what the device held after three steps: its buffers (bytes_in_use) and
-        the program's reserved temporaries (bytes_reserved)
-    python tests/chip_checks.py fp32                      the tiny preset's first three steps in fp32: loss, grad norm
+    python tests/chip_checks.py CHECK [CHECK ...]
+
+A CHECK is `fp32` (the tiny preset's first three steps in fp32: loss, grad norm) or a memory case (MODEL's flags +
+CASE's: the compiler's verdict and plan, pod.planned_gib, and what the device held after three steps: its buffers,
+bytes_in_use, and the program's reserved temporaries, bytes_reserved). One process runs them all: each start and
+shutdown of a TPU runtime costs tens of seconds.
 """
 import gc
 import json
@@ -69,8 +71,5 @@ def fp32():
 
 if __name__ == "__main__":
     jnp.zeros(()).block_until_ready()        # the device is opened before anything is timed or measured
-    if sys.argv[1] == "memory":
-        for case in sys.argv[2:]:
-            print(json.dumps(memory(case)), flush=True)
-    else:
-        print(json.dumps(fp32()), flush=True)
+    for check in sys.argv[1:]:
+        print(json.dumps(fp32() if check == "fp32" else memory(check)), flush=True)

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import bench
+
 from ceiling import CEILING_S
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +93,11 @@ def test_bench_json_fields_on_a_3d_mesh(runs, trace_dir):
     assert kernels and all(f"%{k['hlo_op']} = " in step for k in kernels), [k["hlo_op"] for k in kernels][:20]
     assert [row[0] for row in profile["top_ops"]] == [k["name"] for k in kernels][:30]
     assert "device op time per step over 3 traced steps" in runs["run"][1]
+    # the step's time by seam: every group the tiny model has is there, and the groups are all of the time
+    by_seam = profile["by_seam"]
+    assert list(by_seam) == [*bench.SEAM_GROUPS, "other"] and all(by_seam[g] > 0 for g in bench.SEAM_GROUPS), by_seam
+    assert sum(by_seam.values()) == pytest.approx(profile["ops_ms"]) == pytest.approx(sum(k["ms_per_step"] for k in kernels))
+    assert "by seam: attention " in runs["run"][1]
 
 
 def test_kernel_times_sum_a_traced_program_per_step_by_hlo_instruction(tmp_path):
@@ -112,6 +119,43 @@ def test_kernel_times_sum_a_traced_program_per_step_by_hlo_instruction(tmp_path)
     assert rows and ms == sorted(ms, reverse=True) and all(0 < t < 1000 for t in ms)
     compiled = f.lower(a).compile().as_text()
     assert all(row["launches"] == 1 and f"%{row['hlo_op']} = " in compiled for row in rows), rows
+
+
+def test_an_ops_time_is_its_own_less_the_ops_inside_it():
+    """A TPU's while loop is an op around its body's ops on the same line: the loop keeps only its own time, and
+    the ops sum to the time the line was busy."""
+    spans = [(0, 100), (10, 20), (40, 30), (45, 5), (200, 10)]      # a loop [0, 100) around two ops, one nested
+    own = bench._own_times(spans)
+    assert own == [50, 20, 25, 5, 10] and sum(own) == 100 + 10
+
+
+def test_a_kernel_is_grouped_by_the_first_seam_its_op_names_carry():
+    names = {"fusion.1": ["jit(train_step)/jvp()/while/body/attention/products/dot_general"],
+             "fusion.2": ["jit(train_step)/transpose(jvp())/experts/products/dot_general", "jit(train_step)/add"],
+             "fusion.3": ["jit(train_step)/jvp()/products/dot_general"],
+             # a jitted helper's lowering reused from the optimizer: its path after "jit(train_step)" again is not
+             # this kernel's place
+             "fusion.4": ["jit(train_step)/jvp()/vmap(jit(_bernoulli))/jit(train_step)/optimizer/jit(nanmedian)/lt"],
+             "fusion.5": ["jit(train_step)/optimizer/mul"], "copy.6": []}
+    kernels = [{"hlo_op": name, "ms_per_step": float(i)} for i, name in enumerate(names, 1)]
+    assert bench.by_seam(kernels, names) == {"attention": 1.0, "experts": 2.0, "cross_entropy": 0.0, "optimizer": 5.0,
+                                             "products": 3.0, "other": 4.0 + 6.0}
+
+
+def test_a_fusions_op_names_are_those_of_the_ops_fused_into_it():
+    import jax
+    import jax.numpy as jnp
+
+    import hlo
+
+    def f(a):
+        with jax.named_scope("inner"):
+            b = jnp.tanh(a) * 2
+        return jnp.sum(b * a)
+    text = jax.jit(f).lower(jnp.ones((64, 64))).compile().as_text()
+    names = hlo.op_names(text)
+    # XLA:CPU makes one kernel of it: its names are the scoped tanh's and the unscoped product's
+    assert [n for n, ops in names.items() if "fusion" in n and {"jit(f)/inner/tanh", "jit(f)/mul"} <= set(ops)], names
 
 
 def test_pipeline_flops_only_the_bubble_is_extra(runs):
