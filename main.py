@@ -323,7 +323,8 @@ def finish(run, state, step, val_ce, saved, progress):
     entropy = run.train_ds.unigram_entropy()          # from the token counts the tokenizer recorded
     bpb = metrics_schema.bits_per_byte(val_ce, run.val_bytes_per_token)
     log(f"final: val cross-entropy {val_ce:.4f} nats, {bpb:.4f} bits per byte | " + (
-        f"unigram entropy of the training tokens {entropy:.4f} nats | {entropy - val_ce:+.4f} nats below it"
+        f"unigram entropy of the training tokens {entropy:.4f} nats | {abs(entropy - val_ce):.4f} nats "
+        f"{'below' if val_ce <= entropy else 'above'} it"
         if entropy is not None else "unigram entropy n/a (the manifest predates token counts; re-tokenize)")
         + f" | {time.perf_counter() - progress.meter.t0:.0f} s")
     run.logger.metrics(metrics_schema.metrics_record("final", step, final_val_loss=val_ce, final_val_bpb=bpb,

@@ -24,16 +24,16 @@ CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused kernel's outputs by
 
 
-def attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, platform):
+def attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, platform, query_chunks=CAUSAL_QUERY_CHUNKS):
     """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype; causal (mask_TS None: query t
-    sees keys <= t) or under mask_TS."""
+    sees keys <= t, in up to query_chunks chunks of queries) or under mask_TS."""
     Q = q_BThQ.shape[-1]
     if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
         return cudnn_attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)), mask_TS)
     if mask_TS is not None:
         return masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, products.mm)
     T = q_BThQ.shape[1]
-    n = min(CAUSAL_QUERY_CHUNKS, T // CAUSAL_MIN_CHUNK)
+    n = min(query_chunks, T // CAUSAL_MIN_CHUNK)
     if n < 1 or T % n:
         n = 1
     # Query chunk i sees only the keys before its end: (n + 1) / 2n of the T x T products. The chunks'

@@ -4,6 +4,7 @@ a run's metrics.jsonl and checkpoints, SPAN (a span of time in a log line), and 
 full directory for a run to meet)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -90,3 +91,13 @@ def mount(*args):
     proc = subprocess.run(["mount", *args], capture_output=True, text=True)
     if proc.returncode:
         pytest.skip(f"cannot mount here ({proc.stderr.strip()}): a read-only or full directory needs a mount")
+
+
+def assert_final_line_compares_with_the_unigram_entropy(stdout):
+    """main.py's final line says how far the val cross-entropy is below (or above) the unigram entropy, the gap
+    unsigned and the word true."""
+    m = re.search(r"^final: val cross-entropy ([\d.]+) nats.*unigram entropy of the training tokens ([\d.]+) nats \| "
+                  r"([\d.]+) nats (below|above) it \|", stdout, re.M)
+    assert m, stdout[-2000:]
+    val, entropy, gap = (float(m[i]) for i in (1, 2, 3))
+    assert m[4] == ("below" if val <= entropy else "above") and abs(gap - abs(entropy - val)) <= 2e-4, m[0]

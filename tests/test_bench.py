@@ -175,3 +175,22 @@ def test_pipeline_flops_only_the_bubble_is_extra(runs):
     assert two["pp"] == pp and two["per_device_flops"] == out["per_device_flops_pp"]
     assert two["blocks_ratio"] == pytest.approx(two["expected_ratio"], rel=0.10)
     assert two["expected_flops"] == pytest.approx(two["expected_ratio"] * out["per_device_flops_pp1"])
+
+
+def test_levers_are_timed_against_the_baseline_in_one_process(cpu_env):
+    """scripts/levers.py: the baseline, then each lever, one JSON line each and a table; a lever that changes
+    only the program (the dense layers unrolled) trains to the same loss, bit for bit in fp32."""
+    script = os.path.join(REPO, "scripts", "levers.py")
+    flags = [a for a in SMALL if a not in ("--preset", "tiny")] + ["--n_device_axis", "1", "1", "1", "--train_batch_size", "2"]
+    proc = subprocess.run([sys.executable, script, "--preset", "tiny", *flags, "--levers", "unrolled_layers",
+                           "--steps", "1", "--warmup", "1"], cwd=REPO, env=cpu_env, capture_output=True, text=True,
+                          timeout=CEILING_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    baseline, lever = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert (baseline["lever"], lever["lever"]) == ("baseline", "unrolled_layers")
+    assert lever["loss"] == baseline["loss"] and baseline["speedup"] == 1.0
+    assert lever["speedup"] == pytest.approx(baseline["step_ms"] / lever["step_ms"])
+    assert "unrolled_layers" in proc.stderr.splitlines()[-1]
+    proc = subprocess.run([sys.executable, script, "--levers", "faster"], cwd=REPO, env=cpu_env, capture_output=True,
+                          text=True, timeout=CEILING_S)
+    assert proc.returncode == 2 and "--levers: faster unknown; the levers: unrolled_layers" in proc.stderr

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import utils
-from run_util import MESH1, run
+from run_util import MESH1, assert_final_line_compares_with_the_unigram_entropy, run
 from ceiling import CEILING_S
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,3 +109,4 @@ def test_python_main_prints_what_training_md_says(cpu_env, tmp_path):
     assert params in proc.stdout.splitlines(), proc.stdout[:3000]
     final = float(re.search(r"^final: val cross-entropy ([\d.]+) nats", proc.stdout, re.M)[1])
     assert low <= final <= high, (final, low, high)
+    assert_final_line_compares_with_the_unigram_entropy(proc.stdout)          # below it

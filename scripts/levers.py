@@ -1,0 +1,162 @@
+"""The fast engine's levers, each measured alone against the fast engine in the same process (on a quiet chip the
+ratios of one run are what to trust): `python scripts/levers.py [--preset moe1B-v5e-1] [--levers A,B,...]
+[--steps 8] [--warmup 2] [main.py flags ...]`.
+
+A lever is one choice changed: a setting (flags on top of the run's) or one seam of engine.Fast done another
+way (a subclass of it, registered in engine.ENGINES under the lever's name for this process). Each is
+compiled and timed as bench.py times a step (bench.build_step, bench.time_steps), one JSON line as it is done,
+then a table: step time, its ratio to the baseline's (above 1: faster), MFU of the datasheet peak and the
+compiler's plan. A lever the compiler refuses (out of memory) says so and the others go on. A lever changes
+the program, not the math (but no_dropout, which prices dropout's random bits); one kept moves into the engine
+for its platform, proven equal to --engine reference (tests/test_engine.py).
+
+    python scripts/levers.py --levers unrolled_layers,ce_chunks_of_4096_tokens,attention_in_2_chunks   # one TPU v5e
+    python scripts/levers.py --preset tiny --n_device_axis 1 1 1 --levers unrolled_layers --steps 2   # on a CPU
+"""
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+
+import bench  # noqa: E402
+import engine  # noqa: E402
+import hardware  # noqa: E402
+import multihost  # noqa: E402
+import pod  # noqa: E402
+import sharding  # noqa: E402
+import utils  # noqa: E402
+from engine import attention_kernels  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class UnrolledLayers(engine.Fast):
+    """Each block's dense layers unrolled (a GPU's choice) rather than a loop that stacks their saved products."""
+
+    def layer_remat(self, cfg):
+        return super().layer_remat(cfg)[0], True
+
+
+def cross_entropy_chunks_of(tokens):
+    @dataclasses.dataclass(frozen=True)
+    class CrossEntropyChunks(engine.Fast):
+        def _chunk_tokens(self):
+            return tokens
+    CrossEntropyChunks.__doc__ = (f"The output layer over chunks of at least {tokens} tokens (the engine's on a "
+                                  f"TPU: {engine.CPU_CHUNK_TOKENS}): fewer passes over the table's gradient")
+    return CrossEntropyChunks
+
+
+def attention_in(chunks):
+    @dataclasses.dataclass(frozen=True)
+    class AttentionInChunks(engine.Fast):
+        def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
+            return attention_kernels.attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, self.platform, chunks)
+    AttentionInChunks.__doc__ = (f"A causal attention in up to {chunks} query chunks (the engine's: "
+                                 f"{attention_kernels.CAUSAL_QUERY_CHUNKS})")
+    return AttentionInChunks
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepFfnHidden(engine.Fast):
+    """--remat auto as on a GPU: every layer recomputed but each dense FFN's up-projection, kept (a TPU keeps
+    every product without batch dimensions, and the layer loops stack them)."""
+
+    def layer_remat(self, cfg):
+        return engine.Fast("gpu").layer_remat(cfg)[0], super().layer_remat(cfg)[1]
+
+
+# name: (flags on top of the run's, engine class or None)
+LEVERS = {
+    "unrolled_layers": ((), UnrolledLayers),
+    **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096)},
+    **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4)},
+    "remat_full": (("--remat", "full"), None),
+    "remat_keep_ffn_hidden": ((), KeepFfnHidden),
+    "moe_ragged": (("--moe_impl", "ragged"), None),
+    "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
+}
+
+
+def parse_args(argv):
+    """(this script's options, the run's main.py flags)."""
+    own = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    own.add_argument("--preset", default="moe1B-v5e-1")
+    own.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, of: {', '.join(LEVERS)}")
+    own.add_argument("--steps", type=int, default=8)
+    own.add_argument("--warmup", type=int, default=2)
+    args, flags = own.parse_known_args(argv)
+    unknown = [name for name in args.levers.split(",") if name not in LEVERS]
+    if unknown:
+        own.error(f"--levers: {', '.join(unknown)} unknown; the levers: {', '.join(LEVERS)}")
+    return args, flags
+
+
+def lever_config(name, args, flags):
+    """The run's config with lever `name` (or none: "baseline") applied."""
+    lever_flags, engine_class = LEVERS.get(name, ((), None))
+    cfg = utils.config_from_args(["--preset", args.preset, *flags, *lever_flags])
+    if engine_class is None:
+        return cfg
+    engine.ENGINES[name] = engine_class
+    return utils.override(cfg, engine=name)
+
+
+def measure(name, cfg, args):
+    """{lever, step_ms, mfu, plan_gib, compile_s, loss} of cfg's train step (bench.py's timing), or {lever,
+    error} when the compiler refuses it for want of memory."""
+    mesh = sharding.run_mesh(cfg.run)
+    step, make_state, make_batch, abstract_args = bench.build_step(cfg, mesh)
+    t = time.perf_counter()
+    compiled, needed_gib = pod.compiled_or_shortfall(step, abstract_args())
+    if compiled is None:
+        return {"lever": name, "error": f"out of memory: needs {needed_gib:.2f} GiB a device"}
+    compile_s = time.perf_counter() - t
+    _, stats, times = bench.time_steps(compiled, make_state(cfg.run.seed), make_batch(cfg.run.seed + 1), args)
+    median = statistics.median(times)
+    tokens_per_s = utils.sequences_per_step(cfg) * cfg.model.T / median
+    device = jax.devices()[0]
+    return {"lever": name, "step_ms": 1e3 * median, "compile_s": compile_s, "loss": float(stats["loss"]),
+            "mfu": hardware.mfu(tokens_per_s, sharding.flops_per_token(cfg.model), mesh.size,
+                                hardware.peak_flops(device.device_kind)),
+            "plan_gib": pod.planned_gib(compiled.memory_analysis(), device.platform)}
+
+
+def main(argv=None):
+    args, flags = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = lever_config("baseline", args, flags)
+    multihost.set_up_devices(cfg)
+    utils.validate(cfg, jax.device_count())
+    rows = []
+    for name in ["baseline", *args.levers.split(",")]:
+        row = measure(name, lever_config(name, args, flags), args)
+        baseline = rows[0] if rows else row
+        if "step_ms" in row and "step_ms" in baseline:
+            row["speedup"] = baseline["step_ms"] / row["step_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print_table(rows, sys.stderr)
+    return rows
+
+
+def print_table(rows, out):
+    print(f"{'lever':24} {'step ms':>9} {'speedup':>8} {'MFU':>6} {'plan GiB':>9}", file=out)
+    for row in rows:
+        if "error" in row:
+            print(f"{row['lever']:24} {row['error']}", file=out)
+            continue
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
+        speedup = f"{row['speedup']:.3f}" if "speedup" in row else "n/a"
+        print(f"{row['lever']:24} {row['step_ms']:9.1f} {speedup:>8} {mfu:>6} "
+              f"{row['plan_gib']:9.2f}", file=out)
+
+
+if __name__ == "__main__":
+    main()
