@@ -51,7 +51,8 @@ SEAM_SCOPES = {"mm": "products", "attention": "attention", "routed_experts": "ex
 
 
 def _scoped_seams(cls):
-    """cls with each seam it defines run under its SEAM_SCOPES name."""
+    """cls with each seam it defines run under its SEAM_SCOPES name (an engine's subclasses too:
+    Reference.__init_subclass__)."""
     for seam, scope in SEAM_SCOPES.items():
         if seam not in vars(cls):
             continue
@@ -72,6 +73,10 @@ class Reference:
     """--engine reference: every seam the guide's plain math, no custom VJP (but over gloo, fsdp.plain_gather's)
     and no named remat."""
     platform: str | None = None      # the mesh's ("cpu", "gpu", "tpu"; None: portable code)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _scoped_seams(cls)
 
     def mm(self, spec, a, b, dtype, out_dtype=jnp.float32):
         """einsum of the operands rounded to dtype, multiplied and accumulated in fp32 (HIGHEST: exact
@@ -113,7 +118,6 @@ class Reference:
         return fsdp.read_dtypes(stack, cfg)
 
 
-@_scoped_seams
 @dataclasses.dataclass(frozen=True)
 class Fast(Reference):
     """--engine fast: the same seams as the kernels and numerics that make a step fast."""
