@@ -30,13 +30,15 @@ class OutOfMemory(Exception):
     """The train step does not fit the devices' memory: one line (exit 1)."""
 
 
-def check_fits(cfg, trainer):
+def check_fits(cfg, trainer, state_only=False):
     """RunRefused, in one line, when this run's planned bytes per device (`planned_bytes`) exceed what this
     process's devices of the mesh have; nothing is allocated before it, and --force skips it. The plan is a
-    lower bound (no compile), so a run refused here cannot fit, and one let through still may not."""
+    lower bound (no compile), so a run refused here cannot fit, and one let through still may not. state_only:
+    the state and its gradients alone, which no setting the planner tries makes smaller (--fit asks this
+    before it compiles any)."""
     if cfg.run.force:
         return
-    refusal = _refusal(cfg, trainer)
+    refusal = _refusal(cfg, trainer, state_only)
     if jax.process_count() > 1:         # a process that stopped alone would leave the others in a collective
         refused = np.asarray(multihost_utils.process_allgather(np.int32(refusal is not None)))
         if refused.any() and refusal is None:
@@ -167,11 +169,12 @@ def _bytes_limit(device):
         return None
 
 
-def _refusal(cfg, trainer):
-    """The line refusing cfg on this process's devices, or None when its plan fits."""
+def _refusal(cfg, trainer, state_only=False):
+    """The line refusing cfg on this process's devices, or None when its plan (state_only: less the activations)
+    fits."""
     mesh = trainer.data_sharding.mesh
     memory = device_memory(mesh)
-    plan = planned_bytes(cfg, trainer)
+    plan = {part: size for part, size in planned_bytes(cfg, trainer).items() if not state_only or part != "activations"}
     if memory is None or sum(plan.values()) * memory[1] <= memory[0]:
         return None
     have, sharing, words = memory
@@ -181,7 +184,7 @@ def _refusal(cfg, trainer):
     smaller = _presets_that_fit(cfg, mesh, have, sharing)
     return (f"this run (--preset {cfg.preset}) needs at least {sum(plan.values()) / GiB:.2f} GiB per device ("
             + ", ".join(f"{part} {size / GiB:.2f}" for part, size in plan.items())
-            + " GiB: the layer inputs the backward keeps)"
+            + (" GiB: the layer inputs the backward keeps)" if "activations" in plan else " GiB)")
             + (f", {sum(plan.values()) * sharing / GiB:.1f} GiB in all, and " if sharing > 1 else " and ") + words
             + f"; check a slice with --compile_for {target}, pick a smaller model"
             + (f" (--preset {' or '.join(smaller)})" if smaller else "") + " or pass --force to try anyway")

@@ -112,6 +112,8 @@ def open_run(cfg, mesh):
     """Take the run directory, print the run's header, load the data, restore or start the state; with --fit
     first the setting that fits the devices (fit.fit_to_devices), which the run's config then holds."""
     if cfg.run.fit:
+        # the state alone first, from shapes (seconds): no setting --fit compiles makes it smaller
+        fit.check_fits(cfg, build_trainer(cfg, mesh), state_only=True)
         cfg = fit.fit_to_devices(cfg, mesh, log)
     trainer = build_trainer(cfg, mesh)            # shapes and shardings: nothing compiled or allocated yet
     fit.check_fits(cfg, trainer)                  # before the run directory is touched or anything allocated

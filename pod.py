@@ -82,6 +82,10 @@ def main(cfg, argv=()):
                       f"ahead-of-time compiler, which is not installed; run: {install}")
     if target.slices > 1 and cfg.run.n_slices == 1:      # NxSLICE: the run spans N slices (--n_slices N)
         cfg = utils.override(cfg, n_slices=target.slices)
+    if target.slices == 1 and cfg.run.n_slices > 1:      # (several slices: utils.check_slices below)
+        slices = (f"; {cfg.run.n_slices} slices over DCN are --compile_for {cfg.run.n_slices}x{target.name}"
+                  if isinstance(target, hardware.TpuSlice) else "")
+        return _usage(f"--n_slices ({cfg.run.n_slices}) must be 1: --compile_for {target.name} is one slice{slices}")
     try:
         utils.check_slices(utils.validate(cfg, target.chips), target.hosts, target.slices)
     except utils.ConfigError as e:

@@ -14,6 +14,7 @@ import time
 
 import jax
 import psutil
+import pytest
 
 import fit
 import pod
@@ -34,9 +35,11 @@ def too_big_for_this_machine():
             f"--n_device_axis 1 1 1 --max_tokens 0").split()
 
 
-def test_a_run_that_cannot_fit_refuses_in_one_line_before_it_allocates(cpu_env, bundled_shards, tmp_path):
+@pytest.mark.parametrize("fit_flag", [[], ["--fit"]], ids=["as-given", "fit"])
+def test_a_run_that_cannot_fit_refuses_in_one_line_before_it_allocates(cpu_env, bundled_shards, tmp_path, fit_flag):
+    """With --fit too, and before any compile: its state alone is over the memory, which no setting changes."""
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *too_big_for_this_machine(), "--data_dir", bundled_shards,
-           "--output_dir", str(tmp_path), "--name", "big"]
+           "--output_dir", str(tmp_path), "--name", "big", *fit_flag]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watched, peak, deadline = psutil.Process(proc.pid), 0, time.time() + CEILING_S
     try:

@@ -181,6 +181,13 @@ def test_compile_for_two_slices_refuses_another_slice_count(tmp_path, flags, mes
     assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]
 
 
+def test_compile_for_one_slice_refuses_more_slices(tmp_path):
+    p = compile_for("--preset", "tiny", "--n_device_axis", "2", "1", "2", "--n_slices", "2", "--compile_for", "v4-8",
+                    cwd=tmp_path)
+    assert p.returncode == 2 and "--n_slices (2) must be 1: --compile_for v4-8 is one slice; 2 slices over DCN are " \
+        "--compile_for 2xv4-8" in p.stderr, p.stderr[-2000:]
+
+
 def test_compile_for_an_unknown_slice_exits_2_listing_the_known_ones(tmp_path):
     p = compile_for("--compile_for", "v9-1", cwd=tmp_path)
     assert p.returncode == 2
