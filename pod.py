@@ -151,12 +151,9 @@ def rehearse(cfg, target, argv=(), plan_on_failure=True):
         # every position through the output layer (window T): the most a batch of task rows can cost
         steps += (("score step", trainer.score_step, (*eval_args, eval_args[-1], cfg.model.T), params),)
     for name, jitted, args, state in steps:
-        try:
-            needed = report.step(name, *_compile(jitted, args, f"the {name} for {target.name}"), state)
-        except Exception as e:               # noqa: BLE001 - libtpu reports some plans that do not fit so
-            needed = hbm_shortfall(str(e))
-            if needed is None:
-                raise
+        compiled, needed, wall_s, cpu_s = _compile(jitted, args, f"the {name} for {target.name}")
+        if compiled is not None:
+            needed = report.step(name, compiled, wall_s, cpu_s, state)
         if needed > target.hbm_bytes / GiB:
             print(f"does not fit: {name} needs {needed:.2f} GiB per chip, {target.name}'s chips have "
                   f"{target.hbm_bytes / GiB:.2f} GiB usable ({needed - target.hbm_bytes / GiB:.2f} GiB short); "
@@ -232,8 +229,8 @@ TICK_S = 30                         # while a compile runs, a line this often sa
 
 
 def _compile(jitted, args, what):
-    """(compiled executable, wall seconds, CPU seconds) to lower and compile, saying so first and every
-    TICK_S seconds while it runs (a large model compiles for minutes with nothing else to show). The
+    """`compiled_or_shortfall`'s (compiled executable, None) or (None, GiB needed), with the wall and CPU seconds
+    to lower and compile, saying so first and every TICK_S seconds while it runs (a large model compiles for minutes with nothing else to show). The
     CPU time is what the compile costs on an otherwise idle machine (the compiler runs mostly on one
     thread); the wall time also counts waiting for cores that other processes hold."""
     print(f"compiling {what} (the guide's moe1B: about a minute on a quiet 2-core CPU, several under load; "
@@ -246,11 +243,11 @@ def _compile(jitted, args, what):
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     try:
-        compiled = jitted.lower(*args).compile()
+        compiled, needed = compiled_or_shortfall(jitted, args)
     finally:
         done.set()
         ticker.join()
-    return compiled, time.perf_counter() - wall, time.process_time() - cpu
+    return compiled, needed, time.perf_counter() - wall, time.process_time() - cpu
 
 
 def compiled_or_shortfall(jitted, args):

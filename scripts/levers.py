@@ -131,12 +131,12 @@ def measure(name, cfg, args):
 
 def main(argv=None):
     args, flags = parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = lever_config("baseline", args, flags)
-    multihost.set_up_devices(cfg)
-    utils.validate(cfg, jax.device_count())
+    configs = {name: lever_config(name, args, flags) for name in ["baseline", *args.levers.split(",")]}
+    multihost.set_up_devices(configs["baseline"])
+    utils.validate(configs["baseline"], jax.device_count())
     rows = []
-    for name in ["baseline", *args.levers.split(",")]:
-        row = measure(name, lever_config(name, args, flags), args)
+    for name, cfg in configs.items():
+        row = measure(name, cfg, args)
         baseline = rows[0] if rows else row
         if "step_ms" in row and "step_ms" in baseline:
             row["speedup"] = baseline["step_ms"] / row["step_ms"]
