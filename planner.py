@@ -6,8 +6,8 @@ pod.py's compile of the train step for a slice, or of this run's mesh).
 The settings that save memory, one change each (`memory_changes`):
   --remat full                           every layer recomputed in the backward (one more forward's FLOPs)
   --train_batch_size B/N --grad_step N   the same global batch in N passes, each keeping 1/N of the activations
-  --micro_batch_size 2M                  smaller micro-batches: less of the pipeline's bubble, smaller buffers
-  --expert_parallel                      each dp rank keeps E/dp whole experts instead of gathering them all
+  --micro_batch_size 2M                  smaller micro-batches: less of the pipeline's bubble, smaller buffers (pp > 1)
+  --expert_parallel                      each dp rank keeps E/dp whole experts instead of gathering them all (dp > 1)
   --fsdp_gather tick                     a stage's weights gathered at each tick, not held for the step
 and the one that saves compute (`compute_changes`): --remat dots where the config recomputes whole layers,
 worth compiling only beside one that saves memory (--grad_step's passes pay for keeping the products).
@@ -38,17 +38,18 @@ def memory_changes(cfg):
     """The single changes that trade compute (or collective bytes) for memory and that cfg does not have
     already: [{flag: value}]. Validity on the mesh is checked by the caller (utils.validate)."""
     m, r, o = cfg.model, cfg.run, cfg.optim
+    dp, pp, _ = r.n_device_axis
     found = []
     if m.remat != "full":
         found.append({"remat": "full"})
     for n in GRAD_STEP_FACTORS:
         if r.train_batch_size % (n * r.micro_batch_size) == 0:
             found.append({"train_batch_size": r.train_batch_size // n, "grad_step": o.grad_step * n})
-    if r.train_batch_size % (2 * r.micro_batch_size) == 0:
+    if pp > 1 and r.train_batch_size % (2 * r.micro_batch_size) == 0:   # one stage keeps every micro-batch's values
         found.append({"micro_batch_size": 2 * r.micro_batch_size})
-    if m.n_experts and not m.expert_parallel:
+    if dp > 1 and m.n_experts and not m.expert_parallel:                 # a lone dp rank holds every expert anyway
         found.append({"expert_parallel": True})
-    if m.fsdp_gather == "step" and r.n_device_axis[0] // r.n_slices > 1:     # FSDP shards in a slice
+    if m.fsdp_gather == "step" and dp // r.n_slices > 1:                # FSDP shards in a slice
         found.append({"fsdp_gather": "tick"})
     return found
 

@@ -46,6 +46,15 @@ def test_every_setting_is_valid_and_keeps_the_global_batch():
         assert utils.override(MODEL, **change) == cfg, change
 
 
+def test_no_setting_is_compiled_that_cannot_change_this_mesh():
+    """On one device (a one-chip TPU VM, where each compile takes the chip's compiler most of a minute): no
+    micro-batches without a pipeline to fill (one stage keeps them all; the chip planned more with them), no expert
+    parallelism without a second dp rank, no FSDP staging without FSDP shards."""
+    singles, _, _ = planner.candidates(utils.override(MODEL, n_device_axis=(1, 1, 1)), 1)
+    assert [c for c, _ in singles] == [{"remat": "full"}, {"train_batch_size": 8, "grad_step": 2},
+                                       {"train_batch_size": 4, "grad_step": 4}]
+
+
 def test_the_printed_command_parses_to_the_chosen_config():
     argv = ["--preset", "tiny", "--grad_step", "1", "--remat=dots", "--expert_parallel", "--T", "64", "--name", "a b"]
     change = {"grad_step": 2, "remat": "full", "expert_parallel": True, "train_batch_size": 8}
