@@ -158,16 +158,16 @@ def _check_writable(directory, state):
                                     f"needs about {need / 2**20:.1f} MiB)", directory)
 
 
-def restore_latest(mngr, abstract_state, run_dir, mc):
-    """(state, meta) from the newest readable checkpoint, restored straight onto the current mesh's
-    shardings (so a checkpoint saved on any mesh restores on this one); None when there is none.
+def restore_latest(mngr, abstract_state, run_dir, mc, steps=None):
+    """(state, meta) from the newest readable checkpoint (of `steps`; None: of all), restored straight onto the
+    current mesh's shardings (so a checkpoint saved on any mesh restores on this one); None when there is none.
 
     The newest readable metadata is compared with the model config first (`check_model`): a change of
     shape raises RunRefused before anything is touched. A checkpoint that then fails to read is moved to
     run_dir/unreadable_checkpoints with a warning naming the cause, once an older one has restored
     (run_dir None: left in place). When none restores: RunRefused, nothing moved."""
-    steps = sorted(mngr.all_steps(), reverse=True)
-    newest = newest_meta(mngr)         # an unreadable checkpoint is skipped here, reported below
+    steps = sorted(mngr.all_steps() if steps is None else steps, reverse=True)
+    newest = newest_meta(mngr, steps)  # an unreadable checkpoint is skipped here, reported below
     if newest is not None:
         check_model(newest[1].get("model") or {}, mc, f"{mngr.directory}/{newest[0]}")
     failed = []
@@ -194,10 +194,10 @@ def restore_latest(mngr, abstract_state, run_dir, mc):
     return None
 
 
-def newest_meta(mngr):
-    """(step, metadata) of the newest checkpoint whose metadata (step, data position, run id, model config)
-    reads, without its arrays; None when there is none."""
-    for step in sorted(mngr.all_steps(), reverse=True):
+def newest_meta(mngr, steps=None):
+    """(step, metadata) of the newest checkpoint (of `steps`; None: of all) whose metadata (step, data position,
+    run id, model config) reads, without its arrays; None when there is none."""
+    for step in sorted(mngr.all_steps() if steps is None else steps, reverse=True):
         try:
             return step, mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception:

@@ -478,7 +478,9 @@ def read_checkpoint(run_dir, step=None, check=lambda mc, where: None):
 def _exportable(mc, where):
     wrong = export_refusals(mc)
     if wrong:
-        raise ConvertError(f"{where} holds a model with no DeepSeek-V3 equivalent: {'; '.join(wrong)}")
+        presets = " or ".join(f"--preset {name}" for name, cfg in utils.PRESETS.items() if not export_refusals(cfg.model))
+        raise ConvertError(f"{where} holds a model with no DeepSeek-V3 equivalent: {'; '.join(wrong)}; python main.py "
+                           f"{presets} trains one that exports, as does this model with those flags")
 
 
 def to_hf(run_dir, hf_dir, step=None, max_shard_bytes=5 * 10**9, say=print):

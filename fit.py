@@ -50,8 +50,9 @@ def check_fits(cfg, trainer, state_only=False):
 
 def fit_to_devices(cfg, mesh, say=print):
     """--fit on a run: cfg's train step compiled for this mesh and, when its plan exceeds what the devices
-    have, the setting of fewest compiled FLOPs that fits (planner.py); returns the config to run, and says
-    which. Every process measures against the least memory any process's devices have, so all choose alike."""
+    have, the setting of fewest compiled FLOPs that fits (planner.py); returns the config to run and its Trainer
+    with the step compiled (None where nothing was), and says which. Every process measures against the least
+    memory any process's devices have, so all choose alike."""
     memory = device_memory(mesh)
     budget = np.float64(-1.0 if memory is None else memory[0] / memory[1] / GiB)
     if jax.process_count() > 1:
@@ -59,20 +60,20 @@ def fit_to_devices(cfg, mesh, say=print):
         budget = np.float64(-1.0) if (budgets < 0).any() else budgets.min()
     if budget < 0:
         say("--fit: this runtime does not say its devices' memory; the run goes as given")
-        return cfg
-    gib = pod.train_plan(cfg, mesh)[0]
-    if gib <= budget:
-        say(f"--fit: the train step plans {gib:.2f} of {budget:.2f} GiB a device; the run goes as given")
-        return cfg
-    say(f"--fit: the train step plans {gib:.2f} GiB a device, more than the {budget:.2f} GiB it has; compiling "
-        f"the settings that trade compute for memory:")
+        return cfg, None
+    as_given = pod.train_plan(cfg, mesh)
+    if as_given.gib <= budget:
+        say(f"--fit: the train step plans {as_given.gib:.2f} of {budget:.2f} GiB a device; the run goes as given")
+        return cfg, as_given.trainer
+    say(f"--fit: the train step plans {as_given.gib:.2f} GiB a device, more than the {budget:.2f} GiB it has; "
+        f"compiling the settings that trade compute for memory:")
     chosen, _ = planner.cheapest_fit(cfg, mesh.size, budget, lambda c: pod.train_plan(c, mesh), say)
     if chosen is None:
         raise RunRefused(f"--fit: no setting that trades compute for memory makes this run fit {budget:.2f} GiB a "
                          f"device; a larger pp or tp, a smaller model or more devices")
     say(f"--fit: running with {planner.flags(chosen.changes)} ({chosen.gib:.2f} GiB a device, FLOPs "
         f"{chosen.flops_ratio:.2f}x the model's)")
-    return chosen.cfg
+    return chosen.cfg, chosen.trainer
 
 
 def compile_train_step(cfg, trainer, argv, say=print, program="python main.py"):
@@ -81,7 +82,8 @@ def compile_train_step(cfg, trainer, argv, say=print, program="python main.py"):
     refuses it, as XLA:TPU does, or its plan exceeds the memory the runtime reports) is OutOfMemory, after the
     settings that trade compute for memory are compiled (planner.py) to name the cheapest that fits."""
     mesh = trainer.data_sharding.mesh
-    compiled = compile_step(trainer.step, abstract_step_args(cfg, trainer)[0], cfg, mesh, argv, say, program)
+    compiled = trainer.step if isinstance(trainer.step, jax.stages.Compiled) else compile_step(    # --fit's
+        trainer.step, abstract_step_args(cfg, trainer)[0], cfg, mesh, argv, say, program)
     memory, platform = device_memory(mesh), mesh.devices.flat[0].platform
     if memory is not None and platform != "cpu":     # an accelerator's own memory (a CPU's is the host's)
         gib, have = pod.planned_gib(compiled.memory_analysis(), platform), memory[0] / GiB

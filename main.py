@@ -7,7 +7,8 @@ flag (`python main.py --help`). A run lives in OUTPUT_DIR/NAME (rundir.py: metri
 its checkpoints in OUTPUT_DIR/NAME/checkpoints (checkpoints.py); starting the same command again
 resumes from the newest readable checkpoint, exactly: the data loader is a pure function of the
 sequences consumed, and they, the RNG key, the optimizer state, the step and the model config are in
-the checkpoint. SIGTERM, SIGHUP, Ctrl-C or a lost terminal: finish the step, save, exit 0 (a SIGHUP
+the checkpoint. SIGTERM, SIGHUP, Ctrl-C or a lost terminal: finish the step (or the piece of an interval's
+evaluation, tasks or sample under way), save, exit 0 (a SIGHUP
 ignored at start, as nohup does, stays ignored). No progress for --hang_timeout s (a host stopped or lost mid-collective): every thread's stack to stderr, exit 3;
 SIGUSR1: the stacks now, and go on (multihost.Watchdog).
 
@@ -20,7 +21,7 @@ Read it from the bottom: `main` sets up the devices and calls `train`, whose loo
 metrics.py, save, sample) in small functions above it.
 """
 import dataclasses
-import json
+import functools
 import sys
 import time
 import uuid
@@ -51,7 +52,7 @@ from data.tokenizer import get_tokenizer
 from metrics import Diverged, evaluate as val_loss_and_balance, log_interval
 from multihost import log, set_up_devices
 from progress import Progress
-from rundir import Logger, RunRefused, lock_run_dir, os_error, run_dir_of, set_aside_previous_run, write_whole
+from rundir import Logger, RunRefused, lock_run_dir, metrics_records, os_error, run_dir_of, set_aside_previous_run
 from tasks import TaskError
 from trainer import Trainer, build_trainer
 
@@ -111,11 +112,12 @@ def check_data_source(cfg):
 def open_run(cfg, mesh):
     """Take the run directory, print the run's header, load the data, restore or start the state; with --fit
     first the setting that fits the devices (fit.fit_to_devices), which the run's config then holds."""
+    trainer = None
     if cfg.run.fit:
         # the state alone first, from shapes (seconds): no setting --fit compiles makes it smaller
         fit.check_fits(cfg, build_trainer(cfg, mesh), state_only=True)
-        cfg = fit.fit_to_devices(cfg, mesh, log)
-    trainer = build_trainer(cfg, mesh)            # shapes and shardings: nothing compiled or allocated yet
+        cfg, trainer = fit.fit_to_devices(cfg, mesh, log)       # with the train step it compiled, if it did
+    trainer = trainer or build_trainer(cfg, mesh)   # shapes and shardings: nothing compiled or allocated yet
     fit.check_fits(cfg, trainer)                  # before the run directory is touched or anything allocated
     rc, proc0 = cfg.run, jax.process_index() == 0
     run_dir = run_dir_of(rc)
@@ -131,6 +133,8 @@ def open_run(cfg, mesh):
     compile_checksums(trainer.abstract_state)
     restored = restore_latest(mngr, trainer.abstract_state, run_dir, cfg.model)
     state, meta = restored if restored is not None else (trainer.fresh_state(rc.seed), None)
+    if meta is None:              # once per run: a resume's log follows the first session's, which has it
+        print_mfu_formula()
     start_step, start_seq, run_id = start_position(meta, cfg)
     if meta is not None:
         log(f"resumed from {mngr.directory}/{start_step}: step {start_step}, data position {start_seq} "
@@ -170,6 +174,10 @@ def print_header(cfg):
         f"(active: used per token, without the embedding)")
     log(f"mesh: {utils.mesh_words(cfg)} over {dp * pp * tp} of {jax.device_count()} "
         f"{jax.devices()[0].device_kind} device(s), {jax.process_count()} process(es)")
+
+
+def print_mfu_formula():
+    """How MFU is counted: a long line, printed when a run starts fresh (once per run directory)."""
     log(f"{hardware.MFU_FORMULA}; model FLOPs per token = {sharding.FLOPS_PER_TOKEN} (rope_layers: every layer with "
         f"--rope_all_layers, else the dense ones); pipeline bubbles and remat are not counted")
 
@@ -254,19 +262,59 @@ def sample_text(state, cfg, ids, step):
     return enc.decode([t for t in new if t < enc.n_vocab])
 
 
-def score_tasks(run, state, step):
-    """--eval_tasks scored with the state of step `step`: a record and a line each. A task that fails is a
-    warning, as a sample is: the step's checkpoint is written before, the other tasks are scored, and the run
-    goes on."""
+@dataclasses.dataclass
+class Interval:
+    """The work after step `step` (end_interval's: evaluation, checkpoint, tasks, sample) as far as it went. A
+    stop between its pieces leaves the rest undone: to --eval_on_stop after the stop's checkpoint (`stopped`),
+    and a checkpoint's tasks to the next resume (`resumed`)."""
+    step: int
+    evaluated: bool = False
+    val_ce: float = None                # the evaluation's val cross-entropy
+    reached: bool = False               # it met --stop_at_val_loss
+    saved: bool = False                 # the checkpoint of `step` is written or being written
+    tried: set = dataclasses.field(default_factory=set)  # the tasks scored (or failed): indices in run.tasks.tasks
+    sampled: bool = False
+
+
+def evaluate_interval(run, progress, state, interval, stop=lambda: False):
+    """The interval's evaluation, record and line, unless done; a stop between its batches leaves it undone."""
+    if not interval.evaluated:
+        interval.val_ce = log_interval(run, progress.meter, state, interval.step, stop)
+        interval.evaluated = interval.val_ce is not None
+        progress.done("eval")
+
+
+def score_tasks(run, progress, state, interval, stop=lambda: False):
+    """The --eval_tasks not tried yet, scored with the state of interval.step: a record and a line each; a stop
+    before a task leaves it and the rest unscored. A task that fails is a warning, as a sample is: the step's
+    checkpoint is written before, the other tasks are scored, and the run goes on."""
+    step = interval.step
     for i, task in enumerate(run.tasks.tasks):
+        if i in interval.tried:
+            continue
+        if stop():
+            break
+        interval.tried.add(i)           # failed or not: on every process, which then agree on what is left
         try:
-            record = run.tasks.score(i, run.trainer, state)
+            record = run.tasks.score(i, run.trainer, state, stop=stop)
         except Exception as e:
             log(f"WARNING: scoring --eval_tasks {task.name} at step {step} failed ({type(e).__name__}: {e}); "
                 f"training goes on")
             continue
+        if record is None:              # a stop between its batches: left for --eval_on_stop or the resume
+            interval.tried.discard(i)
+            break
         run.logger.metrics(metrics_schema.metrics_record("tasks", step, **record))
         log(f"task @ {step}: {scoring.line(record)}")
+    progress.done("tasks")
+
+
+def sample_interval(run, progress, state, interval, stop=lambda: False):
+    """The interval's sample, unless done or a stop came."""
+    if not interval.sampled and not stop():
+        sample(run, state, interval.step)
+        interval.sampled = True
+        progress.done("sample")
 
 
 def close_run(run):
@@ -277,24 +325,24 @@ def close_run(run):
     run.loader.close()
 
 
-def stopped(run, state, step, progress):
-    """A stop (SIGTERM, SIGHUP, Ctrl-C, a lost terminal, or another host's) after step `step`: its checkpoint
-    first, written and said where, the cause in metrics.jsonl; only then, with --eval_on_stop, the
-    evaluation, task scores and sample a checkpoint's interval would have done (a preemptible TPU gives ~30 s:
-    nothing compiles or evaluates before the save)."""
-    save_checkpoint(run, step, state, None, force=True)
+def stopped(run, state, progress, interval):
+    """A stop (SIGTERM, SIGHUP, Ctrl-C, a lost terminal, or another host's) after step interval.step, wherever
+    it came (a step, the interval's work): its checkpoint first (the interval's own, if already begun, is not
+    written twice), written and said where, the cause in metrics.jsonl; only then, with --eval_on_stop, what
+    the interval left of its evaluation, the task scores (a stop's checkpoint is a checkpoint) and its sample
+    (a preemptible TPU gives ~30 s: nothing compiles or evaluates before the save)."""
+    step = interval.step
+    if not interval.saved:
+        save_checkpoint(run, step, state, interval.val_ce, force=True)
     wait_for_save(run.mngr)
     progress.done("checkpoint")
     cause = progress.signals.signal or "stop requested on another host"
     log(f"{cause}: checkpoint of step {step} written to {run.mngr.directory}/{step} (the same command resumes it)")
     run.logger.metrics(metrics_schema.metrics_record("event", step, event="stop", cause=cause))
     if run.cfg.run.eval_on_stop:
-        log_interval(run, progress.meter, state, step)
-        progress.done("eval")
-        score_tasks(run, state, step)
-        progress.done("tasks")
-        sample(run, state, step)
-        progress.done("sample")
+        evaluate_interval(run, progress, state, interval)
+        score_tasks(run, progress, state, interval)
+        sample_interval(run, progress, state, interval)
     progress.report(step, final=True)
     close_run(run)
     return 0
@@ -355,17 +403,16 @@ def train(cfg, mesh, argv=()):
         close_run(run)
         raise
     state, step, batches = run.state, run.start_step, run.loader.iterate(0)
-    val_ce, reached, last_saved = None, False, None
+    interval = resumed(run)
+    progress.done("compile")
+    score_lost_tasks(run, progress, state, interval)
     try:
-        while step < cfg.optim.training_steps and not reached:
+        while step < cfg.optim.training_steps and not interval.reached and not progress.stopping:
             state, metrics = run.trainer.step(state, next_batch(batches, cfg.optim.grad_step))
             step += 1
             check_saves(run.mngr)                 # a save in flight that failed stops the run here
-            if progress.stepped(step, metrics):
-                if progress.stopping:
-                    break
-                val_ce, reached, saved = end_interval(run, progress, state, step)
-                last_saved = step if saved else last_saved
+            if progress.stepped(step, metrics) and not progress.stopping:
+                interval = end_interval(run, progress, state, step)
         progress.fetch_all(f"the last step ({step}); then its checkpoint")
     except (Diverged, dataset.DataError):       # the state is sound: the checkpoint in flight completes
         progress.close()
@@ -386,43 +433,85 @@ def train(cfg, mesh, argv=()):
         raise oom from None
     progress.close()
     if progress.stopping:
-        return stopped(run, state, step, progress)
-    return finish(run, state, step, val_ce, last_saved == step, progress)
+        return stopped(run, state, progress, interval if interval.step == step else Interval(step))
+    return finish(run, state, step, interval.val_ce, interval.saved, progress)
 
 
 def end_interval(run, progress, state, step):
     """After step `step`: evaluate and log, save and score the tasks every tenth interval (and at the last
-    step or the val target), sample. Returns (val CE, whether it reached --stop_at_val_loss, whether it saved)."""
-    rc = run.cfg.run
+    step or the val target), sample. A stop agreed before any of these, between the evaluation's batches or
+    between tasks leaves the rest undone (`stopped` then saves at once). Returns the Interval."""
+    rc, interval = run.cfg.run, Interval(step)
+    stop = functools.partial(progress.stop_agreed, step)
     progress.fetch_all(f"the evaluation, checkpoint and sample after step {step}")
-    val_ce = log_interval(run, progress.meter, state, step)
-    progress.done("eval")
-    reached = val_target_reached(val_ce, rc)
-    if reached:
-        log(f"val loss {val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: stopping here, "
-            f"as at the last step")
-    save = step % (10 * rc.checkpoint_steps) == 0 or step == run.cfg.optim.training_steps or reached
-    if save:
-        save_checkpoint(run, step, state, val_ce)
+    evaluate_interval(run, progress, state, interval, stop)
+    interval.reached = interval.evaluated and val_target_reached(interval.val_ce, rc)
+    if interval.reached:
+        log(f"val loss {interval.val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: stopping "
+            f"here, as at the last step")
+    due = step % (10 * rc.checkpoint_steps) == 0 or step == run.cfg.optim.training_steps or interval.reached
+    if due and not stop():
+        save_checkpoint(run, step, state, interval.val_ce)
+        interval.saved = True
         progress.done("checkpoint")
-        score_tasks(run, state, step)              # at every checkpoint, the last step's included
-        progress.done("tasks")
-    sample(run, state, step)
-    progress.done("sample")
-    progress.interval_done(step, save)
-    return val_ce, reached, save
+        score_tasks(run, progress, state, interval, stop)      # at every checkpoint, the last step's included
+    sample_interval(run, progress, state, interval, stop)
+    if not stop():                        # asked once more: a stop during the sample saves this step, not the next
+        progress.interval_done(step, interval.saved, last=interval.reached or step == run.cfg.optim.training_steps)
+    return interval
 
 
-def newest_checkpoint_config(cfg, flag):
-    """(cfg with the model config the run's newest readable checkpoint recorded, validated, and the run's
-    checkpoints, read-only); RunRefused for a run with none."""
+def resumed(run):
+    """The Interval of the step this process starts from, all done (a checkpoint's evaluation and sample are
+    not redone) but for the --eval_tasks of a checkpoint that scores them (every tenth interval's) whose records
+    metrics.jsonl lacks: a kill or a stop cut its scoring short. Only the checkpoint resumed from: an older
+    one's state would need restoring beside this one (`--evaluate --step N` scores any kept)."""
+    n_tasks, rc = len(run.tasks.tasks), run.cfg.run
+    interval = Interval(run.start_step, evaluated=True, saved=True, tried=set(range(n_tasks)), sampled=True)
+    if run.meta is not None and n_tasks and run.start_step % (10 * rc.checkpoint_steps) == 0:
+        interval.tried = {i for i, recorded in enumerate(tasks_recorded(run, run.start_step)) if recorded}
+    return interval
+
+
+def tasks_recorded(run, step):
+    """Whether metrics.jsonl holds a record of step `step` for each --eval_tasks task ([tasks] of 0 or 1): read by
+    process 0, which alone writes it, and sent to the others, so that every process scores the same tasks."""
+    recorded_T = np.zeros(len(run.tasks.tasks), np.int32)
+    if jax.process_index() == 0:
+        names = {r.get("task") for r in metrics_records(run_dir_of(run.cfg.run)) if r.get("step") == step}
+        recorded_T[:] = [task.name in names for task in run.tasks.tasks]
+    if jax.process_count() > 1:
+        recorded_T = np.asarray(multihost_utils.broadcast_one_to_all(recorded_T))
+    return recorded_T
+
+
+def score_lost_tasks(run, progress, state, interval):
+    """Before the first step: the tasks `resumed` found unscored, with the state resumed (a stop between them
+    is honoured, as during training)."""
+    lost = [task.name for i, task in enumerate(run.tasks.tasks) if i not in interval.tried]
+    if lost:
+        log(f"the checkpoint of step {interval.step} has no score of --eval_tasks {','.join(lost)} (its scoring "
+            f"was cut short): scoring them now")
+        progress.signals.compiling = None     # the training step is compiled: a Ctrl-C stops after this task
+        score_tasks(run, progress, state, interval, functools.partial(progress.stop_agreed, interval.step))
+
+
+def checkpoint_config(cfg, flag):
+    """(cfg with the model config that the checkpoint of --step (0: the run's newest readable one) recorded,
+    validated, and the run's checkpoints, read-only); RunRefused for a run with none, or a --step it does not
+    keep (naming those it keeps)."""
     mngr = checkpoint_manager(run_dir_of(cfg.run), read_only=True)
-    newest = newest_meta(mngr)
-    if newest is None:
-        raise RunRefused(f"{flag}: no readable checkpoint in {mngr.directory}; train the run first")
+    kept, step = sorted(mngr.all_steps()), cfg.run.step
+    if step and step not in kept:
+        raise RunRefused(f"--step {step}: {mngr.directory} keeps no checkpoint of that step; " + (
+            f"it keeps steps {', '.join(map(str, kept))}" if kept else "it keeps none: train the run first"))
+    chosen = newest_meta(mngr, [step] if step else kept)
+    if chosen is None:
+        raise RunRefused(f"{flag}: no readable checkpoint {f'of step {step} ' if step else ''}in {mngr.directory}"
+                         + ("" if kept else "; train the run first"))
     fields = {f.name for f in dataclasses.fields(utils.ModelConfig)}
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, **{k: v for k, v in (newest[1].get("model") or {}).items() if k in fields}))
+        cfg.model, **{k: v for k, v in (chosen[1].get("model") or {}).items() if k in fields}))
     return validate_on_devices(cfg), mngr
 
 
@@ -433,10 +522,11 @@ def validate_on_devices(cfg):
 
 
 def restore_on_this_mesh(cfg, mngr):
-    """(trainer, state, metadata) of the newest readable checkpoint, restored on --n_device_axis whatever
-    mesh saved it."""
+    """(trainer, state, metadata) of the checkpoint of --step (0: the newest readable one), restored on
+    --n_device_axis whatever mesh saved it."""
     trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
-    state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model)
+    steps = [cfg.run.step] if cfg.run.step else None
+    state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model, steps)
     mngr.close()
     return trainer, state, meta
 
@@ -445,7 +535,7 @@ def sample_from_checkpoint(cfg):
     """--sample: print one sample for --prompt from the run's newest readable checkpoint, write nothing. The
     key is the one training samples with at that step, so on the same mesh the text is the one samples.txt
     holds."""
-    cfg, mngr = newest_checkpoint_config(cfg, "--sample")
+    cfg, mngr = checkpoint_config(cfg, "--sample")
     ids = prompt_ids(cfg.inference, cfg.model.T)
     trainer, state, meta = restore_on_this_mesh(cfg, mngr)
     text = sample_text(state, cfg, ids, int(meta["step"]))
@@ -454,24 +544,38 @@ def sample_from_checkpoint(cfg):
 
 
 def evaluate_checkpoint(cfg):
-    """--evaluate: the val set's cross-entropy and bits per byte and --eval_tasks' scores of the run's newest
-    readable checkpoint on this mesh, printed and written to OUTPUT_DIR/NAME/evaluation-STEP.json (whole or
-    not at all) with every request's log-likelihood; nothing else is written."""
-    cfg, mngr = newest_checkpoint_config(cfg, "--evaluate")
+    """--evaluate: the val set's cross-entropy and bits per byte and --eval_tasks' scores of the checkpoint of
+    --step (0: the run's newest readable one) on this mesh, printed as they come and written to
+    OUTPUT_DIR/NAME/evaluation-STEP.json (whole or not at all, beside an earlier one of that step, never over it)
+    with every request's log-likelihood; nothing else is written. A task that fails is a line, and `failed` in
+    the file; the other tasks are scored and written, and the exit is 1."""
+    cfg, mngr = checkpoint_config(cfg, "--evaluate")
     tasks = task_scorer(cfg)
     trainer, state, meta = restore_on_this_mesh(cfg, mngr)
-    step = int(meta["step"])
+    step, run_dir = int(meta["step"]), run_dir_of(cfg.run)
     _, val_batches, bytes_per_token = load_data(cfg, trainer.data_sharding)
     val_ce = val_loss_and_balance(trainer, state, val_batches)[0]
     result = {"checkpoint": f"{mngr.directory}/{step}", "step": step, "mesh": list(cfg.run.n_device_axis),
-              "val_loss": val_ce, "val_bpb": metrics_schema.bits_per_byte(val_ce, bytes_per_token),
-              "tasks": tasks(trainer, state, with_requests=True)}
+              "val_loss": val_ce, "val_bpb": metrics_schema.bits_per_byte(val_ce, bytes_per_token), "tasks": [],
+              "failed": {}}
     log(f"evaluation @ {step} of {mngr.directory}: val cross-entropy {val_ce:.4f} nats, {result['val_bpb']:.4f} "
-        f"bits per byte" + "".join(f"\n{scoring.line(record)}" for record in result["tasks"]))
+        f"bits per byte")
+    for name, record, failure in tasks.each(trainer, state, with_requests=True):
+        if record:
+            result["tasks"].append(record)
+        else:
+            result["failed"][name] = failure
+        log(scoring.line(record) if record else f"{name}: not scored ({failure})")
     if jax.process_index() == 0:
-        name = write_whole(run_dir_of(cfg.run), f"evaluation-{step}.json", json.dumps(result, indent=1) + "\n")
-        log(f"written to {name}")
-    return 0
+        try:
+            log(scoring.write_evaluation(run_dir, result))
+        except OSError as e:
+            raise SaveFailed(f"--evaluate: the evaluation of step {step} cannot be written in {run_dir} "
+                             f"({os_error(e)}); nothing was left there, its numbers are the lines above") from None
+    if result["failed"]:
+        print(f"error: --eval_tasks {','.join(result['failed'])} could not be scored (the lines above say why); the "
+              f"other tasks' scores are written", file=sys.stderr)
+    return 1 if result["failed"] else 0
 
 
 def prompt_ids(ic, T):

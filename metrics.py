@@ -87,10 +87,11 @@ class Meter:
                       f"its update was skipped (parameters, Adam moments and routing bias unchanged), "
                       f"{len(self.bad_steps)} in a row of --max_bad_steps {self.max_bad}")
 
-    def take_interval(self):
-        """(step records, their device metrics, seconds per step or None) of the interval, which starts
-        over; the step time is the first step's (compilation included) when no other step was timed."""
-        elapsed = time.perf_counter() - self.t if self.t is not None else 0.0
+    def take_interval(self, until):
+        """(step records, their device metrics, seconds per step or None) of the interval, its steps timed up to
+        `until` (a perf_counter time), which starts over; the step time is the first step's (compilation
+        included) when no other step was timed."""
+        elapsed = until - self.t if self.t is not None else 0.0
         recs, device = [r for r, _ in self.interval], [m for _, m in self.interval]
         step_time = elapsed / self.steps if self.steps and elapsed > 0 else None
         self.interval, self.steps = [], 0
@@ -124,24 +125,27 @@ class Earlier:
 
 
 def earlier_sessions(records, start_step):
-    """Earlier from metrics.jsonl's records (records written before sessions were recorded count only for
-    redone_steps and last_time)."""
+    """Earlier from metrics.jsonl's records, each of a shape metrics_schema.problem accepts (records written
+    before sessions were recorded count only for redone_steps and last_time; a phase added since a goodput
+    record was written counts 0 s in it)."""
     sessions = []                               # [start, last goodput record, last record's time]
     for r in records:
-        if r.get("event") in ("start", "resume") and "process_start" in r:
+        kind = metrics_schema.kind_of(r)
+        if kind == "event" and r["event"] in ("start", "resume") and "process_start" in r and "time" in r:
             sessions.append([r["process_start"], None, r["time"]])
-        elif sessions and "redone_steps" in r:
+        elif sessions and kind == "goodput":
             sessions[-1][1] = r
         if sessions and "time" in r:
             sessions[-1][2] = max(sessions[-1][2], r["time"])
     earlier = Earlier(sessions=len(sessions), first_start=sessions[0][0] if sessions else None,
                       seconds=dict.fromkeys(Goodput.PHASES, 0.0),
                       last_time=max((r["time"] for r in records if "time" in r), default=None),
-                      redone_steps=max(0, max((r["step"] for r in records if "loss" in r), default=0) - start_step))
+                      redone_steps=max(0, max((r["step"] for r in records if metrics_schema.kind_of(r) == "step"),
+                                              default=0) - start_step))
     for i, (start, goodput, last) in enumerate(sessions):
         known = start + goodput["wall_s"] if goodput else start
         for p in Goodput.PHASES:
-            earlier.seconds[p] += goodput[f"{p}_s"] if goodput else 0.0
+            earlier.seconds[p] += goodput.get(f"{p}_s", 0.0) if goodput else 0.0
         earlier.lost_s += max(0.0, last - known)
         if i + 1 < len(sessions):
             earlier.down_s += max(0.0, sessions[i + 1][0] - last)
@@ -232,23 +236,38 @@ def say(bar, text):
         bar.write(text)
 
 
-def evaluate(trainer, state, val_batches):
-    """(val cross-entropy, val balance term), means over the fixed validation batches."""
-    results = [trainer.eval_step(state["params"], state["router_bias"], x, y) for x, y in val_batches]
+def evaluate(trainer, state, val_batches, stop=lambda: False):
+    """(val cross-entropy, val balance term), means over the fixed validation batches; None when stop() says so
+    before a batch. The host waits for each batch while the next one runs, so a stop waits for the two in flight
+    at most (all dispatched at once, it would wait for the whole evaluation)."""
+    results = []
+    for x, y in val_batches:
+        if len(results) > 1:
+            jax.block_until_ready(results[-2])
+        if stop():
+            return None
+        results.append(trainer.eval_step(state["params"], state["router_bias"], x, y))
     return float(np.mean([float(r[0]) for r in results])), float(np.mean([float(r[1]) for r in results]))
 
 
-def log_interval(run, meter, state, step):
-    """Evaluate and write the interval's record (metrics_schema.METRICS["interval"]) and line; returns val CE."""
+def log_interval(run, meter, state, step, stop=lambda: False):
+    """Evaluate and write the interval's record (metrics_schema.METRICS["interval"]) and line; returns val CE, or
+    None when stop() ended the evaluation (`evaluate`), the interval's steps then kept for a later call."""
     cfg, (dp, pp, tp) = run.cfg, run.cfg.run.n_device_axis
     meter.fetch()
-    recs, device, step_time = meter.take_interval()
+    steps_end = time.perf_counter()          # the steps are timed up to here, not through the evaluation
+    evaluated = evaluate(run.trainer, state, run.val_batches, stop)
+    if evaluated is None:
+        return None
+    val_ce, val_bal = evaluated
+    recs, device, step_time = meter.take_interval(steps_end)
     tok_s = run.sequences_per_step * cfg.model.T / step_time if step_time else None
     step_time = step_time or meter.first_step_s
-    val_ce, val_bal = evaluate(run.trainer, state, run.val_batches)
     val_bpb = metrics_schema.bits_per_byte(val_ce, run.val_bytes_per_token)
     experts = expert_stats(device)
     spread, idle = load_spread(np.asarray(experts["expert_load"]))
+    first = interval_start(step, cfg.run.checkpoint_steps)
+    partial = recs[0]["step"] > first
     peak = hardware.peak_flops(jax.devices()[0].device_kind)
     util = hardware.mfu(tok_s, sharding.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
     rec = metrics_schema.metrics_record(
@@ -257,13 +276,28 @@ def log_interval(run, meter, state, step):
         lr=recs[-1]["lr"], grad_norm=recs[-1]["grad_norm"], tokens_per_s=tok_s, step_time_s=step_time, mfu=util,
         **experts, expert_load_spread=spread if idle is None else None,
         drop_rate=float(np.mean([r["drop_rate"] for r in recs])), balance=float(np.mean([r["balance"] for r in recs])),
-        skipped_steps=recs[-1]["skipped_steps"], **meter.watch.interval())
+        skipped_steps=recs[-1]["skipped_steps"], steps=len(recs), partial=partial, **meter.watch.interval())
     run.logger.metrics(rec)
     say(meter.bar, f"step {step:>6} | loss {recs[-1]['loss']:.4f} | val {val_ce:.4f} ({val_bpb:.3f} bpb) | "
                    f"lr {rec['lr']:.2e} | grad {rec['grad_norm']:.3f} | "
                    f"{(f'{tok_s:,.0f}' if tok_s else 'n/a'):>8} tok/s | step {step_time * 1e3:.0f} ms | MFU {(f'{100 * util:.1f}%' if util is not None else 'n/a')} | "
-                   f"load max/min {spread:.2f}{idle or ''} | drop {100 * rec['drop_rate']:.2f}%")
+                   f"{load_words(spread, idle, partial)} | drop {100 * rec['drop_rate']:.2f}%"
+                   + (f" | partial interval: steps {recs[0]['step']}-{step} of {first}-{step}, the others trained "
+                      f"before the resume" if partial else ""))
     return val_ce
+
+
+def interval_start(step, checkpoint_steps):
+    """The first step of the interval that ends at `step` (the last one's may be cut short by --training_steps)."""
+    return (step - 1) // checkpoint_steps * checkpoint_steps + 1
+
+
+def load_words(spread, idle, partial):
+    """The line's expert loads. An expert idle over a partial interval's few steps (the first interval after
+    a resume) is no sign of collapse, as its whole interval would likely have routed it some: n/a, not flagged."""
+    if idle is not None and partial:
+        return "load max/min n/a"
+    return f"load max/min {spread:.2f}{idle or ''}"
 
 
 def load_spread(load):

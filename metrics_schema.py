@@ -1,8 +1,10 @@
 """The metrics schema: every field main.py writes to RUN_DIR/metrics.jsonl, and what it means (plot.py and
 docs/training.md read them from here, without loading jax). Each record has "step" and "time" (Unix seconds
 when it was made); its other fields are those of one kind. A per-MoE-layer value is a list indexed by layer
-(expert_load: per layer, per expert); wandb gets NAME/layerI (and NAME/layerI/expertJ).
+(expert_load: per layer, per expert); wandb gets NAME/layerI (and NAME/layerI/expertJ). `parse` takes a line
+back to its record, or says why the line holds none (rundir.metrics_records, the one reader, skips it).
 """
+import json
 import math
 import time
 
@@ -42,6 +44,9 @@ METRICS = {
         "skipped_steps": "updates skipped as spikes so far",
         "max_loss_jump": "largest loss_jump of the interval",
         "max_grad_norm_ratio": "largest grad_norm_ratio of the interval",
+        "steps": "steps whose statistics the record holds (train_loss, drop_rate, balance, the experts' loads)",
+        "partial": "whether steps of the interval are missing from those: trained by an earlier session, before the "
+                   "checkpoint this one resumed from (the loads of a few steps can leave an expert idle)",
     },
     "final": {      # once, when the run ends
         "final_val_loss": "validation cross-entropy at the end",
@@ -90,6 +95,90 @@ METRICS = {
               "cause": "what stopped the run: SIGTERM, SIGINT, SIGHUP, stdout/stderr lost (a closed terminal or "
                        "pipe) or another host's stop"},
 }
+
+
+# Each kind's fields that every record of it holds, in every version of main.py (fields added later are
+# optional: an older run's records lack them); the first marks the kind.
+REQUIRED = {"step": ("loss",), "interval": ("val_loss",), "final": ("final_val_loss",), "tasks": ("task", "acc", "bpb"),
+            "goodput": ("wall_s",), "run_goodput": ("run_wall_s",), "event": ("event",)}
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _per_layer(v):
+    return isinstance(v, list) and len(v) > 0 and all(x is None or _number(x) for x in v)
+
+
+def _per_expert(v):
+    return isinstance(v, list) and len(v) > 0 and all(map(_per_layer, v)) and len({len(layer) for layer in v}) == 1
+
+
+OPTIONAL_NUMBER = ("a number or null", lambda v: v is None or _number(v))   # a non-finite float is written null
+NUMBER, COUNT = ("a number", _number), ("a whole number", _count)
+FLAG, TEXT = ("true or false", lambda v: isinstance(v, bool)), ("a string", lambda v: isinstance(v, str))
+# (what, test) of each field whose JSON type is not OPTIONAL_NUMBER
+TYPES = {"step": COUNT, "time": NUMBER, "skipped_steps": COUNT, "update_skipped": FLAG, "nonfinite": FLAG,
+         "steps": COUNT, "partial": FLAG, "expert_load": ("a list per MoE layer of as many numbers each", _per_expert),
+         **dict.fromkeys(("idle_expert_fraction", "load_max_over_mean", "layer_drop_rate", "layer_balance"),
+                         ("a list of numbers, one per MoE layer", _per_layer)),
+         "task": TEXT, "acc": NUMBER, "examples": COUNT, "cut_on_the_left": COUNT, "seconds": NUMBER,
+         **{name: NUMBER for kind in ("goodput", "run_goodput") for name in METRICS[kind]
+            if name.endswith("_s") and name != "down_s"},
+         "redone_steps": COUNT, "run_sessions": COUNT, "event": TEXT, "process_start": NUMBER, "cause": TEXT}
+
+
+def kind_of(record):
+    """The kind (a key of METRICS) of a record that `problem` accepts."""
+    return next(kind for kind, fields in REQUIRED.items() if fields[0] in record)
+
+
+def parse(line):
+    """(the record a metrics.jsonl line, bytes without its newline, holds; None) or (None, why it holds none)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 (byte {line[e.start]:#04x} at column {e.start + 1})"
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):            # RecursionError: brackets nested past Python's stack
+        return None, "not JSON (a record cut short by a kill, or damaged)"
+    why = problem(record)
+    return (record, None) if why is None else (None, why)
+
+
+def problem(record):
+    """Why `record`, a metrics.jsonl line parsed, is not one main.py writes (None when it is): a JSON object with a
+    whole-number step, the mark of one kind and the fields every record of it holds, and each of its kind's
+    fields of the type TYPES gives. Its readers (plot.py, a resume's goodput) then take it as it is."""
+    if not isinstance(record, dict):
+        return f"{_shown(record)} is not a record (a JSON object)"
+    if not _count(record.get("step")):
+        return "a record without a whole-number step"
+    kinds = [kind for kind, fields in REQUIRED.items() if fields[0] in record]
+    if len(kinds) != 1:
+        return (f"a record of {' and '.join(kinds)} at once" if kinds else
+                f"a record of no kind (none of {', '.join(fields[0] for fields in REQUIRED.values())})")
+    kind = kinds[0]
+    a_record = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} record"
+    missing = [name for name in REQUIRED[kind] if name not in record]
+    if missing:
+        return f"{a_record} without {', '.join(missing)}"
+    for name, value in record.items():
+        what, test = TYPES.get(name, OPTIONAL_NUMBER)
+        if (name in METRICS[kind] or name == "time") and not test(value):
+            return f"{a_record} whose {name} is {_shown(value)}, not {what}"
+    return None
+
+
+def _shown(value):
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def metrics_record(kind, step, **values):

@@ -21,14 +21,15 @@ GRAD_STEP_FACTORS = (2, 4)
 
 
 class Plan(NamedTuple):
-    """One compiled setting: its flag changes ({} as given), its train step's GiB per chip, compiled FLOPs over
-    the model's and collective GiB per chip (None: the compiler refused it, saying at most what it needs),
-    and the config."""
+    """One compiled setting: its flag changes ({} as given), the config, its train step's GiB per chip, compiled
+    FLOPs over the model's and collective GiB per chip (None: the compiler refused it, saying at most what it
+    needs), and what the caller's compile returned beside them (pod.StepPlan's trainer)."""
     changes: dict
+    cfg: object
     gib: float | None
     flops_ratio: float | None
     collective_gib: float | None
-    cfg: object
+    trainer: object
 
     def fits(self, budget_gib):
         return self.gib is not None and self.gib <= budget_gib
@@ -83,13 +84,13 @@ def candidates(cfg, n_devices):
 def cheapest_fit(cfg, n_devices, budget_gib, plan: Callable, say=print):
     """(the Plan chosen or None, every Plan compiled): the groups of `candidates` compiled in turn, the last
     (two memory changes) only when nothing before fits; of those that fit, the cheapest (`cost`). plan(cfg) ->
-    (GiB, compiled FLOPs over the model's, collective GiB), None where the compiler does not say; say(line)
+    a pod.StepPlan (GiB, compiled FLOPs over the model's, collective GiB, the compiled trainer); say(line)
     reports each as it is compiled."""
     singles, with_compute, pairs = candidates(cfg, n_devices)
     compiled = []
     for group in (singles + with_compute, pairs):
         for change, candidate in group:
-            compiled.append(Plan(change, *plan(candidate), candidate))
+            compiled.append(Plan(change, candidate, **plan(candidate)._asdict()))
             say(describe(compiled[-1], budget_gib))
         fitting = [p for p in compiled if p.fits(budget_gib)]
         if fitting:

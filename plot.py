@@ -23,21 +23,25 @@ import matplotlib
 matplotlib.use("Agg")                    # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+import metrics_schema  # noqa: E402
 import rundir  # noqa: E402
 
 
 def read_metrics(run_dir):
     """(per-step training records, per-evaluation records, {task: its records}, the run's final record or
-    None) of run_dir's metrics.jsonl, each sorted by step, the last record of a step winning."""
+    None) of run_dir's metrics.jsonl, each sorted by step, the last record of a step winning. Every record is
+    of a shape metrics_schema knows (rundir.metrics_records skips the others); a field added since it was
+    written may be missing, and a number may be null (not finite: drawn as a gap)."""
     train, evals, tasks, final = {}, {}, {}, None
     for rec in rundir.metrics_records(str(run_dir)):
-        if "final_val_loss" in rec:
+        kind = metrics_schema.kind_of(rec)
+        if kind == "final":
             final = rec
-        elif "loss" in rec:
+        elif kind == "step":
             train[rec["step"]] = rec
-        elif "val_loss" in rec:
+        elif kind == "interval":
             evals[rec["step"]] = rec
-        elif "task" in rec:
+        elif kind == "tasks":
             tasks.setdefault(rec["task"], {})[rec["step"]] = rec
     by_step = lambda records: [records[s] for s in sorted(records)]
     return by_step(train), by_step(evals), {name: by_step(records) for name, records in tasks.items()}, final
@@ -67,16 +71,19 @@ def plot(run_dir, out_dir=None):
     written.append(_save(fig, out_dir, "loss.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in train], [r["balance"] for r in train], lw=0.8, label="train")
-    if evals and "val_balance" in evals[0]:
-        ax.plot([r["step"] for r in evals], [r["val_balance"] for r in evals], "o-", ms=3, label="val")
+    ax.plot([r["step"] for r in train], [r.get("balance") for r in train], lw=0.8, label="train")
+    if any("val_balance" in r for r in evals):
+        ax.plot([r["step"] for r in evals], [r.get("val_balance") for r in evals], "o-", ms=3, label="val")
     ax.set(xlabel="step", ylabel="sum over MoE layers of alpha x sum_i f_i P_i",
            title=f"{name}: sequence-wise balance loss")
     ax.grid(alpha=0.3)
     ax.legend()
     written.append(_save(fig, out_dir, "balance.png"))
 
-    loads = [r for r in evals if r.get("expert_load")]
+    # the records of the newest one's shape (layers x experts): a run's model cannot change, a hand-edited file's can
+    shape = lambda r: (len(r["expert_load"]), len(r["expert_load"][0]))
+    loads = [r for r in evals if "expert_load" in r]
+    loads = [r for r in loads if shape(r) == shape(loads[-1])]
     if loads:
         n_layers, n_experts = len(loads[0]["expert_load"]), len(loads[0]["expert_load"][0])
         cols = min(n_layers, 4)
@@ -107,10 +114,10 @@ def _plot_tasks(name, tasks, evals, out_dir):
     for i, (task, records) in enumerate(sorted(tasks.items())):
         steps, color = [r["step"] for r in records], f"C{i}"
         acc_ax.plot(steps, [100 * r["acc"] for r in records], "o-", ms=3, color=color, label=f"{task} acc")
-        if records[-1]["acc_norm"] is not None:
-            acc_ax.plot(steps, [100 * r["acc_norm"] for r in records], "s--", ms=3, color=color,
+        if any(r.get("acc_norm") is not None for r in records):
+            acc_ax.plot(steps, [_percent(r.get("acc_norm")) for r in records], "s--", ms=3, color=color,
                         label=f"{task} acc_norm")
-        if records[-1]["chance"] is not None:
+        if records[-1].get("chance") is not None:
             acc_ax.axhline(100 * records[-1]["chance"], color=color, ls=":", lw=0.8)
         bpb_ax.plot(steps, [r["bpb"] for r in records], "o-", ms=3, color=color, label=f"{task} (gold continuations)")
     val = [r for r in evals if r.get("val_bpb") is not None]
@@ -122,6 +129,10 @@ def _plot_tasks(name, tasks, evals, out_dir):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, out_dir, "tasks.png")
+
+
+def _percent(share):
+    return None if share is None else 100 * share
 
 
 def _save(fig, out_dir, name):

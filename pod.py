@@ -26,6 +26,7 @@ import re
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -36,7 +37,7 @@ import hlo
 import planner
 import sharding
 import utils
-from trainer import abstract_step_args, build_trainer
+from trainer import Trainer, abstract_step_args, build_trainer
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
 PIP_COMMAND_GPU = "python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-gpu-aot.txt"
@@ -190,19 +191,28 @@ def target_mesh(cfg, target):
     return sharding.run_mesh(cfg.run, target_devices(target))
 
 
+class StepPlan(NamedTuple):
+    """cfg's train step compiled for a mesh: GiB per device (where the compiler refused it, the GiB it needs),
+    compiled FLOPs over the model's and collective GiB per device (None where refused), and cfg's Trainer with
+    that compiled step (None where refused; a run on this mesh trains with it, compiling nothing again)."""
+    gib: float
+    flops_ratio: float | None
+    collective_gib: float | None
+    trainer: Trainer | None
+
+
 def train_plan(cfg, mesh):
-    """(GiB per device, compiled FLOPs over the model's, collective GiB per device) of cfg's train step compiled
-    for mesh; (GiB needed, None, None) when the compiler refuses a plan too large for the device and says how
-    large."""
+    """cfg's train step compiled for mesh: its StepPlan."""
     trainer = build_trainer(cfg, mesh)
     train_args, _ = abstract_step_args(cfg, trainer)
     compiled, needed = compiled_or_shortfall(trainer.step, train_args)
     if compiled is None:
-        return needed, None, None
+        return StepPlan(needed, None, None, None)
     text = compiled.as_text()
-    return (planned_gib(compiled.memory_analysis(), mesh.devices.flat[0].platform),
-            hlo.matmul_flops(text)["total"] / model_flops(cfg, mesh.size),
-            sum(c["bytes"] for c in hlo.collective_bytes(text).values()) / GiB)
+    return StepPlan(planned_gib(compiled.memory_analysis(), mesh.devices.flat[0].platform),
+                    hlo.matmul_flops(text)["total"] / model_flops(cfg, mesh.size),
+                    sum(c["bytes"] for c in hlo.collective_bytes(text).values()) / GiB,
+                    trainer._replace(step=compiled))
 
 
 def planned_gib(mem, platform):

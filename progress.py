@@ -26,6 +26,8 @@ class Progress:
         self.bar = tqdm(total=run.cfg.optim.training_steps, initial=run.start_step, dynamic_ncols=True, desc="train",
                         disable=jax.process_index() != 0 or not sys.stdout.isatty(), unit="step", file=sys.stdout,
                         mininterval=0.5)
+        if not self.bar.disable:
+            sys.stdout, sys.stderr = _AboveTheBar(sys.stdout, self.bar), _AboveTheBar(sys.stderr, self.bar)
         self.meter = Meter(run, self.bar)
         # every process stops at the same step; agreed every few seconds, not every step (multihost.py)
         self.agreement = StopAgreement(lambda: self.signals.requested)
@@ -55,15 +57,23 @@ class Progress:
         self.stopping = self.agreement(step, synced=interval_ends)
         return interval_ends or self.stopping
 
+    def stop_agreed(self, step):
+        """Whether every process agreed to stop, asked between the pieces of work after step `step` (the
+        evaluation's batches, the checkpoint, each task, the sample). Every process asks at the same points and
+        all get the same answer, so on several hosts each ask is one collective that all of them make."""
+        self.stopping = self.stopping or self.agreement(step, synced=True)
+        return self.stopping
+
     def fetch_all(self, next_doing):
         """Every dispatched step's results, recorded: the steps so far are done."""
         self.meter.fetch()
         self.done("train", next_doing)
 
-    def interval_done(self, step, saved):
+    def interval_done(self, step, saved, last):
         """After an interval's evaluation, checkpoint and sample: where the time went so far (written with a
-        checkpoint, so an interrupted session's time is known to its last one), the next steps timed anew."""
-        self.report(step, write=saved)
+        checkpoint, so an interrupted session's time is known to its last one; not with the `last` step's, whose
+        records the end's report writes once the save is done), the next steps timed anew."""
+        self.report(step, write=saved and not last)
         self.watchdog.progress(f"the interval after step {step}")
         self.meter.restart_timer()
 
@@ -83,6 +93,43 @@ class Progress:
 
     def close(self):
         self.bar.close()
+        for name in ("stdout", "stderr"):
+            if isinstance(getattr(sys, name), _AboveTheBar):
+                setattr(sys, name, getattr(sys, name).unwrapped())
+
+
+class _AboveTheBar:
+    """sys.stdout or sys.stderr while the progress bar is drawn on a terminal. The bar's line ends in no newline
+    (each redraw goes back to its start with a carriage return), so a line printed as it is (log(), print, a
+    warning) would be glued to the bar's end. What is written here waits for the end of its line (print writes
+    the newline apart); then the bar is cleared (it is on stdout, so a line on stderr waits for that too), the
+    lines are written, and the bar is drawn again below them."""
+
+    def __init__(self, stream, bar):
+        self._stream, self._bar, self._waiting = stream, bar, ""
+
+    def write(self, text):
+        with self._bar.get_lock():          # the bar's own: its redraws wait, and so does another thread's line
+            self._waiting += text
+            if self._waiting.endswith("\n"):
+                self._bar.clear(nolock=True)
+                self._bar.fp.flush()
+                self._stream.write(self._waiting)
+                self._stream.flush()
+                self._bar.refresh(nolock=True)
+                self._waiting = ""
+        return len(text)
+
+    def flush(self):
+        self._stream.flush()
+
+    def unwrapped(self):
+        """The stream, with what still waits for its line's end written to it (the bar is closed)."""
+        self._stream.write(self._waiting)
+        return self._stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def _earlier_sessions(run):

@@ -19,6 +19,7 @@ import warnings
 import fsspec
 
 import dataset
+import metrics_schema
 from multihost import log
 
 
@@ -228,11 +229,17 @@ def _ends_mid_line(path):
 
 
 def _write_whole(path, data):
-    """A small file written whole or not at all (a temporary name, then a rename)."""
+    """A small file written whole or not at all (a temporary name, then a rename; the temporary file of a write
+    that fails, a full disk's, is removed)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def write_whole(run_dir, name, text):
@@ -259,20 +266,39 @@ def _part_names(fs, parts):
 
 
 def read_run_file(run_dir, name):
-    """The whole text of a run file: the local file, or its part objects in order on an object store."""
+    """The whole of a run file, as bytes (its reader decodes it line by line, so that a damaged byte costs one
+    line): the local file, or its part objects in order on an object store."""
     fs, path = fsspec.core.url_to_fs(f"{run_dir.rstrip('/')}/{name}")
-    text = fs.cat_file(path).decode("utf-8") if fs.exists(path) else ""
-    return text + "".join(fs.cat_file(f"{path}.parts/{p}").decode("utf-8") for p in _part_names(fs, f"{path}.parts"))
+    data = fs.cat_file(path) if fs.exists(path) else b""
+    return data + b"".join(fs.cat_file(f"{path}.parts/{p}") for p in _part_names(fs, f"{path}.parts"))
+
+
+SKIPPED_NAMED = 10     # lines named one by one by a read's warnings; the rest in one line
+_named = set()         # (file, line number) already named by this process, which may read the file more than once
 
 
 def metrics_records(run_dir):
-    """The records of run_dir's metrics.jsonl, in order; a line cut short by a kill is skipped."""
-    records = []
-    for line in read_run_file(run_dir, "metrics.jsonl").splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            pass
+    """The records of run_dir's metrics.jsonl, in order: the one reader of it (a resume, plot.py). A line that is
+    not one (not UTF-8, not JSON, or not of a kind and shape metrics_schema knows: edited or damaged) is skipped
+    with a warning naming it, once per process; so is a record cut short by a kill, which the next start ends
+    with a newline. The last line, while nothing ends it (being written, or cut by a kill), is skipped unsaid."""
+    path = f"{run_dir.rstrip('/')}/metrics.jsonl"
+    lines = read_run_file(run_dir, "metrics.jsonl").split(b"\n")
+    records, skipped = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record, problem = metrics_schema.parse(line)
+        if problem is None:
+            records.append(record)
+        elif number < len(lines) and (path, number) not in _named:
+            skipped.append((number, problem))
+    _named.update((path, number) for number, _ in skipped)
+    for number, problem in skipped[:SKIPPED_NAMED]:
+        _warn(f"{path} line {number}: {problem}; skipped")
+    if len(skipped) > SKIPPED_NAMED:
+        _warn(f"{path}: {len(skipped) - SKIPPED_NAMED} more lines that are not records skipped too (the first "
+              f"line {skipped[SKIPPED_NAMED][0]}, the last line {skipped[-1][0]})")
     return records
 
 

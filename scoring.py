@@ -15,14 +15,18 @@ go through the eval-mode model --val_batch_size at a time, longest first, each b
 all agree on one result.
 """
 import dataclasses
+import itertools
+import json
 import time
 
+import fsspec
 import jax
 import numpy as np
 
 import harness
 from tasks import BUNDLED, TaskError
 from metrics_schema import bits_per_byte
+from rundir import write_whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,19 +86,20 @@ def task_rows(task, enc, T):
 MIN_WIDTH = 128
 
 
-def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH):
+def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH, stop=lambda: False):
     """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: the rows
     longest first, batch_rows a step (the last batch padded with rows that score nothing), each batch cut to
     the narrowest width that holds its longest row (a power of two >= min_width, at most T), and only as many
     positions a row through the output layer as its longest continuation needs (`pipeline.row_scores`). No score
     changes: attention is causal and an expert's capacity counts --T whatever the width
-    (model.expert_capacity), so the tokens after a row's end, padding, never reach it. Every step is
-    dispatched before the first is fetched."""
+    (model.expert_capacity), so the tokens after a row's end, padding, never reach it. Each step is fetched
+    while the next runs, and a stop() then ends the scoring (None: a stop came; every process asks at the same
+    points)."""
     R, T = rows.x.shape
     lengths = T - np.argmax(rows.mask[:, ::-1] > 0, axis=1)          # up to the continuation's last token
     order = np.argsort(-lengths, kind="stable")
     order = np.concatenate([order, np.full(-R % batch_rows, order[-1])])     # the last batch: repeats, dropped
-    steps = []
+    fetched, running = [], None
     for i in range(0, len(order), batch_rows):
         batch = order[i:i + batch_rows]
         width = min(T, max(min_width, _power_of_two(lengths[batch[0]])))
@@ -102,8 +107,14 @@ def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH):
         window = min(width, max(8, _power_of_two(rows.mask[batch].sum(axis=1).max())))
         on_mesh = [_on_mesh(np.ascontiguousarray(a[batch, :width]), trainer.data_sharding)
                    for a in (rows.x, rows.y, rows.mask)]
-        steps.append(trainer.score_step(state["params"], state["router_bias"], *on_mesh, window))
-    nats, greedy = (np.concatenate(a) for a in zip(*jax.device_get(steps)))
+        dispatched = trainer.score_step(state["params"], state["router_bias"], *on_mesh, window)
+        if running is not None:
+            fetched.append(jax.device_get(running))
+            if stop():
+                return None
+        running = dispatched
+    fetched.append(jax.device_get(running))
+    nats, greedy = (np.concatenate(a) for a in zip(*fetched))
     unsorted = np.empty(R, np.int64)
     unsorted[order[:R]] = np.arange(R)
     return nats[unsorted], greedy[unsorted]
@@ -142,15 +153,24 @@ class TaskScorer:
                                 f"--vocab_size {vocab_size}; raise --vocab_size to {enc.n_vocab} or pass "
                                 f"--eval_tasks ''")
 
-    def __call__(self, trainer, state, with_requests=False):
-        """One record per task (`score`'s)."""
-        return [self.score(i, trainer, state, with_requests) for i in range(len(self.tasks))]
+    def each(self, trainer, state, with_requests=False):
+        """(task name, its record, None) or (task name, None, why it failed in one line) per task, in order, as
+        each is scored: a task that fails (its metric code, the harness's) costs only its own scores."""
+        for i, task in enumerate(self.tasks):
+            try:
+                record, failure = self.score(i, trainer, state, with_requests), None
+            except Exception as e:
+                record, failure = None, harness.cause(e)
+            yield task.name, record, failure
 
-    def score(self, i, trainer, state, with_requests=False):
+    def score(self, i, trainer, state, with_requests=False, stop=lambda: False):
         """The record of task i (metrics_schema.METRICS["tasks"]' fields); with_requests: and each request's context,
-        continuation, log-likelihood and is_greedy (the harness's --log_samples)."""
+        continuation, log-likelihood and is_greedy (the harness's --log_samples). None: stop() came first."""
         task, rows, t0 = self.tasks[i], self.rows[i], time.perf_counter()
-        nats_R, greedy_R = row_scores(trainer, state, rows, self.batch_rows)
+        scored = row_scores(trainer, state, rows, self.batch_rows, stop=stop)
+        if scored is None:
+            return None
+        nats_R, greedy_R = scored
         record = scores(task, nats_R, greedy_R, rows.cut, time.perf_counter() - t0)
         if with_requests:
             record["requests"] = [{"context": context, "continuation": continuation, "loglikelihood": -float(nats),
@@ -165,3 +185,20 @@ def line(record):
     acc_norm = "" if record["acc_norm"] is None else f"acc_norm {100 * record['acc_norm']:.1f}% | "
     return (f"{record['task']}: acc {100 * record['acc']:.1f}%{chance} | {acc_norm}bpb {record['bpb']:.3f} | "
             f"{record['examples']} examples, {record['cut_on_the_left']} cut on the left | {record['seconds']:.0f} s")
+
+
+def evaluation_file(step, n):
+    """The name of the n-th (from 1) evaluation of a step: evaluation-STEP.json, then evaluation-STEP.N.json."""
+    return f"evaluation-{step}.json" if n == 1 else f"evaluation-{step}.{n}.json"
+
+
+def write_evaluation(run_dir, result):
+    """--evaluate's result, written whole to RUN_DIR under the first evaluation_file of its step not there yet:
+    an evaluation of a step done before (another --eval_tasks, another mesh) is kept, never replaced. The line
+    that says where; OSError when it cannot be written, nothing left."""
+    fs, path = fsspec.core.url_to_fs(run_dir)
+    names = (evaluation_file(result["step"], n) for n in itertools.count(1))
+    earlier = list(itertools.takewhile(lambda name: fs.exists(f"{path.rstrip('/')}/{name}"), names))
+    name = evaluation_file(result["step"], len(earlier) + 1)
+    written = write_whole(run_dir, name, json.dumps(result, indent=1) + "\n")
+    return f"written to {written}" + (f" (beside {', '.join(earlier)}, kept)" if earlier else "")

@@ -199,11 +199,14 @@ class RunConfig:
                               "devices have, which otherwise refuses the run before it allocates anything")
     restart: bool = flag(False, "start the run over: its checkpoints and logs are moved to NAME/replaced/TIME first, "
                                 "never deleted (without it, a changed model flag is an error and nothing is touched)")
-    evaluate: bool = flag(False, "do not train: load the newest checkpoint of --name (saved on any mesh), evaluate "
-                                 "the val set (cross-entropy, bits per byte) and --eval_tasks on this mesh, print "
-                                 "them and write them to OUTPUT_DIR/NAME/evaluation-STEP.json")
-    sample: bool = flag(False, "do not train: load the newest checkpoint of --name (saved on any mesh), print a "
-                               "sample for --prompt and exit; writes nothing")
+    evaluate: bool = flag(False, "do not train: load the newest checkpoint of --name (or --step's; saved on any "
+                                 "mesh), evaluate the val set (cross-entropy, bits per byte) and --eval_tasks on this "
+                                 "mesh, print them and write them to OUTPUT_DIR/NAME/evaluation-STEP.json (beside an "
+                                 "earlier one of that step: evaluation-STEP.2.json, ...)")
+    sample: bool = flag(False, "do not train: load the newest checkpoint of --name (or --step's; saved on any mesh), "
+                               "print a sample for --prompt and exit; writes nothing")
+    step: int = flag(0, "with --evaluate or --sample: the checkpoint of this step, any the run keeps, instead of the "
+                        "newest readable one (0)")
 
 
 @dataclass(frozen=True)
@@ -382,9 +385,24 @@ def _mesh_hint(cfg, n_devices, n_mesh, pp_tp):
         fixes = [f"--preset {p}" for p, s in PRESET_SLICES.items()
                  if s == r.compile_for.strip().lower() and p.startswith(f"{cfg.preset}-")]
         if n_devices % pp_tp == 0:
-            fixes.append(f"--n_device_axis {n_devices // pp_tp} {r.n_device_axis[1]} {r.n_device_axis[2]}")
+            fixes.append(_same_batch_on(cfg, n_devices // pp_tp))
         return f" (for {r.compile_for}: {' or '.join(fixes)})" if fixes else ""
     return "" if r.cpu_devices else f" (to try this mesh on a CPU: --cpu_devices {n_mesh})"
+
+
+def _same_batch_on(cfg, dp):
+    """The flags for cfg's pp and tp with `dp` replicas and the same sequences per optimizer step: more passes
+    (--grad_step) where fewer replicas each keep their --train_batch_size, else a larger one; or the step's new
+    size said where neither divides."""
+    _, pp, tp = cfg.run.n_device_axis
+    mesh, per_replica, grad_step = f"--n_device_axis {dp} {pp} {tp}", cfg.run.train_batch_size, cfg.optim.grad_step
+    sequences = sequences_per_step(cfg)
+    if sequences % (dp * per_replica) == 0:
+        passes = sequences // (dp * per_replica)
+        return mesh + (f" --grad_step {passes}" if passes != grad_step else "")
+    if sequences % (dp * grad_step) == 0:
+        return mesh + f" --train_batch_size {sequences // (dp * grad_step)}"
+    return mesh + f" (a step of {dp * per_replica * grad_step} sequences, not {sequences})"
 
 
 def config_from_args(argv=None):
@@ -457,12 +475,16 @@ def validate(cfg, n_devices=None):
                              ("--max_bad_steps", r.max_bad_steps, 1), ("--hang_timeout", r.hang_timeout, 0),
                              ("--first_k_dense", m.first_k_dense, 0), ("--ffn_hidden_dim", m.ffn_hidden_dim, 0),
                              ("--moe_hidden_dim", m.moe_hidden_dim, 0), ("--qk_head_dim", m.qk_head_dim, 0),
-                             ("--v_head_dim", m.v_head_dim, 0), ("--eval_tasks_limit", r.eval_tasks_limit, 0)]:
+                             ("--v_head_dim", m.v_head_dim, 0), ("--eval_tasks_limit", r.eval_tasks_limit, 0),
+                             ("--step", r.step, 0)]:
         _at_least(errors, value, flag, low)
     if not 0 <= r.seed < SEED_LIMIT:
         errors.append(f"--seed must be in [0, {SEED_LIMIT - 1}], got {r.seed}")
     if r.sample and r.evaluate:
         errors.append("--sample and --evaluate are two modes of their own: pass one")
+    if r.step and not (r.sample or r.evaluate):
+        errors.append(f"--step {r.step} names the checkpoint that --evaluate or --sample reads: pass one of them "
+                      f"(training resumes from the newest)")
     if not _plain_name(r.name):
         errors.append(f"--name must be one directory name under --output_dir (letters, digits, '.', '-', '_'; not "
                       f"empty, '.' or '..', no '/'), got {r.name!r}")

@@ -39,7 +39,8 @@ def plan(n_experts, slice_name):
         utils.validate(cfg, target.chips)
     except utils.ConfigError:
         return None
-    gib, ratio, _ = pod.train_plan(cfg, pod.target_mesh(cfg, target))
+    plan = pod.train_plan(cfg, pod.target_mesh(cfg, target))
+    gib, ratio = plan.gib, plan.flops_ratio
     print(f"  {slice_name} {n_experts} experts: {gib:.2f} GiB" + (f", FLOPs {ratio:.2f}x" if ratio else ""),
           file=sys.stderr, flush=True)
     return gib, ratio

@@ -61,8 +61,9 @@ def pytest_configure(config):
 # to end go to one worker, one test at a time (side by side, their runs' timings and ports collide, and they share
 # that worker's XLA_CACHE: each worker imports this file), and the rest, mostly compiling in-process at -O0, to
 # the other.
-END_TO_END = {"test_main", "test_run_safety", "test_gcs", "test_main_data_errors", "test_newcomer", "test_hang",
-              "test_launch_supervisor", "test_launch_multihost", "test_launch", "test_launch_ops", "test_tpu"}
+END_TO_END = {"test_main", "test_run_safety", "test_stop_points", "test_gcs", "test_main_data_errors", "test_newcomer",
+              "test_hang", "test_launch_supervisor", "test_launch_multihost", "test_launch", "test_launch_ops", "test_tpu",
+              "test_run_output"}
 
 
 @pytest.hookimpl(tryfirst=True)       # before xdist's own hook, which names each test by its group

