@@ -284,10 +284,10 @@ def evaluate_interval(run, progress, state, interval, stop=lambda: False):
         progress.done("eval")
 
 
-def score_tasks(run, progress, state, interval, stop=lambda: False):
+def score_tasks(run, state, interval, stop=lambda: False):
     """The --eval_tasks not tried yet, scored with the state of interval.step: a record and a line each; a stop
-    before a task leaves it and the rest unscored. A task that fails is a warning, as a sample is: the step's
-    checkpoint is written before, the other tasks are scored, and the run goes on."""
+    before a task or between its batches leaves the rest unscored. A task that fails is a warning, as a sample
+    is: the step's checkpoint is written before, the other tasks are scored, and the run goes on."""
     step = interval.step
     for i, task in enumerate(run.tasks.tasks):
         if i in interval.tried:
@@ -306,7 +306,6 @@ def score_tasks(run, progress, state, interval, stop=lambda: False):
             break
         run.logger.metrics(metrics_schema.metrics_record("tasks", step, **record))
         log(f"task @ {step}: {scoring.line(record)}")
-    progress.done("tasks")
 
 
 def sample_interval(run, progress, state, interval, stop=lambda: False):
@@ -341,7 +340,8 @@ def stopped(run, state, progress, interval):
     run.logger.metrics(metrics_schema.metrics_record("event", step, event="stop", cause=cause))
     if run.cfg.run.eval_on_stop:
         evaluate_interval(run, progress, state, interval)
-        score_tasks(run, progress, state, interval)
+        score_tasks(run, state, interval)
+        progress.done("tasks")
         sample_interval(run, progress, state, interval)
     progress.report(step, final=True)
     close_run(run)
@@ -355,7 +355,8 @@ def finished(run):
 
 
 def nothing_to_do(run):
-    """A finished run started again: say so, write nothing (no metrics record, no sample), exit 0."""
+    """A finished run started again: say so, write nothing (no metrics record but the task scores a kill cut
+    short, no sample), exit 0."""
     close_run(run)
     val = run.meta.get("val_loss")
     log(f"{run.mngr.directory}/{run.start_step} ends this run (--training_steps {run.cfg.optim.training_steps}"
@@ -393,7 +394,8 @@ def train(cfg, mesh, argv=()):
     a step too large for the devices names (fit.does_not_fit)."""
     run = open_run(cfg, mesh)
     cfg = run.cfg                                 # --fit's choice, if it made one
-    if finished(run):
+    if finished(run):                             # its last checkpoint's tasks, if a kill cut their scoring short
+        score_lost_tasks(run, run.state, resumed(run))
         return nothing_to_do(run)
     progress = Progress(run)
     try:
@@ -405,7 +407,9 @@ def train(cfg, mesh, argv=()):
     state, step, batches = run.state, run.start_step, run.loader.iterate(0)
     interval = resumed(run)
     progress.done("compile")
-    score_lost_tasks(run, progress, state, interval)
+    progress.signals.compiling = None             # the training step is compiled: a Ctrl-C stops after a task
+    score_lost_tasks(run, state, interval, functools.partial(progress.stop_agreed, interval.step))
+    progress.done("tasks")
     try:
         while step < cfg.optim.training_steps and not interval.reached and not progress.stopping:
             state, metrics = run.trainer.step(state, next_batch(batches, cfg.optim.grad_step))
@@ -454,7 +458,8 @@ def end_interval(run, progress, state, step):
         save_checkpoint(run, step, state, interval.val_ce)
         interval.saved = True
         progress.done("checkpoint")
-        score_tasks(run, progress, state, interval, stop)      # at every checkpoint, the last step's included
+        score_tasks(run, state, interval, stop)      # at every checkpoint, the last step's included
+        progress.done("tasks")
     sample_interval(run, progress, state, interval, stop)
     if not stop():                        # asked once more: a stop during the sample saves this step, not the next
         progress.interval_done(step, interval.saved, last=interval.reached or step == run.cfg.optim.training_steps)
@@ -463,12 +468,12 @@ def end_interval(run, progress, state, step):
 
 def resumed(run):
     """The Interval of the step this process starts from, all done (a checkpoint's evaluation and sample are
-    not redone) but for the --eval_tasks of a checkpoint that scores them (every tenth interval's) whose records
-    metrics.jsonl lacks: a kill or a stop cut its scoring short. Only the checkpoint resumed from: an older
+    not redone) but for the --eval_tasks of a checkpoint that scores them (every tenth interval's, and the run's
+    last) whose records metrics.jsonl lacks: a kill or a stop cut its scoring short. Only the checkpoint resumed from: an older
     one's state would need restoring beside this one (`--evaluate --step N` scores any kept)."""
     n_tasks, rc = len(run.tasks.tasks), run.cfg.run
     interval = Interval(run.start_step, evaluated=True, saved=True, tried=set(range(n_tasks)), sampled=True)
-    if run.meta is not None and n_tasks and run.start_step % (10 * rc.checkpoint_steps) == 0:
+    if run.meta is not None and n_tasks and (run.start_step % (10 * rc.checkpoint_steps) == 0 or finished(run)):
         interval.tried = {i for i, recorded in enumerate(tasks_recorded(run, run.start_step)) if recorded}
     return interval
 
@@ -485,15 +490,14 @@ def tasks_recorded(run, step):
     return recorded_T
 
 
-def score_lost_tasks(run, progress, state, interval):
-    """Before the first step: the tasks `resumed` found unscored, with the state resumed (a stop between them
-    is honoured, as during training)."""
+def score_lost_tasks(run, state, interval, stop=lambda: False):
+    """The tasks `resumed` found unscored, with the state resumed: before the first step (a stop between them is
+    honoured, as during training), or before a finished run says it has nothing to do."""
     lost = [task.name for i, task in enumerate(run.tasks.tasks) if i not in interval.tried]
     if lost:
         log(f"the checkpoint of step {interval.step} has no score of --eval_tasks {','.join(lost)} (its scoring "
             f"was cut short): scoring them now")
-        progress.signals.compiling = None     # the training step is compiled: a Ctrl-C stops after this task
-        score_tasks(run, progress, state, interval, functools.partial(progress.stop_agreed, interval.step))
+        score_tasks(run, state, interval, stop)
 
 
 def checkpoint_config(cfg, flag):

@@ -207,3 +207,23 @@ def test_scores_cut_short_by_a_kill_are_scored_on_resume_and_a_stop_there_is_hon
     resumed = run(cpu_env, tmp_path, *MESH1, *flags, steps=11)
     assert "scoring them now" in resumed.stdout and f"task @ 10: {lost[-1]}" in resumed.stdout
     assert task_records(tmp_path, 10) == sorted(TASK_NAMES), records(tmp_path)
+
+
+def test_a_finished_run_whose_last_scores_a_kill_cut_short_scores_them_when_started_again(cpu_env, tmp_path):
+    """SIGKILL while the last step's tasks are scored (its checkpoint written): the same command scores the tasks
+    left, then says the run has nothing to do; each task's record of that step is there once."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
+    flags = ("--checkpoint_steps", "5", *TASKS, "--training_steps", "10")
+    log = tmp_path / "killed"
+    proc = start_logged(cpu_env, tmp_path, log, *flags)
+    wait_until(proc, log, lambda: 10 in checkpoints(tmp_path) and task_records(tmp_path, 10), "step 10's first task")
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    lost = [name for name in TASK_NAMES if name not in task_records(tmp_path, 10)]
+    assert lost, "the kill came after every task's record: nothing to rescore"
+    again = run(cpu_env, tmp_path, *MESH1, *flags, steps=10)
+    assert (f"the checkpoint of step 10 has no score of --eval_tasks {','.join(lost)} (its scoring was cut short): "
+            f"scoring them now") in again.stdout, again.stdout[-3000:]
+    assert "ends this run (--training_steps 10" in again.stdout and "jaxformer started" not in again.stdout
+    assert task_records(tmp_path, 10) == sorted(TASK_NAMES), records(tmp_path)
+    assert run(cpu_env, tmp_path, *MESH1, *flags, steps=10).stdout.count("scoring them now") == 0
