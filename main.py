@@ -354,6 +354,12 @@ def finished(run):
                                      or val_target_reached(run.meta.get("val_loss"), run.cfg.run))
 
 
+def scores_tasks(cfg, step, reached):
+    """Whether the interval that ends at `step` writes a checkpoint and scores --eval_tasks with it: every tenth
+    interval, the last step, and the step that reached --stop_at_val_loss."""
+    return step % (10 * cfg.run.checkpoint_steps) == 0 or step >= cfg.optim.training_steps or reached
+
+
 def nothing_to_do(run):
     """A finished run started again: say so, write nothing (no metrics record but the task scores a kill cut
     short, no sample), exit 0."""
@@ -453,8 +459,7 @@ def end_interval(run, progress, state, step):
     if interval.reached:
         log(f"val loss {interval.val_ce:.4f} <= --stop_at_val_loss {rc.stop_at_val_loss} at step {step}: stopping "
             f"here, as at the last step")
-    due = step % (10 * rc.checkpoint_steps) == 0 or step == run.cfg.optim.training_steps or interval.reached
-    if due and not stop():
+    if scores_tasks(run.cfg, step, interval.reached) and not stop():
         save_checkpoint(run, step, state, interval.val_ce)
         interval.saved = True
         progress.done("checkpoint")
@@ -468,12 +473,13 @@ def end_interval(run, progress, state, step):
 
 def resumed(run):
     """The Interval of the step this process starts from, all done (a checkpoint's evaluation and sample are
-    not redone) but for the --eval_tasks of a checkpoint that scores them (every tenth interval's, and the run's
-    last) whose records metrics.jsonl lacks: a kill or a stop cut its scoring short. Only the checkpoint resumed from: an older
-    one's state would need restoring beside this one (`--evaluate --step N` scores any kept)."""
-    n_tasks, rc = len(run.tasks.tasks), run.cfg.run
+    not redone) but for the --eval_tasks of a checkpoint that scores them (`scores_tasks`) whose records
+    metrics.jsonl lacks: a kill or a stop cut its scoring short. Only the checkpoint resumed from: an older one's
+    state would need restoring beside this one (`--evaluate --step N` scores any kept)."""
+    n_tasks = len(run.tasks.tasks)
     interval = Interval(run.start_step, evaluated=True, saved=True, tried=set(range(n_tasks)), sampled=True)
-    if run.meta is not None and n_tasks and (run.start_step % (10 * rc.checkpoint_steps) == 0 or finished(run)):
+    if run.meta is not None and n_tasks and scores_tasks(
+            run.cfg, run.start_step, val_target_reached(run.meta.get("val_loss"), run.cfg.run)):
         interval.tried = {i for i, recorded in enumerate(tasks_recorded(run, run.start_step)) if recorded}
     return interval
 

@@ -56,7 +56,7 @@ def in_a_terminal(cpu_env, out, *args, steps):
                 break
             got += data
     os.close(main)
-    return proc.wait(timeout=60), got
+    return proc.wait(timeout=CEILING_S), got
 
 
 def screen(output):

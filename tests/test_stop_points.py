@@ -24,7 +24,7 @@ import pytest
 from ceiling import CEILING_S
 from run_util import MESH1, REPO, TINY_FLAGS, checkpoints, records, run
 
-STOP_S = 5            # a stop's checkpoint is written within this plus one step (issue 58)
+STOP_S = 5            # a stop's checkpoint is written within this plus one step
 # in this order: the first short (24 examples), the second long enough to land a signal in (40 of 207)
 TASK_FILES = "tests/harness_tasks/kjv_choice.yaml,kjv_endings,tests/harness_tasks/kjv_next.yaml"
 TASKS = ("--eval_tasks", TASK_FILES, "--eval_tasks_limit", "40")
@@ -189,7 +189,7 @@ def test_scores_cut_short_by_a_kill_are_scored_on_resume_and_a_stop_there_is_hon
     proc = start_logged(cpu_env, tmp_path, log, *flags)
     wait_until(proc, log, lambda: 10 in checkpoints(tmp_path) and task_records(tmp_path, 10), "step 10's first task")
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=CEILING_S) == -signal.SIGKILL
     scored = task_records(tmp_path, 10)
     lost = [name for name in TASK_NAMES if name not in scored]
     assert len(lost) >= 2, scored             # a task takes seconds: the kill came before the second's record
@@ -218,7 +218,7 @@ def test_a_finished_run_whose_last_scores_a_kill_cut_short_scores_them_when_star
     proc = start_logged(cpu_env, tmp_path, log, *flags)
     wait_until(proc, log, lambda: 10 in checkpoints(tmp_path) and task_records(tmp_path, 10), "step 10's first task")
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=CEILING_S) == -signal.SIGKILL
     lost = [name for name in TASK_NAMES if name not in task_records(tmp_path, 10)]
     assert lost, "the kill came after every task's record: nothing to rescore"
     again = run(cpu_env, tmp_path, *MESH1, *flags, steps=10)

@@ -28,8 +28,8 @@ CHECKS = os.path.join(REPO, "tests", "chip_checks.py")
 # V5E_HELD and V5E_REFUSED are the CPU's: tests/test_pod.py); each chip check costs a compile of MODEL.
 FITS = list(V5E_HELD)[:2]
 REFUSED = [case for case in V5E_REFUSED if "--train_batch_size 12" not in case]
-# A step the chip's compiler refuses (24.4 GiB: every activation of 255 sequences of 2048 kept); the odd batch
-# leaves the planner one setting to compile (--remat full, 14.3 GiB), each costing the chip's compiler ~45 s
+# A step the chip's compiler refuses (every activation of 255 sequences of 2048 kept); the odd batch leaves the
+# planner one setting to compile (--remat full, which fits): each costs the chip's compiler most of a minute
 TOO_LARGE = ("--model_dimension 256 --n_head 4 --blocks 1 --layers_per_block 2 --T 2048 --latent_dim 64 --q_latent_dim 64 "
              "--dhR 32 --n_experts 4 --n_device_axis 1 1 1 --train_batch_size 255 --micro_batch_size 1 --remat none "
              "--val_batch_size 8 --eval_tasks= --max_tokens 0").split()
