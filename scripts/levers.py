@@ -76,11 +76,14 @@ class KeepFfnHidden(engine.Fast):
 # name: (flags on top of the run's, engine class or None)
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
-    **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096)},
+    **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096, 8192)},
     **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4)},
     "remat_full": (("--remat", "full"), None),
     "remat_keep_ffn_hidden": ((), KeepFfnHidden),
     "moe_ragged": (("--moe_impl", "ragged"), None),
+    # twice the sequences a step (compare MFU, not step time): the optimizer's pass over the state per token halved
+    "batch_16": (("--train_batch_size", "16"), None),
+    "batch_16_ce_chunks_of_8192_tokens": (("--train_batch_size", "16"), cross_entropy_chunks_of(8192)),
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
 }
 
