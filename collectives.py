@@ -2,13 +2,10 @@
 shard_map (the one-device model) every axis is None and every collective here is the identity."""
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 from jax import lax
-
-if TYPE_CHECKING:                # for readers and IDEs only: at run time the engine imports this module
-    from engine import Reference
 
 MESH_AXES = ("slice", "dp", "pp", "tp")
 
@@ -21,6 +18,21 @@ def data_axes(n_slices):
     return ("slice", "dp") if n_slices > 1 else ("dp",)
 
 
+class Engine(Protocol):
+    """What the core calls at its seams (engine/, whose engine.Reference is where go-to-definition lands and says
+    what each does): the engine imports this module, so the core names the seams here."""
+    def mm(self, spec, a, b, dtype, out_dtype=...): ...
+    def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype): ...
+    def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes): ...
+    def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes): ...
+    def token_scores(self, table_vD, h_BTD, targets_BT, cfg, axes): ...
+    def keep(self, x, name): ...
+    def layer_remat(self, cfg): ...
+    def gathered(self, param, axes, dtype): ...
+    def gather_stage(self, layers, part, names, cfg, axes, lead=0): ...
+    def read_weights(self, stack, cfg): ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Axes:
     """Mesh axis names the layer code runs under; all None on one device. expert_parallel: the routed
@@ -31,7 +43,7 @@ class Axes:
     pp: str | None = None
     tp: str | None = None
     expert_parallel: bool = False
-    engine: "Reference | None" = None
+    engine: Engine | None = None
 
 
 def psum(x, axis):

@@ -30,21 +30,11 @@ def project_modules():
     return found
 
 
-def without_typing_imports(tree):
-    """The module's tree less its `if TYPE_CHECKING:` blocks: imports for type checkers, never run."""
-    for node in ast.walk(tree):
-        for field in ("body", "orelse"):
-            block = getattr(node, field, None)
-            if isinstance(block, list):
-                setattr(node, field, [n for n in block if not (isinstance(n, ast.If) and
-                                                               ast.unparse(n.test) == "TYPE_CHECKING")])
-    return tree
-
-
 def imported_modules(path, modules):
-    """The modules of the set `modules` that the file at `path` imports, anywhere in its code."""
+    """The modules of the set `modules` that the file at `path` imports, anywhere in its code (a type checker's
+    `if TYPE_CHECKING:` imports too: they tie the modules as much as a reader goes)."""
     imported = set()
-    for node in ast.walk(without_typing_imports(ast.parse(open(path).read()))):
+    for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
