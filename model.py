@@ -101,8 +101,7 @@ def rope(x, positions, base):
     half = x.shape[-1] // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle = positions.astype(jnp.float32)[:, None] * freq                       # [T, R/2]
-    if x.ndim == 4:                                                             # [B, T, h, R]
-        angle = angle[:, None, :]
+    angle = angle[:, None, :] if x.ndim == 4 else angle                         # x [B, T, h, R]: every head's
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -146,9 +145,8 @@ class MLA(nnx.Module):
         self.cfg = cfg
 
     def down_projections(self, x_BTD, mm, dtype):
-        """The query latent c_q, the KV latent c_kv and the shared rotary key (before rotation; [B, T, 0] in a
-        NoPE layer) of x. Three parameters, as in the guide, in one product: x read once, its gradient out of
-        one GEMM; in the matmul dtype, which the up-projections and the rotation read anyway."""
+        """x's query latent c_q, KV latent c_kv and shared rotary key (unrotated; [B, T, 0] in a NoPE layer): the
+        guide's three parameters in one product in the matmul dtype, x read once, its gradient out of one GEMM."""
         down = (self.w_dq, self.w_dkv) + ((self.w_kr,) if self.use_rope else ())
         fused = mm("btd,dl->btl", x_BTD, jnp.concatenate([w[...] for w in down], axis=1), dtype, dtype)
         Lq, L = self.cfg.q_latent_dim, self.cfg.latent_dim
@@ -234,17 +232,14 @@ def expert_capacity(cfg):
     """Slots per expert per sequence: ceil(capacity_factor k T / E) counting all k choices, T the padded
     length whatever one call's (cached decode's 1); capacity_factor 0: dropless (T slots)."""
     # Guide: capacity counts all k choices, per sequence (the guide's is B T factor / E over the batch).
-    if cfg.capacity_factor == 0:
-        return cfg.T
-    return min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
+    return cfg.T if cfg.capacity_factor == 0 else min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
 
 
 class Routing(NamedTuple):
     """Where each token's k choices go (`route`)."""
     experts_BTk: jax.Array             # expert ids
     gates_BTk: jax.Array               # each choice's weight in the token's output
-    slot_BTk: jax.Array                # its place in its expert's queue of this call (tokens in order, a
-                                       # token's choices by rank)
+    slot_BTk: jax.Array                # its place in its expert's queue (tokens in order, a token's choices by rank)
     tokens_per_expert_BE: jax.Array    # the choices each expert received, before capacity drops
 
 
@@ -356,14 +351,14 @@ class Layer(nnx.Module):
 
     def __call__(self, x_BTD, positions_T, axes, ctx, cache=None):
         """Returns (x, MoE stats (None in a dense layer), new cache); cache: generate.init_caches'."""
-        cfg = self.cfg
         attn_cache, fill_BE = (None, None) if cache is None else (cache["attn"], cache.get("expert_fill"))
 
         def residual(x_BTD, branch_BTD, i):
             # The branch comes in the matmul dtype, as Megatron's; the residual stream stays fp32.
             branch_BTD = branch_BTD.astype(x_BTD.dtype)
-            if ctx["train"] and cfg.dropout_rate:
-                branch_BTD = dropout(branch_BTD, cfg.dropout_rate, jax.random.fold_in(ctx["key"], i), ctx["seq_ids"])
+            rate = self.cfg.dropout_rate
+            if ctx["train"] and rate:
+                branch_BTD = dropout(branch_BTD, rate, jax.random.fold_in(ctx["key"], i), ctx["seq_ids"])
             return x_BTD + branch_BTD
 
         attn_BTD, attn_cache = self.attn(self.attn_norm(x_BTD), positions_T, axes, attn_cache)
@@ -459,8 +454,7 @@ class Transformer(nnx.Module):
         positions_T = jnp.arange(ids_BT.shape[1]) if positions_T is None else positions_T
         ctx = ctx or {"train": False, "key": jax.random.key(0), "seq_ids": jnp.arange(ids_BT.shape[0])}
         x_BTD = self.embed(ids_BT, axes, self.embed.gathered(axes))
-        caches = caches or {}
-        new_caches = {}
+        caches, new_caches = caches or {}, {}
         if self.prologue is not None:
             x_BTD, new_caches["prologue"] = self.run_prologue(x_BTD, positions_T, axes, ctx, caches.get("prologue"))
         x_BTD, stats, new_caches["blocks"] = self.run_blocks(x_BTD, positions_T, axes, ctx, caches=caches.get("blocks"))
