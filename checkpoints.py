@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
 from multihost import log
@@ -285,7 +285,7 @@ def _in_layout(target, saved_repeats, repeats):
             return t
         changed.append(path)
         spec = (*t.sharding.spec, *(None,) * len(t.shape))[lead:len(t.shape)]
-        placement = NamedSharding(t.sharding.mesh, P(*(None,) * (len(shape) - len(rest)), *spec))
+        placement = NamedSharding(t.sharding.mesh, PartitionSpec(*(None,) * (len(shape) - len(rest)), *spec))
         return jax.ShapeDtypeStruct(shape, t.dtype, sharding=placement)
     read = jax.tree_util.tree_map_with_path(one, target)
     return read if changed else target

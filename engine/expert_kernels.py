@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 from collectives import sum_like, vary_like
 from model import ffn
@@ -154,7 +154,8 @@ def triton_grouped(a, b, group_sizes, dims, out_dtype):
         return jnp.where(jnp.arange(a.shape[0])[:, None] < jnp.sum(group_sizes), out, 0)
     # A Pallas call inside shard_map needs its outputs' varying axes, which tokamax does not give: it is
     # traced with check_vma off (a shard_map over no axis), and its result varies as its operands do.
-    out = jax.shard_map(kernel, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(a, b, group_sizes)
+    out = jax.shard_map(kernel, in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names=frozenset(),
+                        check_vma=False)(a, b, group_sizes)
     return vary_like((out,), (a, b, group_sizes))[0]
 
 

@@ -23,7 +23,7 @@ import time
 import fsspec
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dataset                                                      # noqa: E402 (after the path above)
@@ -68,7 +68,7 @@ def bench_loader(tmp, n_batches, B=16, T=128):
     res = {}
     for shape in ((8, 1, 1), (2, 2, 2)):
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("dp", "pp", "tp"))
-        loader = dataset.BatchLoader(ds, T, B, NamedSharding(mesh, P("dp", None)), seed=0)
+        loader = dataset.BatchLoader(ds, T, B, NamedSharding(mesh, PartitionSpec("dp", None)), seed=0)
         it = loader.iterate(0)
         x, y = next(it)                                   # warm up
         t = time.perf_counter()
@@ -159,7 +159,7 @@ def bench_pod_scale(url, n_shards, shard_tokens, steps=20, T=1024, global_batch=
     mesh = Mesh(np.array(jax.devices()[:n_hosts]).reshape(n_hosts, 1, 1), ("dp", "pp", "tp"))
     t = time.perf_counter()
     ds = dataset.TokenDataset(url, "train", tok.VOCAB_SIZE)
-    loader = dataset.BatchLoader(ds, T, global_batch, NamedSharding(mesh, P("dp", None)), seed=0)
+    loader = dataset.BatchLoader(ds, T, global_batch, NamedSharding(mesh, PartitionSpec("dp", None)), seed=0)
     startup = time.perf_counter() - t
     rows = loader.local_rows(jax.devices()[:1])            # one host's devices: here 1 of the 8 dp rows
     want = len(rows) * (T + 1) * 4

@@ -17,7 +17,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], 2, int(os.environ["JAX_PROCESS_ID"]))
 
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from collectives import psum_scatter  # noqa: E402
@@ -25,12 +25,12 @@ from collectives import psum_scatter  # noqa: E402
 mesh = jax.make_mesh((2,), ("dp",))
 pid, rows, cols = jax.process_index(), 49152, 128                 # [R, C] fp32 per rank: 24 MiB, 12 MiB kept
 full = np.random.default_rng(0).standard_normal((2, rows, cols)).astype(np.float32)
-x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("dp")), full[pid:pid + 1], (2, rows, cols))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("dp")), full[pid:pid + 1], (2, rows, cols))
 total = full[0] + full[1]
 steps, wanted = [], []
 for dim in (0, 1):
     steps.append(jax.jit(jax.shard_map(lambda x_1RC, dim=dim: psum_scatter(x_1RC[0], "dp", dim)[None], mesh=mesh,
-                                       in_specs=P("dp"), out_specs=P("dp"))))
+                                       in_specs=PartitionSpec("dp"), out_specs=PartitionSpec("dp"))))
     wanted.append(np.split(total, 2, axis=dim)[pid])
 reduce_scatters = sum(f.lower(x).compile().as_text().count(" reduce-scatter(") for f in steps)
 rng, wrong = np.random.default_rng(pid), 0

@@ -17,17 +17,18 @@ if os.environ.get("JAX_COORDINATOR_ADDRESS"):
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 n = jax.device_count()
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2, n // 4), ("dp", "pp", "tp"))
-sharding = NamedSharding(mesh, P(("dp", "pp", "tp")))
+sharding = NamedSharding(mesh, PartitionSpec(("dp", "pp", "tp")))
 # the i-th device of the global list holds i + 1; the psum over all devices is n (n + 1) / 2 everywhere
 index = {d: i for i, d in enumerate(jax.devices())}
 local = [jax.device_put(jnp.full((1,), index[d] + 1.0), d) for d in jax.local_devices()]
 x = jax.make_array_from_single_device_arrays((n,), sharding, local)
 total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("dp", "pp", "tp")), mesh=mesh,
-                              in_specs=P(("dp", "pp", "tp")), out_specs=P(("dp", "pp", "tp"))))(x)
+                              in_specs=PartitionSpec(("dp", "pp", "tp")),
+                              out_specs=PartitionSpec(("dp", "pp", "tp"))))(x)
 values = [float(s.data[0]) for s in total.addressable_shards]
 result = {"process_id": jax.process_index(), "process_count": jax.process_count(),
           "device_count": n, "local_device_count": jax.local_device_count(), "psum": values,

@@ -51,7 +51,7 @@ def test_the_ragged_experts_equal_the_buffers_dropless_in_fp32(shape, n_micro):
 COMPILE_THE_EXPERTS = """
 import json
 import jax, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 import engine, hardware, hlo, pod, sharding, utils
 from collectives import MESH_AXES, Axes
 pod._compile_only_cuda()
@@ -64,13 +64,15 @@ def loss(w, x_BTD, experts_BTk, slot_BTk, platform):
         axes = Axes(*MESH_AXES, engine=engine.Fast(platform))
         y_BTkD = axes.engine.routed_experts(w, x_BTD, experts_BTk, slot_BTk, T, cfg, axes)
         return jax.lax.psum(jnp.sum(y_BTkD.astype(jnp.float32) ** 2), ("dp", "tp"))
-    weights = {"expert_up": P(None, None, "tp"), "expert_down": P(None, "tp", None)}
-    return jax.shard_map(local, mesh=mesh, in_specs=(weights, P("dp"), P("dp"), P("dp")), out_specs=P(),
+    weights = {"expert_up": PartitionSpec(None, None, "tp"), "expert_down": PartitionSpec(None, "tp", None)}
+    over_dp = PartitionSpec("dp")
+    return jax.shard_map(local, mesh=mesh, in_specs=(weights, over_dp, over_dp, over_dp), out_specs=PartitionSpec(),
                          check_vma=True)(w, x_BTD, experts_BTk, slot_BTk)
 
 w = {"expert_up": jax.ShapeDtypeStruct((E, D, F), jnp.bfloat16),
      "expert_down": jax.ShapeDtypeStruct((E, F, D), jnp.bfloat16)}
-tokens = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("dp")))
+tokens = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype,
+                                                             sharding=NamedSharding(mesh, PartitionSpec("dp")))
 args = (w, tokens(B, T, D, dtype=jnp.float32), tokens(B, T, k), tokens(B, T, k))
 for platform in ("gpu", "cpu"):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=4)

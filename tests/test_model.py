@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 from engine import attention_kernels
 import generate
@@ -240,7 +240,7 @@ def test_the_narrow_v_check_compares_with_the_padded_kernel_while_a_step_is_trac
                             for kernel in (narrow, always_causal, lossy))
         return x + 1
     mesh = sharding.make_mesh((2, 2, 2))
-    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))(jnp.zeros(8))
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("dp"), out_specs=PartitionSpec("dp")))(jnp.zeros(8))
     assert verdicts == [True, False, False]
 
 
