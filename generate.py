@@ -1,17 +1,19 @@
 """Generation with the latent KV cache: one jitted scan over positions, top-k and temperature
 sampling; the cache holds only the KV latent c_kv and the rotated shared key (plus each MoE layer's
-per-expert fill count, so cached decode keeps and drops exactly what the full forward does).
+per-expert fill count, so cached decode keeps and drops exactly what the full forward does). `generate`
+samples from params; `compile_sampler` compiles a training run's whole draw from its state ahead.
 """
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from collectives import Axes
 from engine import engine_for, matmul_precision
 from model import output_logits
-from sharding import build, model_order
+from sharding import build, model_order, with_router_bias
 
 
 def init_caches(cfg, batch, length, dtype=jnp.float32):
@@ -67,15 +69,47 @@ def _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, u
     return tokens_T, logits_PV
 
 
+def prompt_tokens(prompt_ids, max_tokens, T):
+    """The decode's tokens [T]: the prompt, then zeros; ValueError unless the prompt plus max_tokens fit in T."""
+    n_prompt = len(prompt_ids)
+    if n_prompt < 1 or n_prompt + max_tokens > T:
+        raise ValueError(f"prompt ({n_prompt} tokens) + --max_tokens ({max_tokens}) must be between 1 and --T "
+                         f"({T}); shorten --prompt or lower --max_tokens")
+    tokens_T = np.zeros(T, np.int32)
+    tokens_T[:n_prompt] = prompt_ids
+    return tokens_T
+
+
 def generate(params, cfg, prompt_ids, key, max_tokens, top_k, temperature, use_cache=True, return_logits=False):
     """Sample max_tokens new ids after prompt_ids (top-k, temperature); the prompt plus the new tokens
     must fit in the context T. Returns the new ids (and the logits that chose them)."""
     n_prompt = len(prompt_ids)
-    if n_prompt < 1 or n_prompt + max_tokens > cfg.T:
-        raise ValueError(f"prompt ({n_prompt} tokens) + --max_tokens ({max_tokens}) must be between 1 and --T "
-                         f"({cfg.T}); shorten --prompt or lower --max_tokens")
-    tokens_T = jnp.zeros((cfg.T,), jnp.int32).at[:n_prompt].set(jnp.asarray(prompt_ids, jnp.int32))
-    tokens_T, logits_PV = _decode(model_order(params), cfg, tokens_T, n_prompt, key, n_prompt + max_tokens,
-                                  min(top_k, cfg.vocab_size), temperature, use_cache)
-    new = [int(t) for t in tokens_T[n_prompt:n_prompt + max_tokens]]
+    tokens_T, logits_PV = _decode(model_order(params), cfg, prompt_tokens(prompt_ids, max_tokens, cfg.T), n_prompt,
+                                  key, n_prompt + max_tokens, min(top_k, cfg.vocab_size), temperature, use_cache)
+    new = [int(t) for t in np.asarray(tokens_T)[n_prompt:n_prompt + max_tokens]]
     return (new, logits_PV[n_prompt - 1:]) if return_logits else new
+
+
+def compile_sampler(abstract_state, cfg, prompt_ids, seed, max_tokens, top_k, temperature, use_cache=True):
+    """sample(state, step) -> max_tokens new ids after prompt_ids (top-k, temperature) from a training state's
+    params, drawn with the key fold_in(key(seed), step). The whole draw (the key, the params in model order with
+    the routing bias beside the routers, the decode) is one program, compiled now for the state's shapes and
+    shardings (abstract_state), so that a sample compiles nothing: a stop during one waits for no compile."""
+    n_prompt, tokens_T = len(prompt_ids), prompt_tokens(prompt_ids, max_tokens, cfg.T)
+    draw = partial(_draw, cfg=cfg, seed=seed, n_prompt=n_prompt, n_total=n_prompt + max_tokens,
+                   top_k=min(top_k, cfg.vocab_size), use_cache=use_cache)
+    program = jax.jit(draw).lower(abstract_state["params"], abstract_state["router_bias"],
+                                  jax.ShapeDtypeStruct(tokens_T.shape, jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+                                  jax.ShapeDtypeStruct((), jnp.float32)).compile()
+
+    def sample(state, step):
+        drawn_T = np.asarray(program(state["params"], state["router_bias"], tokens_T, step, temperature))
+        return [int(t) for t in drawn_T[n_prompt:n_prompt + max_tokens]]
+    return sample
+
+
+def _draw(params, router_bias, tokens_T, step, temperature, *, cfg, seed, n_prompt, n_total, top_k, use_cache):
+    """compile_sampler's program: tokens_T with positions [n_prompt, n_total) drawn."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    params = model_order(with_router_bias(params, router_bias))
+    return _decode(params, cfg, tokens_T, n_prompt, key, n_total, top_k, temperature, use_cache)[0]

@@ -25,6 +25,8 @@ import functools
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
     import utils                   # --help before jax loads (its import takes seconds, more on a busy machine)
@@ -54,7 +56,7 @@ from multihost import log, set_up_devices
 from progress import Progress
 from rundir import Logger, RunRefused, lock_run_dir, metrics_records, os_error, run_dir_of, set_aside_previous_run
 from tasks import TaskError
-from trainer import Trainer, build_trainer
+from trainer import Trainer, build_trainer, compile_interval_steps
 
 
 def data_dir_for(cfg):
@@ -95,6 +97,7 @@ class Run:
     start_seq: int              # sequences consumed before this process started
     run_id: str
     sample_ids: list            # the prompt's token ids
+    sampler: Callable = None    # sample(state, step) -> new ids, compiled before the first step; None: no samples
 
     @property
     def sequences_per_step(self):
@@ -241,25 +244,53 @@ def save_checkpoint(run, step, state, val_loss, force=False):
 def sample(run, state, step):
     """A text sample into the log and samples.txt (none with --max_tokens 0). A failed sample is a
     warning: it never costs the run (the checkpoint is written before it)."""
-    ic = run.cfg.inference
-    if ic.max_tokens == 0:
+    if run.sampler is None:
         return
     try:
-        text = sample_text(state, run.cfg, run.sample_ids, step)
-        log(f"sample @ {step}:\n{ic.prompt}{text}")
-        run.logger.sample(step, ic.prompt, text)
+        text = sample_text(run.sampler, state, step)
+        log(f"sample @ {step}:\n{run.cfg.inference.prompt}{text}")
+        run.logger.sample(step, run.cfg.inference.prompt, text)
     except Exception as e:
         log(f"WARNING: sampling at step {step} failed ({type(e).__name__}: {e}); training goes on")
 
 
-def sample_text(state, cfg, ids, step):
-    """--max_tokens new tokens after `ids` (top-k, temperature) from the state's params routed with its
-    bias, decoded; the key depends on the seed and the step only, never on the training key."""
-    ic, enc = cfg.inference, get_tokenizer()
-    key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), step)
-    params = sharding.with_router_bias(state["params"], state["router_bias"])
-    new = generate.generate(params, cfg.model, ids, key, ic.max_tokens, ic.top_k, ic.temperature, ic.use_cache)
-    return enc.decode([t for t in new if t < enc.n_vocab])
+def compile_sampler(cfg, trainer, ids):
+    """sample(state, step) -> --max_tokens new ids after `ids` (top-k, temperature) from the state's params
+    routed with its bias, compiled now (generate.compile_sampler); the key depends on the seed and the step only,
+    never on the training key."""
+    ic = cfg.inference
+    return generate.compile_sampler(trainer.abstract_state, cfg.model, ids, cfg.run.seed + 1, ic.max_tokens, ic.top_k,
+                                    ic.temperature, ic.use_cache)
+
+
+def sample_text(sampler, state, step):
+    enc = get_tokenizer()
+    return enc.decode([t for t in sampler(state, step) if t < enc.n_vocab])
+
+
+def compile_programs(run, argv):
+    """The train step (fit.compile_train_step) and, in a thread beside it, what an interval's end runs
+    (`interval_programs`): all compiled before the first step, in goodput's compile phase. The loop then compiles
+    nothing, so a stop at an interval's end saves at once (a pod's first interval end would compile for minutes,
+    and a preemption gives 30 s)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:      # XLA compiles without the GIL: the two overlap
+        interval = pool.submit(interval_programs, run.cfg, run.trainer, run.tasks, run.sample_ids)
+        trainer = fit.compile_train_step(run.cfg, run.trainer, argv, log)
+        compiled, run.sampler = interval.result()
+    run.trainer = trainer._replace(eval_step=compiled.eval_step, score_step=compiled.score_step)
+
+
+def interval_programs(cfg, trainer, tasks, sample_ids):
+    """(trainer with its eval step and the tasks' score steps compiled, the sampler compiled); the sampler is None
+    with --max_tokens 0, and where it does not compile: a warning, as a failed sample is."""
+    trainer = compile_interval_steps(cfg, trainer, tasks.shapes())
+    if not cfg.inference.max_tokens:
+        return trainer, None
+    try:
+        return trainer, compile_sampler(cfg, trainer, sample_ids)
+    except Exception as e:
+        log(f"WARNING: the sampler does not compile ({type(e).__name__}: {e}); training goes on without samples")
+        return trainer, None
 
 
 @dataclasses.dataclass
@@ -405,7 +436,7 @@ def train(cfg, mesh, argv=()):
         return nothing_to_do(run)
     progress = Progress(run)
     try:
-        run.trainer = fit.compile_train_step(cfg, run.trainer, argv, log)
+        compile_programs(run, argv)
     except fit.OutOfMemory:                        # nothing trained: nothing to save
         progress.close()
         close_run(run)
@@ -548,7 +579,7 @@ def sample_from_checkpoint(cfg):
     cfg, mngr = checkpoint_config(cfg, "--sample")
     ids = prompt_ids(cfg.inference, cfg.model.T)
     trainer, state, meta = restore_on_this_mesh(cfg, mngr)
-    text = sample_text(state, cfg, ids, int(meta["step"]))
+    text = sample_text(compile_sampler(cfg, trainer, ids), state, int(meta["step"]))
     log(f"sample @ {meta['step']} of {mngr.directory}:\n{cfg.inference.prompt}{text}")
     return 0
 

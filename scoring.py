@@ -86,25 +86,34 @@ def task_rows(task, enc, T):
 MIN_WIDTH = 128
 
 
-def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH, stop=lambda: False):
-    """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: the rows
-    longest first, batch_rows a step (the last batch padded with rows that score nothing), each batch cut to
-    the narrowest width that holds its longest row (a power of two >= min_width, at most T), and only as many
-    positions a row through the output layer as its longest continuation needs (`pipeline.row_scores`). No score
-    changes: attention is causal and an expert's capacity counts --T whatever the width
-    (model.expert_capacity), so the tokens after a row's end, padding, never reach it. Each step is fetched
-    while the next runs, and a stop() then ends the scoring (None: a stop came; every process asks at the same
-    points)."""
+def batch_plan(rows, batch_rows, min_width=MIN_WIDTH):
+    """How row_scores runs `rows`: (the rows' order, longest first, the last batch padded with repeats that score
+    nothing; per batch of batch_rows, (its rows, its width, its window)). The width is the narrowest that holds
+    the batch's longest row (a power of two >= min_width, at most T), the window the positions a row through the
+    output layer: the batch's longest continuation (`pipeline.row_scores`)."""
     R, T = rows.x.shape
     lengths = T - np.argmax(rows.mask[:, ::-1] > 0, axis=1)          # up to the continuation's last token
     order = np.argsort(-lengths, kind="stable")
     order = np.concatenate([order, np.full(-R % batch_rows, order[-1])])     # the last batch: repeats, dropped
-    fetched, running = [], None
+    plan = []
     for i in range(0, len(order), batch_rows):
         batch = order[i:i + batch_rows]
         width = min(T, max(min_width, _power_of_two(lengths[batch[0]])))
-        # positions a row through the output layer: the batch's longest continuation
         window = min(width, max(8, _power_of_two(rows.mask[batch].sum(axis=1).max())))
+        plan.append((batch, width, window))
+    return order, plan
+
+
+def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH, stop=lambda: False):
+    """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: the rows in
+    batches of batch_rows as `batch_plan` lays them out, each only as wide as its longest row and only as many
+    positions a row through the output layer as its longest continuation needs. No score changes: attention is
+    causal and an expert's capacity counts --T whatever the width (model.expert_capacity), so the tokens after a
+    row's end, padding, never reach it. Each step is fetched while the next runs, and a stop() then ends the
+    scoring (None: a stop came; every process asks at the same points)."""
+    order, plan = batch_plan(rows, batch_rows, min_width)
+    fetched, running = [], None
+    for batch, width, window in plan:
         on_mesh = [_on_mesh(np.ascontiguousarray(a[batch, :width]), trainer.data_sharding)
                    for a in (rows.x, rows.y, rows.mask)]
         dispatched = trainer.score_step(state["params"], state["router_bias"], *on_mesh, window)
@@ -115,6 +124,7 @@ def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH, stop=lambd
         running = dispatched
     fetched.append(jax.device_get(running))
     nats, greedy = (np.concatenate(a) for a in zip(*fetched))
+    R = len(rows.x)
     unsorted = np.empty(R, np.int64)
     unsorted[order[:R]] = np.arange(R)
     return nats[unsorted], greedy[unsorted]
@@ -152,6 +162,12 @@ class TaskScorer:
                 raise TaskError(f"--eval_tasks {task.name}: its text is cl100k_base ids up to {largest}, beyond "
                                 f"--vocab_size {vocab_size}; raise --vocab_size to {enc.n_vocab} or pass "
                                 f"--eval_tasks ''")
+
+    def shapes(self):
+        """The (rows, width, window) of every batch that scoring the tasks runs (`batch_plan`): the score steps
+        trainer.compile_interval_steps compiles before the first step."""
+        return {(self.batch_rows, width, window) for rows in self.rows
+                for _, width, window in batch_plan(rows, self.batch_rows)[1]}
 
     def each(self, trainer, state, with_requests=False):
         """(task name, its record, None) or (task name, None, why it failed in one line) per task, in order, as

@@ -22,10 +22,11 @@ from optimizer import lr_schedule, make_optimizer
 class Trainer(NamedTuple):
     step: Callable              # step(state, (xs, ys)) -> (state, metrics), jitted, donates the state
     eval_step: Callable         # eval_step(params, router_bias, x, y) -> (val CE, balance term), jitted
-    score_step: Callable        # score_step(params, router_bias, x, y, mask, window) -> each row's (nats, greedy) [B]
+    score_step: Callable        # score_step(params, router_bias, x, y, mask, window) -> each row's (nats, greedy) [B],
+                                # jitted (the two compiled by compile_interval_steps; this one then a ScoreSteps)
     fresh_state: Callable       # fresh_state(seed) -> a new training state on the mesh
     abstract_state: dict        # the state's shapes, dtypes and shardings (restore targets, compiling)
-    schedule: Callable          # the learning rate of an update, by step index
+    schedule: Callable          # the learning rate of an update, by step index (jitted: one program, not one per op)
     data_sharding: NamedSharding  # a global batch [sequences, T]: sequences over the replicas (slice x dp), whole rows
 
 
@@ -44,7 +45,7 @@ def build_trainer(cfg, mesh):
     score = jax.jit(partial(score_step, cfg=cfg, mesh=mesh), static_argnums=5,
                     in_shardings=(shardings["params"], replicated, data, data, data), out_shardings=replicated)
     return Trainer(step, evaluate, score, partial(init_state, cfg, optimizer, shardings, mesh), abstract_state,
-                   lr_schedule(cfg.optim), data)
+                   jax.jit(lr_schedule(cfg.optim)), data)
 
 
 def abstract_step_args(cfg, trainer):
@@ -55,6 +56,29 @@ def abstract_step_args(cfg, trainer):
     state, micro_steps, val = trainer.abstract_state, (batch(utils.global_batch(cfg)),) * cfg.optim.grad_step, \
         batch(cfg.run.val_batch_size)
     return (state, (micro_steps, micro_steps)), (state["params"], state["router_bias"], val, val)
+
+
+class ScoreSteps(NamedTuple):
+    """The score step compiled for the shapes a run's tasks take, called as the jitted one is."""
+    programs: dict              # (rows, width, window) -> the score step compiled for [rows, width] ids and window
+
+    def __call__(self, params, router_bias, x, y, mask, window):
+        return self.programs[(*x.shape, window)](params, router_bias, x, y, mask)
+
+
+def compile_interval_steps(cfg, trainer, score_shapes):
+    """trainer with what an interval's end runs compiled now, before the first step: the eval step, the learning
+    rate's schedule (each step's record reads it) and the score step for each (rows, width, window) of
+    score_shapes (scoring.TaskScorer.shapes). The loop then compiles nothing (main.compile_programs)."""
+    _, eval_args = abstract_step_args(cfg, trainer)
+    params, router_bias = eval_args[:2]
+    ids = lambda rows, width: jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=trainer.data_sharding)
+    scores = {(rows, width, window): trainer.score_step.lower(params, router_bias, *[ids(rows, width)] * 3,
+                                                              window).compile()
+              for rows, width, window in score_shapes}
+    # the step records call the schedule with a Python int (a weak int32): compiled here, jit's cache serves them
+    trainer.schedule.lower(jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)).compile()
+    return trainer._replace(eval_step=trainer.eval_step.lower(*eval_args).compile(), score_step=ScoreSteps(scores))
 
 
 def state_layout(cfg, optimizer, abstract_params, mesh):
