@@ -137,19 +137,27 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
 def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall_and_a_setting_that_fits(tmp_path):
     """The shortfall in one line, then the settings that trade compute for memory compiled (planner.py) and
     the cheapest that fits named with its command; the exit status stays 1 (without --fit)."""
-    # Attention scores of 16 sequences x 4 heads x 8192^2 positions in fp32: 17 GiB, twice over.
-    p = compile_for("--preset", "tiny", "--T", "8192", "--micro_batch_size", "1", "--compile_for", "v4-8",
-                    cwd=tmp_path)
+    # The tiny preset's layers 192 blocks deep, every layer keeping 16 sequences' activations for the backward:
+    # the memory grows with the blocks while the compiled program (one scanned block) and its shapes stay small,
+    # so each compile takes seconds. The settings: --remat full and --grad_step 2 (8 micro-batches of one
+    # sequence leave no --grad_step 4), both fitting.
+    flags = ["--preset", "tiny", "--blocks", "192", "--T", "256", "--micro_batch_size", "8", "--compile_for", "v4-8"]
+    p = compile_for(*flags, cwd=tmp_path)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     lines = p.stdout.strip().splitlines()
     short = next(line for line in lines if line.startswith("does not fit"))
     m = re.fullmatch(r"does not fit: train step needs ([\d.]+) GiB per chip, v4-8's chips have 30.75 GiB usable "
                      r"\(([\d.]+) GiB short\); .*", short)
     assert m and float(m.group(2)) == pytest.approx(float(m.group(1)) - 30.75, abs=0.02)
-    chosen = re.search(r"^fits with (.+): ([\d.]+) of 30.75 GiB a chip, FLOPs [\d.]+x the model's", p.stdout, re.M)
+    chosen = re.search(r"^fits with (.+): ([\d.]+) of 30.75 GiB a chip, FLOPs ([\d.]+)x the model's", p.stdout, re.M)
     assert chosen and float(chosen.group(2)) <= 30.75, p.stdout[-3000:]
+    # each setting compiled has its line; of those that fit, the one named has the fewest FLOPs
+    fitting = {change.strip(): float(flops) for change, flops in
+               re.findall(r"^  (--.+?) +[\d.]+ GiB fits, FLOPs ([\d.]+)x the model's", p.stdout, re.M)}
+    assert set(fitting) == {"--remat full", "--train_batch_size 8 --grad_step 2"}, p.stdout[-3000:]
+    assert chosen.group(1) in fitting and float(chosen.group(3)) == min(fitting.values()), fitting
     command = lines[next(i for i, line in enumerate(lines) if line.startswith("fits with")) + 1].strip()
-    assert command.startswith("python main.py --preset tiny --T 8192 --micro_batch_size 1 --compile_for v4-8 ")
+    assert command.startswith("python main.py " + " ".join(flags) + " ")
     assert command.endswith(chosen.group(1)), command
 
 
