@@ -150,14 +150,15 @@ def main(argv=None):
 
 
 def print_table(rows, out):
-    print(f"{'lever':24} {'step ms':>9} {'speedup':>8} {'MFU':>6} {'plan GiB':>9}", file=out)
+    w = max(24, *(len(row["lever"]) for row in rows))
+    print(f"{'lever':{w}} {'step ms':>9} {'speedup':>8} {'MFU':>6} {'plan GiB':>9}", file=out)
     for row in rows:
         if "error" in row:
-            print(f"{row['lever']:24} {row['error']}", file=out)
+            print(f"{row['lever']:{w}} {row['error']}", file=out)
             continue
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
         speedup = f"{row['speedup']:.3f}" if "speedup" in row else "n/a"
-        print(f"{row['lever']:24} {row['step_ms']:9.1f} {speedup:>8} {mfu:>6} "
+        print(f"{row['lever']:{w}} {row['step_ms']:9.1f} {speedup:>8} {mfu:>6} "
               f"{row['plan_gib']:9.2f}", file=out)
 
 
