@@ -14,6 +14,11 @@ test modules share.
 - `tmux_env`: tests/launch_util.py's environment for a launch script, its private tmux server killed
   afterwards (no session may outlive the test); `launch_cache`: launcher.sh flags that give the
   processes it starts the same compilation cache.
+
+README runs the suite as `pytest -n 2 --dist loadfile`: each test module on one pytest-xdist worker, so its
+module-scoped fixtures (a trained run, an export, a bucket's shards) are built once. (`--dist loadgroup` with
+`xdist_group` marks no longer groups: xdist 3.8 names a group by rewriting `item._nodeid`, which pytest 9 does
+not read, so it dealt every test apart.)
 """
 import atexit
 import gzip
@@ -26,10 +31,14 @@ import tempfile
 import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-# One persistent XLA compilation cache for the session, in this process and in its subprocesses (cpu_env):
-# a program compiled once (a trainer built again, main.py started again) is read back, not compiled again.
-XLA_CACHE = tempfile.mkdtemp(prefix="jaxformer-xla-cache-")
-atexit.register(shutil.rmtree, XLA_CACHE, True)
+# One persistent XLA compilation cache for the session, in this process, in its subprocesses (cpu_env) and in the
+# pytest-xdist workers, which inherit it from the process that made it (pytest's own, which imports this file
+# before it starts them): a program compiled once (a trainer built again, main.py started again, on either
+# worker) is read back, not compiled again.
+XLA_CACHE = os.environ.get("JAXFORMER_TESTS_XLA_CACHE")
+if XLA_CACHE is None:
+    XLA_CACHE = os.environ["JAXFORMER_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxformer-xla-cache-")
+    atexit.register(shutil.rmtree, XLA_CACHE, True)
 os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 os.environ["XLA_FLAGS"] = " ".join(
@@ -53,26 +62,11 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "error::DeprecationWarning:optax")
     config.addinivalue_line("markers", "slow(cost): an opt-in check, run with JAXFORMER_SLOW_TESTS=1; cost says what "
                                        "it takes")
-    # xdist registers it too; without xdist (`-p no:xdist`) the groups are only names
-    config.addinivalue_line("markers", "xdist_group(name): the worker group (END_TO_END or in-process)")
 
 
-# Under `pytest -n 2 --dist loadgroup` (README) the modules that run main.py, bench.py or the launch scripts end
-# to end go to one worker, one test at a time (side by side, their runs' timings and ports collide, and they share
-# that worker's XLA_CACHE: each worker imports this file), and the rest, mostly compiling in-process at -O0, to
-# the other.
-END_TO_END = {"test_main", "test_run_safety", "test_stop_points", "test_gcs", "test_main_data_errors", "test_newcomer",
-              "test_hang", "test_launch_supervisor", "test_launch_multihost", "test_launch", "test_launch_ops", "test_tpu",
-              "test_run_output"}
-
-
-@pytest.hookimpl(tryfirst=True)       # before xdist's own hook, which names each test by its group
 def pytest_collection_modifyitems(config, items):
-    """Each test's xdist group (END_TO_END's or the in-process one); tests marked slow are skipped unless
-    JAXFORMER_SLOW_TESTS=1, the one place that says so."""
+    """Tests marked slow are skipped unless JAXFORMER_SLOW_TESTS=1, the one place that says so."""
     for item in items:
-        group = "end-to-end" if item.module.__name__ in END_TO_END else "in-process"
-        item.add_marker(pytest.mark.xdist_group(group))
         if (slow := item.get_closest_marker("slow")) is not None and os.environ.get("JAXFORMER_SLOW_TESTS") != "1":
             item.add_marker(pytest.mark.skip(reason=f"opt-in (JAXFORMER_SLOW_TESTS=1): {slow.args[0]}"))
 
