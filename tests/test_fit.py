@@ -91,8 +91,11 @@ def test_a_step_the_devices_cannot_hold_is_one_line_naming_the_cheapest_setting_
     """fit.does_not_fit, the line main.py and bench.py end with when the compiler refuses a step for want of
     memory (on a TPU; tests/test_tpu.py meets it there): the shortfall against what the devices have, and the
     cheapest setting that fits, compiled here (planner.py), with its command."""
+    # two settings to compile, --remat full and --expert_parallel (one pass of the micro-batches leaves no
+    # --grad_step, the weights already gathered a tick at a time)
     cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 64 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
-                                 "--vocab_size 1024 --train_batch_size 8 --micro_batch_size 2 --n_device_axis 2 1 1".split())
+                                 "--vocab_size 1024 --train_batch_size 2 --micro_batch_size 2 --fsdp_gather tick "
+                                 "--n_device_axis 2 1 1".split())
     mesh = sharding.run_mesh(cfg.run)
     have = fit.device_memory(mesh)
     needed = have[0] / have[1] / GiB + 1            # a GiB more than each device's share of this host's memory

@@ -164,8 +164,10 @@ def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall_and_a_s
 def test_compile_for_two_slices_reports_what_crosses_them_apart(tmp_path):
     """2xv4-8: the run spans the two slices (--n_slices 2 implied), dp 4 = 2 slices of 2; the collectives
     within a slice (ICI) and megascale's transfers across them (DCN) are counted apart: the train step's
-    gradient crosses, at least its fp32 params' bytes a chip; the eval step only its loss."""
-    p = compile_for("--preset", "tiny", "--n_device_axis", "4", "1", "2", "--compile_for", "2xv4-8", cwd=tmp_path)
+    gradient crosses, at least its fp32 params' bytes a chip; the eval step only its loss. (No --eval_tasks: the
+    scoring step is test_compile_for_reports_the_plan_and_fits' concern.)"""
+    p = compile_for("--preset", "tiny", "--n_device_axis", "4", "1", "2", "--compile_for", "2xv4-8", "--eval_tasks", "",
+                    cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
     assert "slice: 2xv4-8 = 2 slices of 4 TPU v4 chips (v4:2x2x1) on 2 host(s)" in out, out[:2000]
