@@ -323,9 +323,9 @@ def test_evaluate_into_a_run_directory_it_cannot_write_is_one_line_and_leaves_no
 HF_PYTHON = ".venv-hf/bin/python"      # requirements-hf.txt and requirements-eval.txt: transformers, torch, the harness
 
 
-@pytest.mark.skipif(os.environ.get("JAXFORMER_SLOW_TESTS") != "1" or not os.path.exists(HF_PYTHON),
-                    reason="opt-in (JAXFORMER_SLOW_TESTS=1) with .venv-hf: pip install -r requirements-hf.txt "
-                           "-r requirements-eval.txt")
+@pytest.mark.slow("dsv3-tiny trained 30 steps, scored, exported and scored again by the harness's HF backend")
+@pytest.mark.skipif(not os.path.exists(HF_PYTHON), reason="needs .venv-hf: pip install -r requirements-hf.txt "
+                                                         "-r requirements-eval.txt")
 def test_our_log_likelihoods_are_the_harness_hugging_face_backends_on_the_export(cpu_env, tmp_path):
     """The oracle: dsv3-tiny trained 30 steps in fp32, scored by `--evaluate` on both task files and exported with
     convert.py; lm-evaluation-harness's own `lm-eval run --model hf` (transformers, fp32, CPU) on the export
