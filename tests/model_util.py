@@ -9,12 +9,11 @@ from jax.extend import core as jax_core
 import pipeline
 import sharding
 import utils
+from small_configs import small_model
 
 # MoE + RoPE + NoPE layers, 8 blocks so that pp can be 8 and 8 experts so that expert parallelism
 # (E/dp whole experts per dp shard) can run on dp 8; fp32 so the comparison is tight.
-CFG = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=8, blocks=8, layers_per_block=2, T=16,
-                        latent_dim=16, q_latent_dim=16, dhR=8, n_experts=8, k=2, n_shared=1, capacity_factor=1.0,
-                        model_dtype="float32", remat="none")
+CFG = small_model(n_head=8, blocks=8, n_experts=8, capacity_factor=1.0, model_dtype="float32", remat="none")
 BATCH = 16
 EP = {"expert_parallel": True}     # each dp shard holds E/dp whole experts; tokens reach them by all-to-all
 CIRCULAR = {"pipeline_repeats": 2}     # the circular pipeline, params stored as [R, blocks/R, ...]

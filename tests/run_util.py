@@ -1,5 +1,5 @@
-"""Helpers shared by the tests that run main.py as a user would, a subprocess on CPU: TINY_FLAGS (a small
-model's flags), the meshes MESH1 and MESH8, `run` (to its end) and `start` (in the background), waiting on
+"""Helpers shared by the tests that run main.py as a user would, a subprocess on CPU: TINY_FLAGS (a run of
+small_configs' model), the meshes MESH1 and MESH8, `run` (to its end) and `start` (in the background), waiting on
 a run's metrics.jsonl and checkpoints, SPAN (a span of time in a log line), and `mount` (a read-only or
 full directory for a run to meet)."""
 import json
@@ -12,12 +12,11 @@ import time
 import pytest
 
 from ceiling import CEILING_S
+from small_configs import SMALL_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_FLAGS = ("--model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 "
-              "--q_latent_dim 16 --dhR 8 --n_experts 4 --k 2 --vocab_size 100277 --micro_batch_size 2 "
-              "--model_dtype float32 --val_batch_size 2 --eval_steps 1 --max_tokens 0 --checkpoint_steps 1 "
-              "--bias_update_rate 1e-2").split() + [
+TINY_FLAGS = SMALL_FLAGS + ("--vocab_size 100277 --micro_batch_size 2 --model_dtype float32 --val_batch_size 2 "
+                            "--eval_steps 1 --max_tokens 0 --checkpoint_steps 1 --bias_update_rate 1e-2").split() + [
     "--eval_tasks", ""]            # tasks cost each run seconds: test_tasks.py and the goodput test score them
 N = 20              # steps; checkpoints every 10 x --checkpoint_steps = 10 steps, so at 10 and 20
 # (1,1,1) with 8 sequences per replica and (2,2,2) with 4 see the same global batch of 8; each keeps the

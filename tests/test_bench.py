@@ -14,13 +14,12 @@ import pytest
 import bench
 
 from ceiling import CEILING_S
+from small_configs import SMALL_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The tiny preset, shrunk so compile + a few steps take seconds on a laptop CPU (compilation dominates;
-# no remat and fp32 matmuls make the smallest program).
-SMALL = ("--preset tiny --model_dimension 32 --n_head 2 --blocks 2 --layers_per_block 2 --T 32 --latent_dim 16 "
-         "--q_latent_dim 16 --dhR 8 --n_experts 4 --k 2 --vocab_size 1000 --max_tokens 4 --remat none "
-         "--model_dtype float32").split()
+# small_configs' model, so compile + a few steps take seconds on a laptop CPU (compilation dominates; no remat
+# and fp32 matmuls make the smallest program).
+SMALL = ["--preset", "tiny", *SMALL_FLAGS, *"--vocab_size 1000 --max_tokens 4 --remat none --model_dtype float32".split()]
 RUN = ["--n_device_axis", "2", "2", "2", "--train_batch_size", "4", "--micro_batch_size", "2", "--steps", "3",
        "--warmup", "1"]
 M, PP = 2, 2

@@ -21,6 +21,7 @@ import pod
 import sharding
 import utils
 from ceiling import CEILING_S
+from small_configs import SMALL_FLAGS
 from trainer import abstract_step_args, build_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,11 +72,10 @@ def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_ste
     big = utils.config_from_args(too_big_for_this_machine())
     forced = utils.override(big, force=True)
     fit.check_fits(forced, build_trainer(forced, sharding.make_mesh((1, 1, 1))))    # no RunRefused
-    # run_util's TINY_FLAGS model with a small vocabulary (a quicker compile) and activations the larger part of
-    # the plan, on a 3-D mesh, every layer recomputed: the least a step keeps
-    cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 128 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
-                                 "--vocab_size 1024 --train_batch_size 16 --val_batch_size 16 --remat full "
-                                 "--n_device_axis 2 2 2".split())
+    # small_configs' model with a small vocabulary (a quicker compile) and activations the larger part of the plan,
+    # on a 3-D mesh, every layer recomputed: the least a step keeps
+    cfg = utils.config_from_args(SMALL_FLAGS + "--T 128 --vocab_size 1024 --train_batch_size 16 --val_batch_size 16 "
+                                               "--remat full --n_device_axis 2 2 2".split())
     mesh = sharding.run_mesh(cfg.run)
     trainer = build_trainer(cfg, mesh)
     fit.check_fits(cfg, trainer)
@@ -93,9 +93,8 @@ def test_a_step_the_devices_cannot_hold_is_one_line_naming_the_cheapest_setting_
     cheapest setting that fits, compiled here (planner.py), with its command."""
     # two settings to compile, --remat full and --expert_parallel (one pass of the micro-batches leaves no
     # --grad_step, the weights already gathered a tick at a time)
-    cfg = utils.config_from_args("--model_dimension 32 --n_head 2 --T 64 --latent_dim 16 --q_latent_dim 16 --dhR 8 "
-                                 "--vocab_size 1024 --train_batch_size 2 --micro_batch_size 2 --fsdp_gather tick "
-                                 "--n_device_axis 2 1 1".split())
+    cfg = utils.config_from_args(SMALL_FLAGS + "--T 64 --vocab_size 1024 --train_batch_size 2 --micro_batch_size 2 "
+                                               "--fsdp_gather tick --n_device_axis 2 1 1".split())
     mesh = sharding.run_mesh(cfg.run)
     have = fit.device_memory(mesh)
     needed = have[0] / have[1] / GiB + 1            # a GiB more than each device's share of this host's memory

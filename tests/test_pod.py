@@ -19,6 +19,7 @@ import pipeline
 import sharding
 import utils
 from ceiling import CEILING_S
+from small_configs import small_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("libtpu", reason="pip install -r requirements-tpu.txt")
@@ -436,9 +437,7 @@ def test_dropless_expert_parallel_path_compiles_for_a_tpu(topology):
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    cfg = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=2, blocks=2, layers_per_block=2, T=16,
-                            latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1, capacity_factor=0.0,
-                            moe_impl="ragged", expert_parallel=True)
+    cfg = small_model(capacity_factor=0.0, moe_impl="ragged", expert_parallel=True, remat="auto")
     utils.validate(utils.override(utils.Config(model=cfg), n_device_axis=(2, 1, 2), max_tokens=0), n_devices=4)
     mesh = sharding.make_mesh((2, 1, 2), topology("v4-8"))
     params = jax.eval_shape(lambda: sharding.init_params(cfg, jax.random.key(0)))

@@ -15,6 +15,7 @@ import optimizer
 import sharding
 import spikes
 import utils
+from small_configs import small_model
 
 
 def _norm_grads(norm):
@@ -69,9 +70,7 @@ def test_skip_spikes_flag_is_validated():
     utils.validate(utils.config_from_args(["--skip_spikes", "5"]), 1)
 
 
-SPIKE_MODEL = utils.ModelConfig(vocab_size=300, model_dimension=32, n_head=4, blocks=2, layers_per_block=2, T=16,
-                                latent_dim=16, q_latent_dim=16, dhR=8, n_experts=4, k=2, n_shared=1,
-                                model_dtype="float32", remat="none")
+SPIKE_MODEL = small_model(n_head=4, model_dtype="float32", remat="none")
 STEPS = optimizer.MIN_HISTORY + 6
 
 
