@@ -60,15 +60,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import fit
 import hardware
 import hlo
 import multihost
 import pipeline
-import pod
 import sharding
 import utils
 from engine import matmul_precision
+from planning import fit, measure
 from trainer import abstract_step_args, build_trainer
 
 
@@ -337,9 +336,9 @@ def peak_memory(devices):
 
 
 def compiled_memory(compiled, platform):
-    """Bytes per device the compiled step plans (pod.planned_gib: the plan --compile_for and --fit read)."""
+    """Bytes per device the compiled step plans (measure.planned_gib: the plan --compile_for and --fit read)."""
     try:
-        return int(pod.planned_gib(compiled.memory_analysis(), platform) * pod.GiB)
+        return int(measure.planned_gib(compiled.memory_analysis(), platform) * measure.GiB)
     except Exception:
         return None
 

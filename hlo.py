@@ -2,7 +2,7 @@
 XLA:GPU or libtpu writes it: computations and instructions (`parse`), loops times their trip counts
 (`trip_count`, `loop_sum`), and from that the matmul FLOPs (`matmul_flops`, by part, pass and operand
 dtype), the collective bytes (`collective_bytes`) and the largest buffers (`largest_buffers`) of one
-run of the module. Nothing here imports the project: bench.py and pod.py use it.
+run of the module. Nothing here imports the project: bench.py and planning/ use it.
 """
 import math
 import re

@@ -1,5 +1,5 @@
 """The training driver: set up the devices, open the run (its directory, the data, the state restored or
-fresh), train, finish; `--sample`, `--evaluate` and `--compile_for` (pod.py) are its other modes.
+fresh), train, finish; `--sample`, `--evaluate` and `--compile_for` (planning/report.py) are its other modes.
 
 `python main.py` with no flags trains the `tiny` preset on the bundled corpus (tokenized once into
 $JAXFORMER_CACHE, default ~/.cache/jaxformer) on whatever devices exist; every field of the config is a
@@ -38,11 +38,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 import dataset
-import fit
 import generate
 import hardware
 import metrics_schema
-import pod
 import scoring
 import sharding
 import utils
@@ -53,6 +51,7 @@ from data.shards import OutputError
 from data.tokenizer import get_tokenizer
 from metrics import Diverged, evaluate as val_loss_and_balance, log_interval
 from multihost import log, set_up_devices
+from planning import fit
 from progress import Progress
 from rundir import Logger, RunRefused, lock_run_dir, metrics_records, os_error, run_dir_of, set_aside_previous_run
 from tasks import TaskError
@@ -171,7 +170,7 @@ def start_position(meta, cfg):
 
 def print_header(cfg):
     dp, pp, tp = cfg.run.n_device_axis
-    log(utils.describe(cfg))
+    log(utils.config_lines(cfg))
     counts = sharding.count_params(cfg.model)
     log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
         f"(active: used per token, without the embedding)")
@@ -636,7 +635,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cfg = utils.config_from_args(argv)
     if cfg.run.compile_for:                 # a pod rehearsal on this machine: no devices, no run directory
-        return pod.main(cfg, argv)
+        from planning import report         # the report, and the step-time estimate, are for --compile_for alone
+        return report.compile_for(cfg, argv)
     set_up_devices(cfg)
     quiet_failed_saves()
     try:

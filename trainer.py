@@ -1,4 +1,4 @@
-"""The training step as main.py runs it, bench.py times it and pod.py compiles it: the optimizer
+"""The training step as main.py runs it, bench.py times it and planning/ compiles it: the optimizer
 (global-norm clipping, AdamW, the spike watch), gradient accumulation over --grad_step micro-steps,
 the guard that keeps a non-finite step out of the state, the eval and scoring steps, and the training state's
 layout on the mesh. The state is one pytree: {"params", "opt_state", "key", "router_bias"}.

@@ -191,9 +191,9 @@ class RunConfig:
                                 "estimated step time and MFU; when the train step does not fit, compile the "
                                 "settings that trade compute for memory and print the cheapest that fits")
     fit: bool = flag(False, "when the train step's compiled plan does not fit the devices (or the --compile_for "
-                            "target), use the setting of fewest compiled FLOPs that does (--remat full, --grad_step "
-                            "with a smaller --train_batch_size, more --micro_batch_size, --expert_parallel, "
-                            "--fsdp_gather tick; planner.py); the choice is printed and kept in the run's config")
+                            "target), use the setting of fewest compiled FLOPs that does (--remat full, --grad_step with "
+                            "a smaller --train_batch_size, more --micro_batch_size, --expert_parallel, --fsdp_gather "
+                            "tick; planning/tradeoffs.py); the choice is printed and kept in the run's config")
     force: bool = flag(False, "start even when the planned memory per device (params, optimizer state, gradients and "
                               "the layer inputs the backward keeps, from shapes alone) exceeds what this process's "
                               "devices have, which otherwise refuses the run before it allocates anything")
@@ -276,11 +276,11 @@ PRESETS["dsv3-tiny"] = dataclasses.replace(
     optim=dataclasses.replace(PRESETS["tiny"].optim, bias_update_rate=1e-3),
     run=dataclasses.replace(PRESETS["tiny"].run, name="dsv3-tiny"))
 # A 10B MoE (10.5B total, 2.2B active without the embedding) on the guide's v4-64 at its global batch: width
-# 2048, 32 experts, blocks of 4 layers. The settings are the cheapest `--compile_for v4-64` finds (planner.py):
-# the routed experts split over dp (each chip keeps its 4 experts whole instead of gathering all 32), and
-# the 256 sequences a step in 2 passes of 16 a replica (--grad_step 2), so each pass keeps half the activations
-# and the products can be kept (--remat auto, dots on a TPU) rather than recomputed: the FLOPs of 4 passes with
-# fewer collective bytes (the plans and the alternatives: docs/launch.md).
+# 2048, 32 experts, blocks of 4 layers. The settings are the cheapest `--compile_for v4-64` finds
+# (planning/tradeoffs.py): the routed experts split over dp (each chip keeps its 4 experts whole instead of
+# gathering all 32), and the 256 sequences a step in 2 passes of 16 a replica (--grad_step 2), so each pass
+# keeps half the activations and the products can be kept (--remat auto, dots on a TPU) rather than
+# recomputed: the FLOPs of 4 passes with fewer collective bytes (the plans and the alternatives: docs/launch.md).
 PRESETS["moe10B"] = dataclasses.replace(
     PRESETS["moe1B"], model=dataclasses.replace(
         PRESETS["moe1B"].model, model_dimension=2048, n_head=16, n_experts=32, layers_per_block=4, latent_dim=512,
@@ -588,7 +588,7 @@ def _plain_name(name):
     return name not in ("", ".", "..") and all(c.isalnum() or c in "._-" for c in name)
 
 
-def describe(cfg):
+def config_lines(cfg):
     """A few lines summarising the run, for the log."""
     lines = [f"   preset: {cfg.preset}"]
     for section in SECTIONS:

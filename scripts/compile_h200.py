@@ -1,4 +1,4 @@
-"""Compile a tree's training step for one H200 on this CPU (XLA:GPU given pod.H200_DESCRIPTION, no GPU) and
+"""Compile a tree's training step for one H200 on this CPU (XLA:GPU given measure.H200_DESCRIPTION, no GPU) and
 write what scripts/refit_estimate.py reads: RUN_DIR/NAME.hlo.txt (the optimized per-device HLO) and
 RUN_DIR/NAME.json (the flags, the tree's commit, XLA's memory plan and, with --step_s and --timed, the step time
 measured for that program on an H200 and the day it was). This is how the estimate is calibrated on the programs that were timed: check
@@ -25,7 +25,7 @@ sys.path.insert(0, REPO)
 import jax  # noqa: E402
 
 import hardware  # noqa: E402
-import pod  # noqa: E402
+from planning import measure  # noqa: E402
 
 
 def use_tree(tree):
@@ -62,8 +62,8 @@ def main(argv=None):
     parser.add_argument("--timed", help="the day it was measured (YYYY-MM-DD)")
     args = parser.parse_args(ours)
     tree = os.path.abspath(args.tree)
-    pod._compile_only_cuda()
-    devices = pod.target_devices(hardware.compile_target("h200"))
+    measure.compile_only_cuda()
+    devices = measure.target_devices(hardware.compile_target("h200"))
     if tree != REPO:
         use_tree(tree)
     if args.trace_backend:

@@ -5,7 +5,7 @@ It takes bench.py's flags and writes what bench.py writes on a GPU: the JSON lin
 one shaped like the model's (a layer loop of GEMMs, cuDNN attention and elementwise kernels; a cuBLAS
 GEMM, a reduction and an optimizer pass over the weights outside it; --remat full replays the layer's
 GEMM, --moe_impl ragged adds a grouped GEMM kernel), sized by --train_batch_size. Its kernels run at
-PLANTED speeds: each class's factor times the kernel's roofline (hlo.kernel_census at pod's rates),
+PLANTED speeds: each class's factor times the kernel's roofline (hlo.kernel_census at step_time's rates),
 PLANTED_PER_KERNEL_S beside each kernel (part of it a host copy the census does not know), so that
 scripts/refit_estimate.py must find exactly those on the archive. As in a trace of XLA:GPU's CUDA graphs,
 the layer loop's kernels name no HLO instruction: XLA's by their own names, cuDNN's and cuBLAS's by the
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hardware  # noqa: E402
 import hlo  # noqa: E402
-import pod  # noqa: E402
+from planning import step_time  # noqa: E402
 
 PLANTED = {"gemm": 1.25, "attention": 2.5, "memory": 1.15}
 PLANTED_PER_KERNEL_S = 2e-6
@@ -123,7 +123,7 @@ def main(argv=None):
     parser.add_argument("--profile", default="")
     args, _ = parser.parse_known_args(argv)
     text = program(args.train_batch_size, args.remat, args.moe_impl == "ragged")
-    census = hlo.kernel_census(text, pod.GPU_GEMM_FLOPS, hardware.GpuTarget("h200", 1).hbm_bandwidth)
+    census = hlo.kernel_census(text, step_time.GPU_GEMM_FLOPS, hardware.GpuTarget("h200", 1).hbm_bandwidth)
     kernels = [{"name": LIBRARY_NAMES.get(row["kind"], name.replace(".", "_")), "hlo_op": None if name in IN_GRAPH else name,
                 "launches": row["count"],
                 "ms_per_step": 1e3 * PLANTED["memory" if row["class"] == "collective" else row["class"]] * row["roofline_s"]}

@@ -30,10 +30,10 @@ import bench  # noqa: E402
 import engine  # noqa: E402
 import hardware  # noqa: E402
 import multihost  # noqa: E402
-import pod  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
 from engine import attention_kernels  # noqa: E402
+from planning.measure import compiled_or_shortfall, planned_gib  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ def measure(name, cfg, args):
     mesh = sharding.run_mesh(cfg.run)
     step, make_state, make_batch, abstract_args = bench.build_step(cfg, mesh)
     t = time.perf_counter()
-    compiled, needed_gib = pod.compiled_or_shortfall(step, abstract_args())
+    compiled, needed_gib = compiled_or_shortfall(step, abstract_args())
     if compiled is None:
         return {"lever": name, "error": f"out of memory: needs {needed_gib:.2f} GiB a device"}
     compile_s = time.perf_counter() - t
@@ -129,7 +129,7 @@ def measure(name, cfg, args):
     return {"lever": name, "step_ms": 1e3 * median, "compile_s": compile_s, "loss": float(stats["loss"]),
             "mfu": hardware.mfu(tokens_per_s, sharding.flops_per_token(cfg.model), mesh.size,
                                 hardware.peak_flops(device.device_kind)),
-            "plan_gib": pod.planned_gib(compiled.memory_analysis(), device.platform)}
+            "plan_gib": planned_gib(compiled.memory_analysis(), device.platform)}
 
 
 def main(argv=None):

@@ -37,7 +37,7 @@ TAG = re.compile(r"\[([^\]]+)\]")
 # a time in seconds (compile times, a run's duration) moves with the machine's load
 SECONDS = re.compile(r"\b\d+(\.\d+)? s\b")
 NUMBER = re.compile(r"\d[\d,]*(\.\d+)?(e[+-]?\d+)?")
-# what a slow machine adds while it waits (pod.py's progress note)
+# what a slow machine adds while it waits (planning/report.py's progress note)
 PROGRESS = re.compile(r"^\s*\.\.\. still compiling ")
 
 

@@ -8,8 +8,9 @@ NAME.hlo.txt (the train step's optimized HLO) and, where the run was profiled, N
 --profile: each kernel's time per step by the HLO instruction it ran). Each run's HLO goes through the
 kernel census (hlo.kernel_census); its roofline seconds by class of kernel, its kernel count and, with
 kernel times, each class's measured seconds are the calibration's data. The script prints every run
-against every fit of pod.FIT_FORMS (and the kernel-times fit), and with --write stores the runs where
-pod.py reads them (default pod.H200_CALIBRATION), so that `--compile_for h200` estimates from them.
+against every calibration of step_time.FORMS (and the kernel-times factors), and with --write stores the runs
+where planning/step_time.py reads them (default step_time.H200_CALIBRATION), so that `--compile_for h200`
+estimates from them.
 """
 import argparse
 import json
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hardware  # noqa: E402
 import hlo  # noqa: E402
-import pod  # noqa: E402
+from planning import step_time  # noqa: E402
 
 
 def read_source(source):
@@ -50,7 +51,7 @@ def kernel_seconds(census, kernels):
     its census row by HLO instruction (the trace's hlo_op, else the kernel's own name), else classed by a
     library kernel's name (LIBRARY_KERNELS); what neither places is unmatched (copies, host syncs)."""
     by_key = {_key(name): row["class"] for name, row in census["by_name"].items()}
-    measured, unmatched = {c: 0.0 for c in pod.CLASSES}, 0.0
+    measured, unmatched = {c: 0.0 for c in step_time.CLASSES}, 0.0
     for k in kernels["kernels"]:
         cls = (by_key.get(_key(k.get("hlo_op") or "")) or by_key.get(_key(k["name"]))
                or next((c for c, words in LIBRARY_KERNELS if any(w in k["name"].lower() for w in words)), None))
@@ -72,13 +73,13 @@ def runs_of(source):
         if not record.get("step_time_median_s"):
             print(f"{source}: {name} has no measured step time; skipped", file=sys.stderr)
             continue
-        census = hlo.kernel_census(files[name + ".hlo.txt"], pod.GPU_GEMM_FLOPS, hardware.GpuTarget("h200", 1).hbm_bandwidth)
+        census = hlo.kernel_census(files[name + ".hlo.txt"], step_time.GPU_GEMM_FLOPS, hardware.GpuTarget("h200", 1).hbm_bandwidth)
         row = {"name": name, "tree": record.get("tree") or meta.get("commit", "?"),
                "timed": record.get("timed") or meta.get("date", "?"),
                "source": record.get("source") or "HLO the GPU compiled (autotuned)",
                "flags": " ".join([f"{k}={v}" for k, v in record.get("env", {}).items()] + record["flags"]) if "flags" in record
                else meta.get("flags", {}).get(name), "step_s": record["step_time_median_s"],
-               "kernels": census["kernels"], "roofline_s": pod.class_seconds(census)}
+               "kernels": census["kernels"], "roofline_s": step_time.class_seconds(census)}
         if name + ".kernels.json" in files:
             row["kernel_s"], row["unmatched_s"] = kernel_seconds(census, json.loads(files[name + ".kernels.json"]))
         rows.append(row)
@@ -93,23 +94,23 @@ def print_report(runs, fits, stored=None, out=sys.stdout):
           + " | ".join(f["form"] for f in whole), file=out)
     for r in runs:
         s = r["roofline_s"]
-        predicted = [pod.predict(f, s, r["kernels"]) for f in whole]
+        predicted = [step_time.predict(f, s, r["kernels"]) for f in whole]
         print(f"{r['name']:<20} {r['step_s'] * 1e3:8.1f} {r['kernels']:8,} {s['gemm'] * 1e3:7.1f} {s['attention'] * 1e3:6.1f} "
               f"{s['memory'] * 1e3:7.1f}  " + " | ".join(f"{p * 1e3:.1f} ({100 * (p / r['step_s'] - 1):+.1f}%)" for p in predicted),
               file=out)
         if stored:
-            point, low, high, _, _ = pod.estimate(s, r["kernels"], stored["runs"])
+            point, low, high, _, _ = step_time.estimate(s, r["kernels"], stored["runs"])
             print(f"  the stored calibration's estimate: {point * 1e3:.1f} ms, band {low * 1e3:.1f}-{high * 1e3:.1f} ms: the "
                   f"measured step is {'inside' if low <= r['step_s'] <= high else 'OUTSIDE'} it", file=out)
         if r.get("kernel_s"):
             k = r["kernel_s"]
-            print("  kernel times: " + ", ".join(f"{c} {k[c] * 1e3:.1f} ms (x {k[c] / s[c]:.3g})" for c in pod.CLASSES if s[c])
+            print("  kernel times: " + ", ".join(f"{c} {k[c] * 1e3:.1f} ms (x {k[c] / s[c]:.3g})" for c in step_time.CLASSES if s[c])
                   + f"; not in the census {r['unmatched_s'] * 1e3:.1f} ms; outside the census's kernels "
                   f"{(r['step_s'] - sum(k.values())) * 1e3:.1f} ms", file=out)
     print("fits on every run: GEMMs, attention, memory-bound factors; overhead; worst error on a held-out run", file=out)
     for f in whole:
         overhead = f"{f['per_kernel'] * 1e6:.3g} µs per kernel" if "per_kernel" in f else f"{f['per_step'] * 1e3:.3g} ms per step"
-        errors = [abs(pod.predict(g, r["roofline_s"], r["kernels"]) / r["step_s"] - 1)
+        errors = [abs(step_time.predict(g, r["roofline_s"], r["kernels"]) / r["step_s"] - 1)
                   for g in fits if g["form"] == f["form"] and g["held_out"] for r in runs if r["name"] == g["held_out"]]
         print(f"  {f['form']:<24} x {f['factors']['gemm']:.3g}, x {f['factors']['attention']:.3g}, "
               f"x {f['factors']['memory']:.3g}; {overhead}" + (f"; {100 * max(errors):.1f}%" if errors else ""), file=out)
@@ -118,28 +119,28 @@ def print_report(runs, fits, stored=None, out=sys.stdout):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="+", help="gpu_bench.tar.gz archives or directories of runs")
-    parser.add_argument("--write", nargs="?", const=pod.H200_CALIBRATION, metavar="PATH",
-                        help=f"store the runs as the estimate's calibration (default path: {pod.H200_CALIBRATION})")
-    parser.add_argument("--against", default=pod.H200_CALIBRATION, metavar="PATH",
+    parser.add_argument("--write", nargs="?", const=step_time.H200_CALIBRATION, metavar="PATH",
+                        help=f"store the runs as the estimate's calibration (default path: {step_time.H200_CALIBRATION})")
+    parser.add_argument("--against", default=step_time.H200_CALIBRATION, metavar="PATH",
                         help="the calibration to hold the runs against (default: the stored one); '' for none")
     args = parser.parse_args(argv)
     runs = [r for source in args.sources for r in runs_of(source)]
     if not runs:
         sys.exit("no run with a measured step time and an HLO in " + ", ".join(args.sources))
     try:
-        stored = pod.load_calibration(args.against) if args.against else None
+        stored = step_time.load_calibration(args.against) if args.against else None
     except (OSError, ValueError) as e:
         print(f"no calibration to hold the runs against: {e}", file=sys.stderr)
         stored = None
-    fits = pod.calibrations(runs)
+    fits = step_time.calibrations(runs)
     print_report(runs, fits, stored)
     if args.write:
-        calibration = {"rates": {"gemm_flops": pod.GPU_GEMM_FLOPS, "hbm_bandwidth": hardware.GpuTarget("h200", 1).hbm_bandwidth},
+        calibration = {"rates": {"gemm_flops": step_time.GPU_GEMM_FLOPS, "hbm_bandwidth": hardware.GpuTarget("h200", 1).hbm_bandwidth},
                        "runs": runs}
         with open(args.write, "w") as f:
             json.dump(calibration, f, indent=1)
             f.write("\n")
-        print(f"wrote {args.write}: {pod.describe(calibration)}")
+        print(f"wrote {args.write}: {step_time.calibrated_on(calibration)}")
     return runs, fits
 
 

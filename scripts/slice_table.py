@@ -1,7 +1,8 @@
 """docs/launch.md's slice table: the largest of the moe10B family (the preset widened by routed experts, every
 other flag the preset's) whose train step fits each TPU slice at the guide's global batch (256 sequences of
 1024 a step, 8 sequences a replica a pass, --grad_step making up the rest), found by compiling it for the
-slice with libtpu's ahead-of-time compiler (pod.train_plan, as `--compile_for` does; requirements-tpu.txt).
+slice with libtpu's ahead-of-time compiler (planning/measure.py's train_plan, as `--compile_for` does;
+requirements-tpu.txt).
 
     python scripts/slice_table.py            # print the table (a binary search: ~4 compiles a slice, minutes each)
     python scripts/slice_table.py --write    # and put it in docs/launch.md between its markers
@@ -14,9 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import hardware  # noqa: E402
-import pod  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
+from planning import measure  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "launch.md")
 BEGIN, END = "<!-- slice table: python scripts/slice_table.py --write -->", "<!-- end of the slice table -->"
@@ -39,7 +40,7 @@ def plan(n_experts, slice_name):
         utils.validate(cfg, target.chips)
     except utils.ConfigError:
         return None
-    plan = pod.train_plan(cfg, pod.target_mesh(cfg, target))
+    plan = measure.train_plan(cfg, measure.target_mesh(cfg, target))
     gib, ratio = plan.gib, plan.flops_ratio
     print(f"  {slice_name} {n_experts} experts: {gib:.2f} GiB" + (f", FLOPs {ratio:.2f}x" if ratio else ""),
           file=sys.stderr, flush=True)
@@ -49,7 +50,7 @@ def plan(n_experts, slice_name):
 def largest_that_fits(slice_name):
     """(largest fitting expert count or None, its plan, the next count, its plan), by binary search over EXPERTS
     (a plan grows with the experts)."""
-    usable = hardware.tpu_slice(slice_name).hbm_bytes / pod.GiB
+    usable = hardware.tpu_slice(slice_name).hbm_bytes / measure.GiB
     plans = {}
 
     def fits(i):
@@ -89,7 +90,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help=f"put the table in {os.path.relpath(DOC, ROOT)}")
     args = parser.parse_args()
-    pod._compile_only_libtpu(hardware.tpu_slice(SLICES[0]))
+    measure.compile_only_libtpu(hardware.tpu_slice(SLICES[0]))
     text = table()
     print(text)
     if args.write:

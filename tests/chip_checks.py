@@ -4,7 +4,7 @@ the test process stays on the CPU). Every result is one JSON line on stdout.
     python tests/chip_checks.py CHECK [CHECK ...]
 
 A CHECK is `fp32` (the tiny preset's first three steps in fp32: loss, grad norm) or a memory case (MODEL's flags +
-CASE's: the compiler's verdict and plan, pod.planned_gib, and what the device held after three steps: its buffers,
+CASE's: the compiler's verdict and plan, measure.planned_gib, and what the device held after three steps: its buffers,
 bytes_in_use, and the program's reserved temporaries, bytes_reserved). One process runs them all: each start and
 shutdown of a TPU runtime costs tens of seconds.
 """
@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import pod  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
 from bench import build_step  # noqa: E402
+from planning import measure  # noqa: E402
 
 GiB = 2**30
 # the moe1B preset's layers at 4 blocks of 6 on one chip: a model at the edge of a 16 GiB chip
@@ -43,10 +43,10 @@ PLAN_TOLERANCE = 0.15       # a plan that fits is within this share of what the 
 def memory(case):
     cfg = utils.config_from_args(MODEL + case.split())
     step, fresh_state, make_batch, abstract_args = build_step(cfg, sharding.run_mesh(cfg.run))
-    compiled, needed = pod.compiled_or_shortfall(step, abstract_args())
+    compiled, needed = measure.compiled_or_shortfall(step, abstract_args())
     if compiled is None:
         return {"case": case, "refused": True, "needed_gib": needed}
-    planned = pod.planned_gib(compiled.memory_analysis(), jax.devices()[0].platform)
+    planned = measure.planned_gib(compiled.memory_analysis(), jax.devices()[0].platform)
     state, data = fresh_state(0), make_batch(1)
     for _ in range(3):
         state, metrics = compiled(state, data)

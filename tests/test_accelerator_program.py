@@ -38,7 +38,7 @@ def train_step_jaxpr(cfg, mesh):
 @pytest.mark.parametrize("shape,changes", CASES)
 def test_the_train_step_traces_alike_whatever_backend_traces_it(monkeypatch, shape, changes):
     """What jax.default_backend() says (the CPU here, the TPU on a TPU VM) changes nothing in the traced
-    step: pod.py's trace for a slice is the slice's own."""
+    step: planning/report.py's trace for a slice is the slice's own."""
     cfg, mesh = with_model(BF16, **changes), sharding.make_mesh(shape)
     here = str(train_step_jaxpr(cfg, mesh))
     for backend in ("tpu", "gpu"):

@@ -52,11 +52,12 @@ COMPILE_THE_EXPERTS = """
 import json
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
-import engine, hardware, hlo, pod, sharding, utils
+import engine, hardware, hlo, sharding, utils
+from planning import measure
 from collectives import MESH_AXES, Axes
-pod._compile_only_cuda()
+measure.compile_only_cuda()
 B, T, D, F, E, k = 4, 64, 64, 128, 8, 2
-mesh = sharding.make_mesh((2, 1, 2), pod.target_devices(hardware.GpuTarget("h200", 4)))
+mesh = sharding.make_mesh((2, 1, 2), measure.target_devices(hardware.GpuTarget("h200", 4)))
 cfg = utils.override(utils.Config(), moe_impl="ragged").model
 
 def loss(w, x_BTD, experts_BTk, slot_BTk, platform):

@@ -16,11 +16,10 @@ import jax
 import psutil
 import pytest
 
-import fit
-import pod
 import sharding
 import utils
 from ceiling import CEILING_S
+from planning import fit, measure
 from small_configs import SMALL_FLAGS
 from trainer import abstract_step_args, build_trainer
 
@@ -79,7 +78,7 @@ def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_ste
     mesh = sharding.run_mesh(cfg.run)
     trainer = build_trainer(cfg, mesh)
     fit.check_fits(cfg, trainer)
-    compiled = pod.planned_gib(trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile().memory_analysis(), "cpu") * GiB
+    compiled = measure.planned_gib(trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile().memory_analysis(), "cpu") * GiB
     plan = fit.planned_bytes(cfg, trainer)
     assert plan["params"] == plan["gradients"] and plan["optimizer state"] >= 2 * plan["params"], plan
     assert plan["activations"] > plan["params"], plan
@@ -90,14 +89,14 @@ def test_force_skips_the_check_and_the_plan_is_a_lower_bound_of_the_compiled_ste
 def test_a_step_the_devices_cannot_hold_is_one_line_naming_the_cheapest_setting_that_fits():
     """fit.does_not_fit, the line main.py and bench.py end with when the compiler refuses a step for want of
     memory (on a TPU; tests/test_tpu.py meets it there): the shortfall against what the devices have, and the
-    cheapest setting that fits, compiled here (planner.py), with its command."""
+    cheapest setting that fits, compiled here (planning/tradeoffs.py), with its command."""
     # two settings to compile, --remat full and --expert_parallel (one pass of the micro-batches leaves no
     # --grad_step, the weights already gathered a tick at a time)
     cfg = utils.config_from_args(SMALL_FLAGS + "--T 64 --vocab_size 1024 --train_batch_size 2 --micro_batch_size 2 "
                                                "--fsdp_gather tick --n_device_axis 2 1 1".split())
     mesh = sharding.run_mesh(cfg.run)
     have = fit.device_memory(mesh)
-    needed = have[0] / have[1] / GiB + 1            # a GiB more than each device's share of this host's memory
+    needed = have.gib_each + 1          # a GiB more than each device's share of this host's memory
     said = []
     line = fit.does_not_fit(cfg, mesh, needed, ["--remat", "none", "--micro_batch_size", "2"], said.append)
     assert said[0].startswith(f"out of memory: the train step needs {needed:.2f} GiB a device") and len(said) > 1

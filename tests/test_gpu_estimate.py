@@ -1,5 +1,5 @@
 """The H200 estimate (`--compile_for h200`): the kernel census it sums (`hlo.kernel_census`), the calibration
-fitted to timed steps (pod.calibrations), the one-call GPU measurement that refits it (scripts/gpu_bench.sh,
+fitted to timed steps (step_time.calibrations), the one-call GPU measurement that refits it (scripts/gpu_bench.sh,
 rehearsed with its stand-in, and scripts/refit_estimate.py) and the deviceless XLA:GPU compile. The compile
 needs jax's CUDA plugin (requirements-gpu-aot.txt, ~6 GB, its own virtualenv): it runs with
 JAXFORMER_SLOW_TESTS=1 and $JAXFORMER_GPU_PYTHON (default .venv-gpu/bin/python).
@@ -15,8 +15,8 @@ import tarfile
 import pytest
 
 import hlo
-import pod
 from ceiling import CEILING_S
+from planning import step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,7 +152,7 @@ def test_the_census_counts_the_flops_of_custom_calls_from_their_operands():
 def synthetic_runs(factors, per_kernel_s, shapes):
     """Calibration rows whose step times are exactly the given factors' and per-kernel time's."""
     return [{"name": f"run{i}", "tree": "t", "timed": "d", "source": "s", "step_s":
-             sum(factors[c] * seconds[c] for c in pod.CLASSES) + per_kernel_s * kernels,
+             sum(factors[c] * seconds[c] for c in step_time.CLASSES) + per_kernel_s * kernels,
              "kernels": kernels, "roofline_s": seconds} for i, (seconds, kernels) in enumerate(shapes)]
 
 
@@ -164,25 +164,25 @@ SHAPES = [({"gemm": g, "attention": a, "memory": m}, n) for g, a, m, n in
 def test_the_calibration_finds_planted_factors_and_its_band_spans_its_forms():
     planted = {"gemm": 1.2, "attention": 3.0, "memory": 1.25}
     runs = synthetic_runs(planted, 3e-6, SHAPES)
-    fits = pod.calibrations(runs)
+    fits = step_time.calibrations(runs)
     whole = {f["form"]: f for f in fits if f["held_out"] is None}
-    assert set(whole) == set(pod.FIT_FORMS)            # no kernel times: the step-time forms only
+    assert set(whole) == set(step_time.FORMS)          # no kernel times: the step-time forms only
     exact = whole["per class, per kernel"]
     assert exact["factors"] == pytest.approx(planted, rel=1e-4) and exact["per_kernel"] == pytest.approx(3e-6, rel=1e-3)
-    assert len(fits) == len(pod.FIT_FORMS) * (1 + len(runs))     # each form on all runs and with each one held out
+    assert len(fits) == len(step_time.FORMS) * (1 + len(runs))   # each form on all runs and with each one held out
     # a program unlike the timed ones (half the GEMM-bound time, far fewer kernels): the point is the exact
     # form's, the band spans every fit's prediction
     program = {"gemm": 0.15, "attention": 0.02, "memory": 0.11}
-    point, low, high, fit, _ = pod.estimate(program, 5000, runs)
-    assert fit["form"] == "per class, per kernel" and point == pytest.approx(pod.predict(exact, program, 5000))
-    assert low < point < high and {low, high} <= {pod.predict(f, program, 5000) for f in fits}
+    point, low, high, used, _ = step_time.estimate(program, 5000, runs)
+    assert used["form"] == "per class, per kernel" and point == pytest.approx(step_time.predict(exact, program, 5000))
+    assert low < point < high and {low, high} <= {step_time.predict(f, program, 5000) for f in fits}
 
 
 def test_the_stored_calibration_holds_every_step_it_was_fitted_on_inside_its_band():
-    runs = pod.load_calibration()["runs"]
+    runs = step_time.load_calibration()["runs"]
     assert runs and all(r["step_s"] > 0 and r["kernels"] > 0 for r in runs)
     for r in runs:
-        _, low, high, _, _ = pod.estimate(r["roofline_s"], r["kernels"], runs)
+        _, low, high, _, _ = step_time.estimate(r["roofline_s"], r["kernels"], runs)
         assert low * (1 - 1e-9) <= r["step_s"] <= high * (1 + 1e-9), r["name"]     # a fit may pass through it
 
 
@@ -217,12 +217,12 @@ def test_gpu_bench_rehearsed_with_its_stand_in_gives_one_archive_that_refits_to_
     standin = load_standin()
     calibration = json.loads((tmp_path / "calibration.json").read_text())
     assert [r["name"] for r in calibration["runs"]] == sorted(runs[1:])
-    fit = pod.fit_kernel_times(calibration["runs"])
-    assert fit["factors"] == pytest.approx(standin.PLANTED, rel=1e-6)
-    assert fit["per_kernel"] == pytest.approx(standin.PLANTED_PER_KERNEL_S, rel=1e-6)
-    _, _, _, point, _ = pod.estimate(calibration["runs"][0]["roofline_s"], calibration["runs"][0]["kernels"],
-                                     calibration["runs"])
-    assert point["form"] == "kernel times"
+    factors = step_time.kernel_time_factors(calibration["runs"])
+    assert factors["factors"] == pytest.approx(standin.PLANTED, rel=1e-6)
+    assert factors["per_kernel"] == pytest.approx(standin.PLANTED_PER_KERNEL_S, rel=1e-6)
+    used = step_time.estimate(calibration["runs"][0]["roofline_s"], calibration["runs"][0]["kernels"],
+                              calibration["runs"]).calibration
+    assert used["form"] == "kernel times"
 
 
 def compile_for_h200(python, *args, cwd, env=None):

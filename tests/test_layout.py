@@ -3,7 +3,9 @@ metrics_schema.py, utils.py and data/ at the bottom), counting imports inside fu
 then be read, tested and replaced on its own. The rules are by folder: the top level is the guide's code; engine/ is the
 engine, whose one door is the package itself (engine/__init__.py: `engine_for` and the seams' two
 engines), so no module outside engine/ imports a file inside it; data/ is below everything and imports
-nothing of the top level. In tests/, no test module imports another: what tests share is in a helper module."""
+nothing of the top level; planning/ is "will it fit?", whose `--compile_for` report and H200 step-time estimate
+the training run never imports. In tests/, no test module imports another: what tests share is in a helper
+module."""
 import ast
 import os
 import subprocess
@@ -14,11 +16,11 @@ from ceiling import CEILING_S
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-FOLDERS = ("data", "engine")
+FOLDERS = ("data", "engine", "planning")
 
 
 def project_modules():
-    """{module name: path} of the repository's Python modules: the top level's, and data/'s and engine/'s
+    """{module name: path} of the repository's Python modules: the top level's, and those of each of FOLDERS
     ("engine" itself is engine/__init__.py)."""
     found = {}
     for folder, prefix in ((ROOT, ""), *((os.path.join(ROOT, f), f + ".") for f in FOLDERS)):
@@ -30,11 +32,12 @@ def project_modules():
     return found
 
 
-def imported_modules(path, modules):
+def imported_modules(path, modules, at_import=False):
     """The modules of the set `modules` that the file at `path` imports, anywhere in its code (a type checker's
-    `if TYPE_CHECKING:` imports too: they tie the modules as much as a reader goes)."""
+    `if TYPE_CHECKING:` imports too: they tie the modules as much as a reader goes); at_import: only those its
+    import runs (outside functions)."""
     imported = set()
-    for node in ast.walk(ast.parse(open(path).read())):
+    for node in (_outside_functions if at_import else ast.walk)(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -43,6 +46,16 @@ def imported_modules(path, modules):
             names = {f"{node.module}.{alias.name}" for alias in node.names}
             imported |= (names & modules) | ({node.module} if names - modules else set())
     return imported & modules
+
+
+def _outside_functions(tree):
+    """ast.walk that does not enter a function's body."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [child for child in ast.iter_child_nodes(node)
+                 if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
 
 
 def import_graph():
@@ -98,6 +111,25 @@ def test_the_engine_has_one_door_and_data_is_at_the_bottom():
     upward = {m: [i for i in imported if folder(i) == ""] for m, imported in graph.items() if folder(m) == "data"}
     assert not any(upward.values()), upward
     assert graph["model"] == ["collectives", "stacking"] and graph["stacking"] == [], "the model's math calls the seams"
+
+
+def test_the_training_run_imports_neither_the_compile_for_report_nor_the_step_time_estimate():
+    """planning/: the run checks its fit (planning.fit) and compiles and measures (planning.measure); the
+    `--compile_for` report is main.py's for that flag alone (imported inside the function that runs it), and
+    the H200 step-time estimate is the report's."""
+    graph = import_graph()
+    importers = lambda module: sorted(m for m, imported in graph.items() if module in imported)
+    assert importers("planning.report") == ["main"]
+    assert importers("planning.step_time") == ["planning.report"]
+    modules = project_modules()
+    reached, todo = set(), ["bench", "trainer", *imported_modules(modules["main"], set(modules), at_import=True)]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    assert {"planning.fit", "planning.measure", "trainer"} <= reached
+    assert not reached & {"planning.report", "planning.step_time"}, sorted(reached)
 
 
 def test_the_cycle_finder_finds_one():

@@ -1,4 +1,4 @@
-"""What makes a plan fit (planner.py): the settings that trade compute for memory keep the global batch, the
+"""What makes a plan fit (planning/tradeoffs.py): the settings that trade compute for memory keep the global batch, the
 command printed is the one that parses to the chosen config, the choice is the cheapest of the compiled
 plans that fit, and the memory a train step plans falls as it should with --grad_step and more micro-batches.
 Plans are compiled here on CPU devices (their memory analysis, as a TPU's under --compile_for)."""
@@ -10,11 +10,10 @@ import sys
 import jax
 import pytest
 
-import planner
-import pod
 import sharding
 import utils
 from ceiling import CEILING_S
+from planning import measure, tradeoffs
 from run_util import MESH1, run
 from trainer import build_trainer
 
@@ -30,13 +29,13 @@ def mesh_for(cfg):
 
 
 def test_every_setting_is_valid_and_keeps_the_global_batch():
-    singles, with_compute, pairs = planner.candidates(MODEL, 8)
+    singles, with_compute, pairs = tradeoffs.candidates(MODEL, 8)
     assert [c for c, _ in singles] == [{"remat": "full"}, {"train_batch_size": 8, "grad_step": 2},
                                        {"train_batch_size": 4, "grad_step": 4}, {"micro_batch_size": 4},
                                        {"expert_parallel": True}, {"fsdp_gather": "tick"}]
     assert with_compute == [], "nothing to save compute on: --remat none recomputes nothing"
     full = utils.override(MODEL, remat="full")
-    assert [c for c, _ in planner.candidates(full, 8)[1]] == [
+    assert [c for c, _ in tradeoffs.candidates(full, 8)[1]] == [
         {"remat": "dots", "train_batch_size": 8, "grad_step": 2}, {"remat": "dots", "train_batch_size": 4, "grad_step": 4},
         {"remat": "dots", "micro_batch_size": 4}, {"remat": "dots", "expert_parallel": True},
         {"remat": "dots", "fsdp_gather": "tick"}]
@@ -50,7 +49,7 @@ def test_no_setting_is_compiled_that_cannot_change_this_mesh():
     """On one device (a one-chip TPU VM, where each compile takes the chip's compiler most of a minute): no
     micro-batches without a pipeline to fill (one stage keeps them all; the chip planned more with them), no expert
     parallelism without a second dp rank, no FSDP staging without FSDP shards."""
-    singles, _, _ = planner.candidates(utils.override(MODEL, n_device_axis=(1, 1, 1)), 1)
+    singles, _, _ = tradeoffs.candidates(utils.override(MODEL, n_device_axis=(1, 1, 1)), 1)
     assert [c for c, _ in singles] == [{"remat": "full"}, {"train_batch_size": 8, "grad_step": 2},
                                        {"train_batch_size": 4, "grad_step": 4}]
 
@@ -58,7 +57,7 @@ def test_no_setting_is_compiled_that_cannot_change_this_mesh():
 def test_the_printed_command_parses_to_the_chosen_config():
     argv = ["--preset", "tiny", "--grad_step", "1", "--remat=dots", "--expert_parallel", "--T", "64", "--name", "a b"]
     change = {"grad_step": 2, "remat": "full", "expert_parallel": True, "train_batch_size": 8}
-    line = planner.command(argv, change)
+    line = tradeoffs.command(argv, change)
     assert line == ("python main.py --preset tiny --T 64 --name 'a b' --grad_step 2 --remat full "
                     "--expert_parallel true --train_batch_size 8")
     parsed = utils.config_from_args(shlex.split(line)[2:])
@@ -70,11 +69,11 @@ def test_the_choice_is_the_cheapest_compiled_plan_that_fits():
     """The as-given plan on this CPU mesh, a budget below it: the planner compiles the settings, and the one
     it picks fits and costs no more than any other that fits."""
     mesh = mesh_for(MODEL)
-    as_given = pod.train_plan(MODEL, mesh).gib
+    as_given = measure.train_plan(MODEL, mesh).gib
     budget = 0.7 * as_given
-    chosen, compiled = planner.cheapest_fit(MODEL, 8, budget, lambda c: pod.train_plan(c, mesh), say=lambda _: None)
+    chosen, compiled = tradeoffs.cheapest_fit(MODEL, 8, budget, lambda c: measure.train_plan(c, mesh), say=lambda _: None)
     assert chosen is not None and chosen.gib <= budget < as_given, [(p.changes, p.gib) for p in compiled]
-    assert all(planner.cost(chosen) <= planner.cost(p) for p in compiled if p.fits(budget))
+    assert all(tradeoffs.cost(chosen) <= tradeoffs.cost(p) for p in compiled if p.fits(budget))
     assert any(not p.fits(budget) for p in compiled), "a budget every setting meets tests no choice"
 
 
@@ -82,17 +81,17 @@ def test_grad_step_plans_less_memory_for_the_same_global_batch():
     """--grad_step N with 1/N of the sequences a pass: at most 1/N of the activations (plus a gradient's
     accumulator), never more than one pass of them all."""
     mesh = mesh_for(MODEL)
-    plans = {n: pod.train_plan(utils.override(MODEL, train_batch_size=16 // n, grad_step=n), mesh).gib
+    plans = {n: measure.train_plan(utils.override(MODEL, train_batch_size=16 // n, grad_step=n), mesh).gib
              for n in (1, 2, 4)}
     assert plans[1] > plans[2] > plans[4], plans
     state = jax.tree.leaves(build_trainer(MODEL, mesh).abstract_state)
-    state_gib = sum(pod.shard_bytes(a) for a in state) / pod.GiB
+    state_gib = sum(measure.shard_bytes(a) for a in state) / measure.GiB
     assert plans[2] - state_gib <= 0.6 * (plans[1] - state_gib), plans
 
 
 def test_more_micro_batches_never_plan_more_memory():
     mesh = mesh_for(MODEL)
-    plans = [pod.train_plan(utils.override(MODEL, micro_batch_size=m), mesh).gib for m in (2, 4, 8)]
+    plans = [measure.train_plan(utils.override(MODEL, micro_batch_size=m), mesh).gib for m in (2, 4, 8)]
     assert plans == sorted(plans, reverse=True), plans
 
 

@@ -35,8 +35,8 @@ def compile_for(*args, cwd, env=None):
 @pytest.fixture(scope="module")
 def topology():
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
-    import pod
-    return lambda name: pod.topology_devices(hardware.tpu_slice(name))
+    from planning import measure
+    return lambda name: measure.topology_devices(hardware.tpu_slice(name))
 
 
 @pytest.mark.parametrize("slice_name, shape", [("v4-64", (8, 2, 2)), ("v4-32", (4, 2, 2)), ("v4-16", (2, 2, 2))])
@@ -136,7 +136,7 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
 
 
 def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall_and_a_setting_that_fits(tmp_path):
-    """The shortfall in one line, then the settings that trade compute for memory compiled (planner.py) and
+    """The shortfall in one line, then the settings that trade compute for memory compiled (planning/tradeoffs.py) and
     the cheapest that fits named with its command; the exit status stays 1 (without --fit)."""
     # The tiny preset's layers 192 blocks deep, every layer keeping 16 sequences' activations for the backward:
     # the memory grows with the blocks while the compiled program (one scanned block) and its shapes stay small,
@@ -325,33 +325,33 @@ ENTRY %main (p: f32[4]) -> f32[1] {
 
 
 def train_plan_for(slice_name, *flags):
-    """The pod.StepPlan (GiB a chip, FLOPs over the model's, collective GiB, trainer) of the train step main.py's
+    """The measure.StepPlan (GiB a chip, FLOPs over the model's, collective GiB, trainer) of the train step main.py's
     flags give, compiled for the slice (as --compile_for compiles it)."""
-    import pod
+    from planning import measure
     cfg, target = utils.config_from_args(list(flags)), hardware.tpu_slice(slice_name)
     utils.validate(cfg, target.chips)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
-    return pod.train_plan(cfg, pod.target_mesh(cfg, target))
+    return measure.train_plan(cfg, measure.target_mesh(cfg, target))
 
 
 def test_a_plan_is_what_the_compilers_buffer_assignment_places_in_hbm(tmp_path):
-    """pod.planned_gib on a TPU, the plan --compile_for, --fit and main.py read: what XLA:TPU's buffer assignment
+    """measure.planned_gib on a TPU, the plan --compile_for, --fit and main.py read: what XLA:TPU's buffer assignment
     places in HBM (its memory-usage report: the donated state once, the program's one block of temporaries) and
     the code, which a v5e chip held to 0.1%. Not arguments + outputs + temp_size_in_bytes, which is more than
     that block: 16.69 GiB for a step the chip ran holding 13.95 (docs/performance-log.md#2026-12-06-tpu-memory-plans;
     tests/test_tpu.py on a chip)."""
-    import pod
+    from planning import measure
     from trainer import abstract_step_args, build_trainer
     cfg, target = utils.config_from_args(["--preset", "tiny", "--T", "256", "--n_device_axis", "1", "1", "1"]), \
         hardware.tpu_slice("v5e-1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
-    trainer = build_trainer(cfg, pod.target_mesh(cfg, target))
+    trainer = build_trainer(cfg, measure.target_mesh(cfg, target))
     compiled = trainer.step.lower(*abstract_step_args(cfg, trainer)[0]).compile({"xla_dump_to": str(tmp_path)})
     [report] = [f for f in os.listdir(tmp_path) if "jit_train_step" in f and f.endswith("memory-usage-report.txt")]
     in_hbm = int(re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", (tmp_path / report).read_text())[1])
     memory = compiled.memory_analysis()
     # the heap's peak, a little under the block of temporaries that holds it (and the code, the chip's too)
-    assert 0.97 <= pod.planned_gib(memory, "tpu") * 2**30 / (in_hbm + memory.generated_code_size_in_bytes) <= 1.0
+    assert 0.97 <= measure.planned_gib(memory, "tpu") * 2**30 / (in_hbm + memory.generated_code_size_in_bytes) <= 1.0
     assert memory.argument_size_in_bytes + memory.temp_size_in_bytes > 1.02 * in_hbm, "the sum would do as well"
 
 

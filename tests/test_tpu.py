@@ -1,5 +1,5 @@
 """On a TPU chip, what the CPU suite cannot prove: the memory plan (`--compile_for`, `--fit` and main.py read
-pod.planned_gib) against what the chip holds and what its compiler refuses, fp32 that is fp32, a step too large
+measure.planned_gib) against what the chip holds and what its compiler refuses, fp32 that is fp32, a step too large
 for the chip in one line, and a stop on the chip resumed bit for bit. Skipped unless JAXFORMER_TPU_TESTS=1 (CI
 has no TPU); on a TPU VM, from the repository root, in 8:40 on one v5e (the chip's checks 3.6 minutes, each
 out-of-memory line 1-2, the stop 2.3; docs/performance-log.md#2026-12-06-tpu-memory-plans):

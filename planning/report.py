@@ -1,43 +1,37 @@
-"""Pod rehearsal: compile main.py's training and eval steps (and the task-scoring step when --eval_tasks names
-any) for a TPU slice, or for H200s, on this machine.
+"""The `--compile_for` report: compile main.py's training and eval steps (and the task-scoring step when
+--eval_tasks names any) for a TPU slice, or for H200s, on this machine, and print what each plans.
 
 `python main.py --preset moe1B --compile_for v4-64` needs no TPU: libtpu's ahead-of-time compiler
 (`pip install -r requirements-tpu.txt`) compiles for a TPU topology on a CPU (as MaxText's
 train_compile does), so a config's per-chip memory plan, FLOPs and compile time are known before a
 pod is rented, with the bytes each chip moves in collectives per step (`collective_bytes`, counted
 from the compiled HLO). The mesh comes from `sharding.make_mesh` over the topology's devices, the same function
-and device order a real run on that slice uses; the steps are `trainer.build_trainer`'s, the ones
-main.py runs. Nothing is trained and nothing is written.
+and device order a real run on that slice uses (planning/measure.py); the steps are `trainer.build_trainer`'s,
+the ones main.py runs. Nothing is trained and nothing is written.
 
 `--compile_for h200` (h200-N: N on one host) does the same with XLA:GPU (jax-cuda12-plugin,
 requirements-gpu-aot.txt) given XLA's H200 description, and estimates the step time from the
-compiled kernels (`hlo.kernel_census`, calibrated on measured H200 steps: docs/performance-log.md#2026-12-03-h200-estimate-band).
+compiled kernels (planning/step_time.py, calibrated on measured H200 steps:
+docs/performance-log.md#2026-12-03-h200-estimate-band).
 
 Exit status: 0 the steps fit in the chip's HBM, 1 they do not (one line says by how much),
-2 the request is unusable (unknown target, invalid config, the compiler missing).
-
+2 the request is unusable (unknown target, invalid config, the compiler missing). main.py imports this
+module only for --compile_for (tests/test_layout.py).
 """
 import importlib
 import importlib.util
-import json
-import math
-import os
-import re
 import sys
 import threading
 import time
-from typing import NamedTuple
 
 import jax
-import numpy as np
-from jax.experimental import topologies
 
 import hardware
 import hlo
-import planner
 import sharding
 import utils
-from trainer import Trainer, abstract_step_args, build_trainer
+from planning import measure, step_time, tradeoffs
+from trainer import abstract_step_args, build_trainer
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
 PIP_COMMAND_GPU = "python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-gpu-aot.txt"
@@ -46,30 +40,11 @@ HFU_ASSUMED = 0.4                   # a good MoE run's share of the peak, for th
 # What a TPU host sends across slices (DCN) a second, for the DCN time of --compile_for NxSLICE: an assumed
 # 100 Gb/s NIC a host; the time scales inversely with a host's real rate.
 DCN_BYTES_PER_S_PER_HOST = 12.5e9
-# The H200 estimate: every kernel at the roofline of these rates (hlo.kernel_census), then a factor per class
-# of kernel and a time per kernel (or per step) fitted to steps timed on an H200: the timed runs are in
-# H200_CALIBRATION, which scripts/refit_estimate.py writes (docs/performance-log.md#2026-12-03-h200-estimate-band).
-GPU_GEMM_FLOPS = 779e12             # bf16 GEMM FLOP/s measured on an H200 (8192^3): the roofline's rate, not MFU's peak
-H200_CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "h200_calibration.json")
-H200_COMPUTE_CAPABILITY = (9, 0)
-# XLA's H200 target description (the fields jaxlib 0.10.2 reads), so XLA:GPU compiles with no GPU present.
-H200_DESCRIPTION = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 151397597184 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 patch: 0 }
-device_description_str: "NVIDIA H200"
-"""
 
 
-def main(cfg, argv=()):
-    """argv: the command line, for the command a fitting setting prints (`plan_a_fit`)."""
+def compile_for(cfg, argv=()):
+    """`python main.py ... --compile_for TARGET`: the report, and its exit status. argv: the command line, for the
+    command a fitting setting prints (`plan_a_fit`)."""
     target = hardware.compile_target(cfg.run.compile_for)
     if target is None:
         return _usage(f"--compile_for {cfg.run.compile_for!r} is not a target this knows. TPU slices: "
@@ -92,9 +67,9 @@ def main(cfg, argv=()):
     except utils.ConfigError as e:
         return _usage(f"{e}\n(compiling for {target.name}: {target.chips} chips on {target.hosts} host(s))")
     if gpu:
-        _compile_only_cuda()
+        measure.compile_only_cuda()
     else:
-        _compile_only_libtpu(target)
+        measure.compile_only_libtpu(target)
     return rehearse(cfg, target, argv)
 
 
@@ -103,44 +78,10 @@ def _usage(message):
     return 2
 
 
-def _compile_only_libtpu(tpu):
-    """jax on the CPU backend with libtpu loaded only as a compiler: no TPU runtime starts, several
-    processes may load libtpu at once, and libtpu is told what it would otherwise look up on a TPU VM
-    (it prints warnings without them; nothing here queries a server)."""
-    jax.config.update("jax_platforms", "cpu")     # jax is imported already: $JAX_PLATFORMS would come too late
-    for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
-                        ("TPU_ACCELERATOR_TYPE", tpu.slice_name), ("TPU_WORKER_HOSTNAMES", "localhost")):
-        os.environ.setdefault(name, value)
-
-
-def _compile_only_cuda():
-    """jax on the CPU backend with XLA:GPU as a compiler only. JAX's cuDNN attention asks the local GPU
-    whether it is a Hopper before it emits the fused kernel; there is none here, so the answer comes
-    from the target (compute capability 9.0)."""
-    jax.config.update("jax_platforms", "cpu")
-    from jax._src.cudnn import fused_attention_stablehlo
-    fused_attention_stablehlo.check_compute_capability = lambda capability: (
-        tuple(map(int, capability.split("."))) <= H200_COMPUTE_CAPABILITY)
-
-
-def target_devices(target):
-    """The target's devices: a TPU slice's as libtpu describes them (ids, host, chip coords), or N
-    H200s on one host as XLA:GPU's target description gives them."""
-    if isinstance(target, hardware.GpuTarget):
-        return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{target.chips}",
-                                            target_config=H200_DESCRIPTION).devices
-    return topology_devices(target)
-
-
-def topology_devices(tpu):
-    """The slice's devices as libtpu describes them: ids, host (process_index), chip coords."""
-    return topologies.get_topology_desc(
-        platform="tpu", topology_name=tpu.topology_name, chip_config_name=tpu.chip_config,
-        chips_per_host_bounds=tpu.host_grid, num_slices=tpu.slices, wrap=(False,) * 3).devices
-
-
 def rehearse(cfg, target, argv=(), plan_on_failure=True):
-    mesh = target_mesh(cfg, target)
+    """Compile cfg's steps for the target, printing the Report of each; the exit status. A train step that does
+    not fit goes on to `plan_a_fit` (plan_on_failure), any other step that does not fit is exit 1."""
+    mesh = measure.target_mesh(cfg, target)
     trainer = build_trainer(cfg, mesh)
     report = Report(cfg, target, mesh)
     report.header()
@@ -166,73 +107,25 @@ def rehearse(cfg, target, argv=(), plan_on_failure=True):
 
 def plan_a_fit(cfg, target, argv):
     """After the train step does not fit: the settings that trade compute for memory, each compiled
-    (planner.py); the cheapest that fits printed with its command, and with --fit rehearsed (its exit
+    (planning/tradeoffs.py); the cheapest that fits printed with its command, and with --fit rehearsed (its exit
     status). Exit 1 when none fits or without --fit."""
     usable = target.hbm_bytes / GiB
-    print("compiling the train step with each setting that trades compute for memory (planner.py; each about "
-          "as long as the compile above):", flush=True)
-    chosen, _ = planner.cheapest_fit(cfg, target.chips, usable, lambda c: train_plan(c, target_mesh(c, target)),
-                                     say=lambda line: print(line, flush=True))
+    print("compiling the train step with each setting that trades compute for memory (planning/tradeoffs.py; each "
+          "about as long as the compile above):", flush=True)
+    plan = lambda c: measure.train_plan(c, measure.target_mesh(c, target))
+    chosen, _ = tradeoffs.cheapest_fit(cfg, target.chips, usable, plan, say=lambda line: print(line, flush=True))
     if chosen is None:
         print(f"none of them fits {target.name}: a larger pp or tp, a smaller model or a bigger slice "
               f"(docs/launch.md#when-a-plan-does-not-fit)")
         return 1
-    print(f"fits with {planner.flags(chosen.changes)}: {chosen.gib:.2f} of {usable:.2f} GiB a chip, "
+    print(f"fits with {tradeoffs.flags(chosen.changes)}: {chosen.gib:.2f} of {usable:.2f} GiB a chip, "
           f"FLOPs {chosen.flops_ratio:.2f}x the model's (the fewest of the settings that fit):")
-    print(f"  {planner.command(argv, chosen.changes)}")
+    print(f"  {tradeoffs.command(argv, chosen.changes)}")
     if not cfg.run.fit:
         print("(--fit rehearses with it here, and a run with --fit trains with it)")
         return 1
-    print(f"--fit: rehearsing with {planner.flags(chosen.changes)}")
+    print(f"--fit: rehearsing with {tradeoffs.flags(chosen.changes)}")
     return rehearse(chosen.cfg, target, argv, plan_on_failure=False)
-
-
-def target_mesh(cfg, target):
-    return sharding.run_mesh(cfg.run, target_devices(target))
-
-
-class StepPlan(NamedTuple):
-    """cfg's train step compiled for a mesh: GiB per device (where the compiler refused it, the GiB it needs),
-    compiled FLOPs over the model's and collective GiB per device (None where refused), and cfg's Trainer with
-    that compiled step (None where refused; a run on this mesh trains with it, compiling nothing again)."""
-    gib: float
-    flops_ratio: float | None
-    collective_gib: float | None
-    trainer: Trainer | None
-
-
-def train_plan(cfg, mesh):
-    """cfg's train step compiled for mesh: its StepPlan."""
-    trainer = build_trainer(cfg, mesh)
-    train_args, _ = abstract_step_args(cfg, trainer)
-    compiled, needed = compiled_or_shortfall(trainer.step, train_args)
-    if compiled is None:
-        return StepPlan(needed, None, None, None)
-    text = compiled.as_text()
-    return StepPlan(planned_gib(compiled.memory_analysis(), mesh.devices.flat[0].platform),
-                    hlo.matmul_flops(text)["total"] / model_flops(cfg, mesh.size),
-                    sum(c["bytes"] for c in hlo.collective_bytes(text).values()) / GiB,
-                    trainer._replace(step=compiled))
-
-
-def planned_gib(mem, platform):
-    """GiB per device a compiled step needs, from its memory analysis; platform: its devices' ("tpu", "gpu", "cpu").
-    On a TPU: the peak of XLA's heap simulation (arguments, outputs and temporaries as they are live together,
-    the donated state once) plus the code, which is what the chip holds running the step: its buffers
-    (bytes_in_use) and the program's reserved block of temporaries (bytes_reserved), within 1.5%, a little
-    under it (the block holds the peak and its gaps). XLA:TPU's temp_size_in_bytes is more than that block: the
-    sum of arguments, outputs and temp_size overstated the chip's need by 16-23%
-    (docs/performance-log.md#2026-12-06-tpu-memory-plans). Elsewhere that sum (XLA:CPU's peak can be less
-    than the arguments it holds)."""
-    if platform == "tpu":
-        return (mem.peak_memory_in_bytes + mem.generated_code_size_in_bytes) / GiB
-    return (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes) / GiB
-
-
-def model_flops(cfg, chips):
-    """The model's FLOPs per chip for a training step (sharding.flops_per_token over its tokens)."""
-    return sharding.flops_per_token(cfg.model) * utils.sequences_per_step(cfg) * cfg.model.T / chips
 
 
 TICK_S = 30                         # while a compile runs, a line this often says it still does
@@ -253,31 +146,11 @@ def _compile(jitted, args, what):
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     try:
-        compiled, needed = compiled_or_shortfall(jitted, args)
+        compiled, needed = measure.compiled_or_shortfall(jitted, args)
     finally:
         done.set()
         ticker.join()
     return compiled, needed, time.perf_counter() - wall, time.process_time() - cpu
-
-
-def compiled_or_shortfall(jitted, args):
-    """(jitted compiled for args, None), or (None, GiB it needs) where the compiler refuses it as too large for the
-    device (libtpu does, saying how large)."""
-    try:
-        return jitted.lower(*args).compile(), None
-    except Exception as e:               # noqa: BLE001 - libtpu refuses some plans that do not fit so
-        needed = hbm_shortfall(str(e))
-        if needed is None:
-            raise
-        return None, needed
-
-
-def hbm_shortfall(message):
-    """GiB needed per chip from libtpu's out-of-HBM error, or None for any other error."""
-    m = re.search(r"\(([\d.]+)([GMK])\) exceeds available HBM", message)
-    if not m or "RESOURCE_EXHAUSTED" not in message:
-        return None
-    return float(m.group(1)) * {"G": 1.0, "M": 2.0**-10, "K": 2.0**-20}[m.group(2)]
 
 
 def _gib(n):
@@ -293,7 +166,7 @@ class Report:
         self.gpu = isinstance(target, hardware.GpuTarget)
         self.peak = hardware.peak_flops(mesh.devices.flat[0].device_kind)
         self.tokens = utils.sequences_per_step(cfg) * cfg.model.T
-        self.model_flops = model_flops(cfg, target.chips)
+        self.model_flops = measure.model_flops(cfg, target.chips)
 
     def header(self):
         target, mesh = self.target, self.mesh
@@ -320,9 +193,9 @@ class Report:
     def step(self, name, compiled, seconds, cpu_seconds, abstract_state):
         """Print the step's plan; return the GiB it needs per chip."""
         mem, hlo_text = compiled.memory_analysis(), compiled.as_text()   # the text of a big step is megabytes
-        state_bytes = sum(shard_bytes(a) for a in jax.tree.leaves(abstract_state))
+        state_bytes = sum(measure.shard_bytes(a) for a in jax.tree.leaves(abstract_state))
         inputs = mem.argument_size_in_bytes - state_bytes
-        total = planned_gib(mem, self.mesh.devices.flat[0].platform) * GiB
+        total = measure.planned_gib(mem, self.mesh.devices.flat[0].platform) * GiB
         not_aliased = mem.output_size_in_bytes - mem.alias_size_in_bytes
         temporaries = total - mem.generated_code_size_in_bytes - mem.argument_size_in_bytes - not_aliased
         print(f"{name}: compiled in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU)")
@@ -411,15 +284,15 @@ class Report:
         band: (low, high) seconds, printed beside the step and as MFU and HFU ranges."""
         ratio = lambda f, peak: f"{100 * f / (seconds * peak):.1f}%" + (
             f" ({100 * f / (band[1] * peak):.1f}-{100 * f / (band[0] * peak):.1f}%)" if band else "")
-        measured = (f"; of the measured {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s GEMM rate: MFU "
-                    f"{ratio(self.model_flops, GPU_GEMM_FLOPS)}, HFU {ratio(flops, GPU_GEMM_FLOPS)}" if self.gpu else "")
+        measured = (f"; of the measured {step_time.GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s GEMM rate: MFU "
+                    f"{ratio(self.model_flops, step_time.GPU_GEMM_FLOPS)}, HFU {ratio(flops, step_time.GPU_GEMM_FLOPS)}" if self.gpu else "")
         print(f"  {label}: step {seconds * 1e3:.1f} ms" + (f" (band {band[0] * 1e3:.1f}-{band[1] * 1e3:.1f} ms)" if band else "")
               + f", {self.tokens / seconds:,.0f} tokens/s ({self.tokens:,} tokens a step), MFU "
               f"{ratio(self.model_flops, self.peak)}, HFU {ratio(flops, self.peak)} of the {self.peak / 1e12:.0f} TFLOP/s "
               f"datasheet bf16 peak{measured}")
 
     def _gpu_step_time(self, hlo_text):
-        census = hlo.kernel_census(hlo_text, GPU_GEMM_FLOPS, self.target.hbm_bandwidth)
+        census = hlo.kernel_census(hlo_text, step_time.GPU_GEMM_FLOPS, self.target.hbm_bandwidth)
         flops = self._flops(hlo.matmul_flops(hlo_text), census)
         print(f"  kernels per step {census['kernels']:,}; HBM traffic {census['bytes'] / GiB:,.1f} GiB "
               f"(operands + results of each kernel); by kernel kind:")
@@ -428,131 +301,25 @@ class Report:
                   f"{100 * k['bytes'] / census['bytes']:5.1f}%" + (f" {k['flops']:.2e} FLOPs" if k["flops"] else ""))
         if census["uncounted"]:
             print("  FLOPs not known (bytes only): " + ", ".join(f"{n:,} {k}" for k, n in census["uncounted"].items()))
-        seconds = class_seconds(census)
-        print(f"  roofline sum over kernels of max(FLOPs / {GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s (fp32 operands: half), bytes / "
+        seconds = step_time.class_seconds(census)
+        print(f"  roofline sum over kernels of max(FLOPs / {step_time.GPU_GEMM_FLOPS / 1e12:.0f} TFLOP/s (fp32 operands: half), bytes / "
               f"{self.target.hbm_bandwidth / 1e12:.1f} TB/s) = {census['roofline_s'] * 1e3:.1f} ms: GEMMs "
               f"{seconds['gemm'] * 1e3:.1f} ms, cuDNN attention {seconds['attention'] * 1e3:.1f} ms, memory-bound "
               f"{seconds['memory'] * 1e3:.1f} ms" + (" (collectives counted as memory-bound: not calibrated)"
                                                     if self.target.chips > 1 else ""))
         try:
-            calibration = load_calibration()
+            calibration = step_time.load_calibration()
         except (OSError, ValueError) as e:
-            print(f"  no step-time estimate: the calibration {H200_CALIBRATION} is unreadable ({e})")
+            print(f"  no step-time estimate: the calibration {step_time.H200_CALIBRATION} is unreadable ({e})")
             return
-        point, low, high, fit, fits = estimate(seconds, census["kernels"], calibration["runs"])
-        overhead = (f"{fit['per_kernel'] * 1e6:.2g} µs per kernel" if "per_kernel" in fit else
-                    f"{fit['per_step'] * 1e3:.3g} ms per step")
-        print(f"  calibration ({fit['form']}): GEMMs x {fit['factors']['gemm']:.3g}, attention x "
-              f"{fit['factors']['attention']:.3g}, memory-bound x {fit['factors']['memory']:.3g}, {overhead}; the band: "
-              f"{len(fits)} fits of {len({f['form'] for f in fits})} forms, each timed step held out in turn "
+        point, low, high, used, band = step_time.estimate(seconds, census["kernels"], calibration["runs"])
+        overhead = (f"{used['per_kernel'] * 1e6:.2g} µs per kernel" if "per_kernel" in used else
+                    f"{used['per_step'] * 1e3:.3g} ms per step")
+        print(f"  calibration ({used['form']}): GEMMs x {used['factors']['gemm']:.3g}, attention x "
+              f"{used['factors']['attention']:.3g}, memory-bound x {used['factors']['memory']:.3g}, {overhead}; the band: "
+              f"{len(band)} fits of {len({c['form'] for c in band})} forms, each timed step held out in turn "
               f"(docs/performance-log.md#2026-12-03-h200-estimate-band)")
-        print(f"  calibrated on: {describe(calibration)}")
+        print(f"  calibrated on: {step_time.calibrated_on(calibration)}")
         self._speed("estimated on an H200", point, flops, band=(low, high))
         self.estimate = f"{point * 1e3:.1f} ms (band {low * 1e3:.1f}-{high * 1e3:.1f} ms)"
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The H200 estimate's calibration: step = sum over classes of factor x roofline seconds + overhead
-
-# The forms fitted to timed steps: which classes of kernel share a factor, and whether the time beside the
-# kernels' grows with their number or is the same every step. The steps timed on 2026-11-30 all had about
-# 12k kernels, so their times cannot tell those two apart, and today's programs have far fewer: the band
-# spans both. A timed run's per-kernel times (scripts/gpu_bench.sh) give the factors directly ("kernel times").
-FIT_FORMS = {
-    "one factor, per kernel": ((("gemm", "attention", "memory"),), "per_kernel"),
-    "one factor, per step": ((("gemm", "attention", "memory"),), "per_step"),
-    "GEMMs apart, per kernel": ((("gemm",), ("attention", "memory")), "per_kernel"),
-    "per class, per kernel": ((("gemm",), ("attention",), ("memory",)), "per_kernel"),
-    "per class, per step": ((("gemm",), ("attention",), ("memory",)), "per_step"),
-}
-POINT_FORMS = ("kernel times", "per class, per kernel")     # the point estimate's, the first the runs allow
-CLASSES = ("gemm", "attention", "memory")
-
-
-def class_seconds(census):
-    """Roofline seconds of a census by the classes the estimate calibrates; collectives (not calibrated: no
-    timed run had any) with the memory-bound kernels."""
-    c = census["classes"]
-    return {"gemm": c["gemm"]["roofline_s"], "attention": c["attention"]["roofline_s"],
-            "memory": c["memory"]["roofline_s"] + c["collective"]["roofline_s"]}
-
-
-def load_calibration(path=H200_CALIBRATION):
-    with open(path) as f:
-        calibration = json.load(f)
-    if calibration["rates"] != {"gemm_flops": GPU_GEMM_FLOPS, "hbm_bandwidth": hardware.GpuTarget("h200", 1).hbm_bandwidth}:
-        raise ValueError(f"its runs were costed at other rates ({calibration['rates']}): run scripts/refit_estimate.py")
-    return calibration
-
-
-def describe(calibration):
-    """What a calibration was fitted on, in one line."""
-    runs = calibration["runs"]
-    by_source = {}
-    for r in runs:
-        by_source.setdefault((r["tree"], r["timed"], r["source"]), []).append(r["name"])
-    return "; ".join(f"{len(names)} steps timed on an H200 on {timed} at {tree} ({', '.join(names)}), costed on "
-                     f"the {source}" for (tree, timed, source), names in by_source.items())
-
-
-def fit_form(runs, form):
-    """The factors and overhead of one of FIT_FORMS that minimise the squared relative errors of the runs'
-    step times: {"form", "factors": {class: f}, "per_kernel" or "per_step": seconds}. A factor of GEMMs
-    or attention is at least 1 (nothing multiplies faster than the measured GEMM rate); memory's and the
-    overhead at least 0 (bytes counted can be found in the L2 cache)."""
-    from scipy.optimize import lsq_linear
-    groups, overhead = FIT_FORMS[form]
-    X = np.array([[sum(r["roofline_s"][c] for c in g) for g in groups] + [r["kernels"] if overhead == "per_kernel" else 1.0]
-                  for r in runs])
-    y = np.array([r["step_s"] for r in runs])
-    lower = [1.0 if set(g) & {"gemm", "attention"} else 0.0 for g in groups] + [0.0]
-    x = lsq_linear(X / y[:, None], np.ones(len(y)), bounds=(lower, np.inf)).x
-    return {"form": form, "factors": {c: float(f) for g, f in zip(groups, x) for c in g}, overhead: float(x[-1])}
-
-
-def fit_kernel_times(runs):
-    """The factors straight from runs with per-kernel times: each class's measured time over its roofline
-    time, and the step's time outside the kernels matched to the census (launch gaps, copies, host syncs)
-    per kernel."""
-    return {"form": "kernel times",
-            "factors": {c: sum(r["kernel_s"][c] for r in runs) / sum(r["roofline_s"][c] for r in runs) for c in CLASSES},
-            "per_kernel": max(0.0, sum(r["step_s"] - sum(r["kernel_s"].values()) for r in runs) / sum(r["kernels"] for r in runs))}
-
-
-def _subsets(runs, parameters):
-    """(None, runs) where the runs are at least as many as a form's parameters, then (name, the other runs)
-    for each run while more runs than parameters remain."""
-    if len(runs) >= parameters:
-        yield None, runs
-    if len(runs) - 1 > parameters:
-        for i, r in enumerate(runs):
-            yield r["name"], runs[:i] + runs[i + 1:]
-
-
-def calibrations(runs):
-    """Every fit the band is made of: each form on all runs and with each run held out in turn, and the
-    kernel-times fit where runs have kernel times."""
-    fits = [fit_form(subset, form) | {"held_out": held_out} for form, (groups, _) in FIT_FORMS.items()
-            for held_out, subset in _subsets(runs, len(groups) + 1)]
-    timed = [r for r in runs if r.get("kernel_s") and all(r["roofline_s"][c] for c in CLASSES)]
-    return fits + [fit_kernel_times(subset) | {"held_out": held_out} for held_out, subset in _subsets(timed, 1)]
-
-
-def predict(fit, seconds, kernels):
-    return (sum(fit["factors"][c] * seconds[c] for c in CLASSES)
-            + fit.get("per_kernel", 0.0) * kernels + fit.get("per_step", 0.0))
-
-
-def estimate(seconds, kernels, runs):
-    """(point, low, high) step seconds for a program of these class roofline seconds and kernels, the fit the
-    point comes from and every fit of the band."""
-    fits = calibrations(runs)
-    point = next(f for form in POINT_FORMS for f in fits if f["form"] == form and f["held_out"] is None)
-    predictions = [predict(f, seconds, kernels) for f in fits]
-    return predict(point, seconds, kernels), min(predictions), max(predictions), point, fits
-
-
-def shard_bytes(abstract):
-    """Bytes one device holds of a sharded ShapeDtypeStruct."""
-    shape = abstract.sharding.shard_shape(abstract.shape)
-    return math.prod(shape) * abstract.dtype.itemsize

@@ -1,7 +1,7 @@
 """What makes a plan fit: the few settings that trade compute for memory, each compiled, and the cheapest in
 compiled FLOPs that fits (`cheapest_fit`). `--compile_for` prints it with the exact command when a plan does
 not fit; `--fit` runs (or rehearses) with it. Pure config logic: the caller compiles (`plan` below is
-pod.py's compile of the train step for a slice, or of this run's mesh).
+planning/measure.py's compile of the train step for a slice, or of this run's mesh).
 
 The settings that save memory, one change each (`memory_changes`):
   --remat full                           every layer recomputed in the backward (one more forward's FLOPs)
@@ -23,7 +23,7 @@ GRAD_STEP_FACTORS = (2, 4)
 class Plan(NamedTuple):
     """One compiled setting: its flag changes ({} as given), the config, its train step's GiB per chip, compiled
     FLOPs over the model's and collective GiB per chip (None: the compiler refused it, saying at most what it
-    needs), and what the caller's compile returned beside them (pod.StepPlan's trainer)."""
+    needs), and what the caller's compile returned beside them (measure.StepPlan's trainer)."""
     changes: dict
     cfg: object
     gib: float | None
@@ -84,14 +84,14 @@ def candidates(cfg, n_devices):
 def cheapest_fit(cfg, n_devices, budget_gib, plan: Callable, say=print):
     """(the Plan chosen or None, every Plan compiled): the groups of `candidates` compiled in turn, the last
     (two memory changes) only when nothing before fits; of those that fit, the cheapest (`cost`). plan(cfg) ->
-    a pod.StepPlan (GiB, compiled FLOPs over the model's, collective GiB, the compiled trainer); say(line)
+    a measure.StepPlan (GiB, compiled FLOPs over the model's, collective GiB, the compiled trainer); say(line)
     reports each as it is compiled."""
     singles, with_compute, pairs = candidates(cfg, n_devices)
     compiled = []
     for group in (singles + with_compute, pairs):
         for change, candidate in group:
             compiled.append(Plan(change, candidate, **plan(candidate)._asdict()))
-            say(describe(compiled[-1], budget_gib))
+            say(setting_line(compiled[-1], budget_gib))
         fitting = [p for p in compiled if p.fits(budget_gib)]
         if fitting:
             return min(fitting, key=cost), compiled
@@ -110,7 +110,7 @@ def flags(change):
     return " ".join(f"--{name} {value(v)}" for name, v in change.items())
 
 
-def describe(p, budget_gib):
+def setting_line(p, budget_gib):
     """One compiled setting in a line: its flags, GiB a chip, whether that fits, its FLOPs and collectives."""
     verdict = "the compiler refused it" if p.gib is None else f"{p.gib:6.2f} GiB {'fits' if p.fits(budget_gib) else 'over'}"
     return f"  {flags(p.changes):<44} {verdict}" + (
