@@ -41,7 +41,6 @@ import dataset
 import generate
 import hardware
 import metrics_schema
-import scoring
 import sharding
 import utils
 from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_manager, checksums_and_finite,
@@ -49,12 +48,13 @@ from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_man
                          save, wait_for_save)
 from data.shards import OutputError
 from data.tokenizer import get_tokenizer
+from evals import scoring
+from evals.tasks import TaskError
 from metrics import Diverged, evaluate as val_loss_and_balance, log_interval
 from multihost import log, set_up_devices
 from planning import fit
 from progress import Progress
 from rundir import Logger, RunRefused, lock_run_dir, metrics_records, os_error, run_dir_of, set_aside_previous_run
-from tasks import TaskError
 from trainer import Trainer, build_trainer, compile_interval_steps
 
 
@@ -517,13 +517,13 @@ def resumed(run):
 def tasks_recorded(run, step):
     """Whether metrics.jsonl holds a record of step `step` for each --eval_tasks task ([tasks] of 0 or 1): read by
     process 0, which alone writes it, and sent to the others, so that every process scores the same tasks."""
-    recorded_T = np.zeros(len(run.tasks.tasks), np.int32)
+    recorded = np.zeros(len(run.tasks.tasks), np.int32)
     if jax.process_index() == 0:
         names = {r.get("task") for r in metrics_records(run_dir_of(run.cfg.run)) if r.get("step") == step}
-        recorded_T[:] = [task.name in names for task in run.tasks.tasks]
+        recorded[:] = [task.name in names for task in run.tasks.tasks]
     if jax.process_count() > 1:
-        recorded_T = np.asarray(multihost_utils.broadcast_one_to_all(recorded_T))
-    return recorded_T
+        recorded = np.asarray(multihost_utils.broadcast_one_to_all(recorded))
+    return recorded
 
 
 def score_lost_tasks(run, state, interval, stop=lambda: False):

@@ -53,7 +53,7 @@ METRICS = {
         "final_val_bpb": "validation bits per byte at the end",
         "unigram_entropy": "entropy of the training tokens' unigram distribution (the no-context baseline)",
     },
-    "tasks": {      # per task of --eval_tasks, at every checkpoint (scoring.py)
+    "tasks": {      # per task of --eval_tasks, at every checkpoint (evals/scoring.py)
         "task": "the task's name",
         "acc": "share of examples whose gold continuation has the highest log-likelihood (loglikelihood tasks: "
                "whose continuation is the greedy one)",

@@ -1,6 +1,6 @@
 """The loss on the mesh: one `jax.shard_map` over ("slice", "dp", "pp", "tp") running the pipeline schedule over pp
 (GPipe, or with --pipeline_repeats P > 1 a circular one, MaxText's num_pipeline_repeats), then the output
-layer's cross-entropy (loss.py), or each row's for scoring tasks (`row_scores`); and the one-device
+layer's cross-entropy (loss.py), or each row's for scoring tasks (`continuation_scores`); and the one-device
 versions every mesh is checked against.
 """
 from functools import partial
@@ -72,17 +72,17 @@ def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
     return summarise(ce_sum, _stats_in_model_order(out.stats), x_bT.size * n_dp, b * n_dp, cfg)
 
 
-def row_scores(params, x_BT, y_BT, mask_BT, cfg, mesh, n_micro, window):
+def continuation_scores(params, x_BT, y_BT, mask_BT, cfg, mesh, n_micro, window):
     """Each row's cross-entropy summed over its targets where mask is 1 and whether they are all the greedy
     choice [B] (fp32, rows over dp) of a global batch on `mesh`, the model in eval mode: what scoring a task's
-    continuations needs (scoring.py). Only each row's last `window` positions up to its continuation's end
+    continuations needs (evals/scoring.py). Only each row's last `window` positions up to its continuation's end
     reach the output layer (a continuation is at most that long), not all T: its vocabulary-wide work is the
     largest part of a small model's forward."""
     params = Layout(cfg.pipeline_repeats).store(params)
     rows = by_replica(mesh)
     x_BT, y_BT, mask_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, rows)) for a in (x_BT, y_BT, mask_BT))
     platform = mesh.devices.flat[0].platform
-    scores = partial(_pipeline_row_scores, cfg=cfg, n_micro=n_micro, platform=platform, window=window)
+    scores = partial(_pipeline_continuation_scores, cfg=cfg, n_micro=n_micro, platform=platform, window=window)
     sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), rows,
                                                          rows, rows),
                             out_specs=(rows, rows), check_vma=True)
@@ -91,7 +91,7 @@ def row_scores(params, x_BT, y_BT, mask_BT, cfg, mesh, n_micro, window):
 
 def one_device_token_scores(params, x_BT, y_BT, cfg):
     """Each token's cross-entropy and greedy flag [B, T] on one device, no mesh: the ground truth every mesh's
-    row_scores is held to."""
+    continuation_scores is held to."""
     axes = Axes(engine=engine_for(cfg))
     transformer = build(model_order(params), cfg)
     h_BTD, _, _ = transformer(x_BT, axes, ctx={"train": False, "key": jax.random.key(0),
@@ -100,24 +100,24 @@ def one_device_token_scores(params, x_BT, y_BT, cfg):
     return axes.engine.token_scores(table_vD, h_BTD, y_BT, cfg, axes)
 
 
-def _pipeline_row_scores(params, x_bT, y_bT, mask_bT, cfg, n_micro, platform, window):
+def _pipeline_continuation_scores(params, x_bT, y_bT, mask_bT, cfg, n_micro, platform, window):
     """On one device: this dp replica's per-row summed cross-entropy and greedy flags [b]. Each stage scores
-    its share of the outputs (`_last_stage_share`), M/pp micro-batches in order, at K = window positions a
-    row, [N, T, D] -> [N, K, D]; an all-gather over pp puts the rows together: [M/pp b/M] -> [b]."""
+    its share of the outputs (`_last_stage_share`), M/pp micro-batches in order, at t = window of the T positions
+    a row, [N, T, D] -> [N, t, D]; an all-gather over pp puts the rows together: [M/pp b/M] -> [b]."""
     out = _pipeline_outputs(params, x_bT, y_bT, jax.random.key(0), cfg, n_micro, False, platform)
     h_NTD, targets_NT = _last_stage_share(out)
     M, T, n_stages = out.y_MbT.shape[0], out.y_MbT.shape[-1], lax.axis_size("pp")
     mask_NT = lax.dynamic_slice_in_dim(mask_bT.reshape(M, -1, T), lax.axis_index("pp") * (M // n_stages),
                                        M // n_stages).reshape(-1, T)
     end_N = T - jnp.argmax(mask_NT[:, ::-1] > 0, axis=1)               # one past the continuation's last target
-    at_NK = end_N[:, None] - window + jnp.arange(window)               # < 0: before the row starts, scores nothing
-    index_NK = jnp.clip(at_NK, 0, T - 1)
-    h_NKD = jnp.take_along_axis(h_NTD, index_NK[..., None], axis=1)
-    targets_NK = jnp.take_along_axis(targets_NT, index_NK, axis=1)
-    scored_NK = (jnp.take_along_axis(mask_NT, index_NK, axis=1) > 0) & (at_NK >= 0)
-    nats_NK, greedy_NK = out.axes.engine.token_scores(out.table_vD, h_NKD, targets_NK, cfg, out.axes)
-    nats_N = jnp.sum(jnp.where(scored_NK, nats_NK, 0.0), axis=1)
-    greedy_N = jnp.all(greedy_NK | ~scored_NK, axis=1)
+    at_Nt = end_N[:, None] - window + jnp.arange(window)               # < 0: before the row starts, scores nothing
+    index_Nt = jnp.clip(at_Nt, 0, T - 1)
+    h_NtD = jnp.take_along_axis(h_NTD, index_Nt[..., None], axis=1)
+    targets_Nt = jnp.take_along_axis(targets_NT, index_Nt, axis=1)
+    scored_Nt = (jnp.take_along_axis(mask_NT, index_Nt, axis=1) > 0) & (at_Nt >= 0)
+    nats_Nt, greedy_Nt = out.axes.engine.token_scores(out.table_vD, h_NtD, targets_Nt, cfg, out.axes)
+    nats_N = jnp.sum(jnp.where(scored_Nt, nats_Nt, 0.0), axis=1)
+    greedy_N = jnp.all(greedy_Nt | ~scored_Nt, axis=1)
     return tuple(lax.all_gather(a_N, "pp", axis=0, tiled=True, to="invarying") for a_N in (nats_N, greedy_N))
 
 

@@ -187,9 +187,9 @@ def eval_step(params, router_bias, x, y, *, cfg, mesh):
 
 def score_step(params, router_bias, x, y, mask, window, *, cfg, mesh):
     """Each row's cross-entropy summed over its targets where mask is 1 [B] (fp32), in eval mode: minus the
-    log-likelihood of a task's continuation (scoring.py); and whether each of those targets is the greedy
+    log-likelihood of a task's continuation (evals/scoring.py); and whether each of those targets is the greedy
     choice [B] (lm-evaluation-harness's is_greedy). window (static): the longest continuation's tokens, at
-    most T (pipeline.row_scores)."""
+    most T (pipeline.continuation_scores)."""
     with matmul_precision(cfg.model.model_dtype):
-        return pipeline.row_scores(sharding.with_router_bias(params, router_bias), x, y, mask, cfg.model, mesh,
-                                   cfg.run.micro_batch_size, window)
+        return pipeline.continuation_scores(sharding.with_router_bias(params, router_bias), x, y, mask, cfg.model,
+                                            mesh, cfg.run.micro_batch_size, window)

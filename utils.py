@@ -160,8 +160,8 @@ class RunConfig:
                                      "waits for them)")
     eval_steps: int = flag(4, "validation batches per evaluation")
     eval_tasks: str = flag("kjv_endings", "downstream tasks scored at every checkpoint, comma-separated: "
-                                          "kjv_endings, olmo_arc_easy, ... (tasks.py), lm-evaluation-harness task "
-                                          "names or task YAML files (harness.py); '' for none")
+                                          "kjv_endings, olmo_arc_easy, ... (evals/tasks.py), lm-evaluation-harness "
+                                          "task names or task YAML files (evals/harness.py); '' for none")
     eval_tasks_limit: int = flag(0, "score each task's first N examples only (0 = all)")
     seed: int = flag(0, "seed of the init, the data order, dropout and the samples")
     stop_at_val_loss: float = flag(0.0, "end the run, with a checkpoint, at the first evaluation whose val "

@@ -11,7 +11,7 @@ What counts as a code name (conservative, so that prose never fails the test):
   `loss.summarise(...)`): the module is
   found by its path from the root (`engine.products` is engine/products.py, `engine` is
   engine/__init__.py) or by its base name among the project's Python files (top level, data/, engine/,
-  planning/, scripts/, tests/), then each further part in the module's AST: a top-level def, class, assignment or
+  evals/, planning/, scripts/, tests/), then each further part in the module's AST: a top-level def, class, assignment or
   import, then a class's members (defs, assignments in its body, `self.x = ...` in its methods). A part
   after a function or a plain value is not followed. A name whose first part is not the project's
   (`jax.lax.psum`, `optax.adamw`, `jnp.einsum`, `nnx.Param`, and class-first names such as the guide's
@@ -37,14 +37,14 @@ import pytest
 from ceiling import CEILING_S
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE_DIRS = ("", "data", "engine", "planning", "scripts", "tests")
+MODULE_DIRS = ("", "data", "engine", "evals", "planning", "scripts", "tests")
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
 DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(.*\))?")
 PATH = re.compile(r"[\w./-]*\w\.(?:py|sh)")
 # Modules that were renamed or moved: a name that starts with one is the old file's, not an outside library's.
 FORMER_MODULES = {"experts": "engine/expert_kernels.py", "attention": "engine/attention_kernels.py",
-                  "evaluate": "scoring.py", "pod": "planning/ (report.py, measure.py, step_time.py)",
+                  "evaluate": "evals/scoring.py", "pod": "planning/ (report.py, measure.py, step_time.py)",
                   "planner": "planning/tradeoffs.py"}
 OTHER_EXTENSIONS = {"md", "json", "jsonl", "gz", "txt", "toml", "yaml", "yml", "cfg", "pb", "png", "csv",
                     "html", "npy", "npz", "lock", "ini", "log", "safetensors", "tar", "zip", "xplane"}

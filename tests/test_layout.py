@@ -3,9 +3,9 @@ metrics_schema.py, utils.py and data/ at the bottom), counting imports inside fu
 then be read, tested and replaced on its own. The rules are by folder: the top level is the guide's code; engine/ is the
 engine, whose one door is the package itself (engine/__init__.py: `engine_for` and the seams' two
 engines), so no module outside engine/ imports a file inside it; data/ is below everything and imports
-nothing of the top level; planning/ is "will it fit?", whose `--compile_for` report and H200 step-time estimate
-the training run never imports. In tests/, no test module imports another: what tests share is in a helper
-module."""
+nothing of the top level; evals/ holds the downstream tasks and their scoring; planning/ is "will it fit?",
+whose `--compile_for` report and H200 step-time estimate the training run never imports. In tests/, no test
+module imports another: what tests share is in a helper module."""
 import ast
 import os
 import subprocess
@@ -16,7 +16,7 @@ from ceiling import CEILING_S
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-FOLDERS = ("data", "engine", "planning")
+FOLDERS = ("data", "engine", "evals", "planning")
 
 
 def project_modules():
@@ -158,7 +158,7 @@ def test_no_test_module_imports_another():
 
 
 def test_importing_main_loads_no_pyarrow():
-    """A TPU VM's image may lack pyarrow: only the olmo_* tasks read Arrow files (tasks._olmo_rows imports it)."""
+    """A TPU VM's image may lack pyarrow: only the olmo_* tasks read Arrow files (evals.tasks._olmo_rows imports it)."""
     proc = subprocess.run([sys.executable, "-c", "import sys, main; print(sorted(m for m in sys.modules if 'arrow' in m))"],
                           cwd=ROOT, capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

@@ -20,7 +20,7 @@ def test_plot_writes_the_four_figures(tmp_path):
                           "expert_load": [[0.1, 0.2, 0.3, 0.4], [0.25] * 4, [0.4, 0.3, 0.2, 0.1]]})
         if step % 4 == 0:
             lines.append({"step": step, "task": "kjv_endings", "acc": 0.3, "acc_norm": 0.32, "bpb": 3.0, "chance": 0.25})
-            # a loglikelihood task (harness.py): no acc_norm, no chance
+            # a loglikelihood task (evals/harness.py): no acc_norm, no chance
             lines.append({"step": step, "task": "kjv_next", "acc": 0.1, "acc_norm": None, "bpb": 2.0, "chance": None})
     lines.append({"step": 8, "final_val_loss": 1.4, "final_val_bpb": 0.5, "unigram_entropy": 6.5})
     text = "\n".join(json.dumps(l) for l in lines) + '\n{"step": 9, "lo'

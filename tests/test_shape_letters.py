@@ -8,7 +8,7 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDERS = ("", "engine", "data", "planning", "scripts", "tests")
+FOLDERS = ("", "engine", "data", "evals", "planning", "scripts", "tests")
 
 
 def legend_letters():

@@ -1,4 +1,4 @@
-"""Downstream tasks (tasks.py) scored on the mesh (scoring.py) and bits per byte: each continuation's
+"""Downstream tasks (evals/tasks.py) scored on the mesh (evals/scoring.py) and bits per byte: each continuation's
 log-likelihood equals a by-hand log_softmax over the unpadded sequence, the same on every mesh (the
 pipeline and its circular schedule included) in fp32, and acc / acc_norm / bpb follow from it as
 lm-evaluation-harness defines them; val bits per byte count the bytes of the text the targets spell."""
@@ -15,10 +15,8 @@ import pytest
 
 import dataset
 import metrics_schema
-import scoring
 import pipeline
 import sharding
-import tasks
 import trainer
 import utils
 from ceiling import CEILING_S
@@ -26,6 +24,7 @@ from collectives import Axes
 from data import tokenizer as tok
 from data_util import corpus_documents
 from engine import engine_for
+from evals import scoring, tasks
 from model_util import CFG, CIRCULAR, EP, KEY, ROUTER_BIAS, rel_err, with_model
 from run_util import REPO, TINY_FLAGS
 
@@ -96,10 +95,10 @@ def test_one_device_token_scores_equal_a_log_softmax_by_hand(params, rows, expec
     assert 0 < greedy.sum() < len(greedy)
     for engine in ("fast", "reference"):
         cfg = with_model(CFG, engine=engine)
-        nats_RT, greedy_RT = pipeline.one_device_token_scores(sharding.with_router_bias(params, ROUTER_BIAS),
+        nats_BT, greedy_BT = pipeline.one_device_token_scores(sharding.with_router_bias(params, ROUTER_BIAS),
                                                               jnp.asarray(rows.x), jnp.asarray(rows.y), cfg)
-        assert rel_err(np.sum(np.asarray(nats_RT) * rows.mask, axis=1), nats) < 1e-5, engine
-        np.testing.assert_array_equal(np.all(np.asarray(greedy_RT) | (rows.mask == 0), axis=1), greedy, engine)
+        assert rel_err(np.sum(np.asarray(nats_BT) * rows.mask, axis=1), nats) < 1e-5, engine
+        np.testing.assert_array_equal(np.all(np.asarray(greedy_BT) | (rows.mask == 0), axis=1), greedy, engine)
 
 
 def on_the_mesh(params, shape, n_micro, changes):
@@ -163,7 +162,7 @@ def test_task_scores_follow_the_harness_definitions_by_hand():
     (the gold's nats / ln 2 / its UTF-8 bytes)."""
     cfg = with_model(CFG, vocab_size=tok.VOCAB_SIZE, T=20)
     params = sharding.init_params(cfg, KEY)
-    task = tasks.Task("few", tasks.kjv_endings().examples[:6])
+    task = tasks.MultipleChoiceTask("few", tasks.kjv_endings().examples[:6])
     enc = tok.get_tokenizer()
     rows = scoring.task_rows(task, enc, cfg.T)
     hand_rows, cut = [], 0

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tasks import TaskError
+from evals.tasks import TaskError
 
 REQUIREMENTS = "requirements-eval.txt"
 SCORED_OUTPUT_TYPES = ("multiple_choice", "loglikelihood")
@@ -35,7 +35,7 @@ HUB_PROBE_S = 3         # the hub's answer to a connection, or it is taken as un
 
 
 class HarnessTask:
-    """One harness task's requests (tasks.Task's interface), its documents cut to the first `limit`; TaskError
+    """One harness task's requests (a tasks.Task), its documents cut to the first `limit`; TaskError
     names the first document that cannot be scored as asked."""
 
     def __init__(self, name, task, limit):
@@ -56,9 +56,9 @@ class HarnessTask:
         self.chance = (float(np.mean([1 / len(instances) for instances in self._docs]))
                        if task.OUTPUT_TYPE == "multiple_choice" else None)
 
-    def metrics(self, ll_R, greedy_R):
+    def metrics(self, ll_B, greedy_B):
         """The harness's metrics of the task (acc, acc_norm, ...) from each request's (log-likelihood, greedy)."""
-        for instance, ll, greedy in zip(self._instances, ll_R, greedy_R):
+        for instance, ll, greedy in zip(self._instances, ll_B, greedy_B):
             instance.resps = [(float(ll), bool(greedy))]
         self._task.apply_filters()
         values, key = defaultdict(list), next(iter(self._instances[0].filtered_resps))
@@ -152,7 +152,8 @@ NO_HUB = ("its data are on the Hugging Face hub, which cannot be reached (offlin
           "(dataset_path: json, as tests/harness_tasks/kjv_choice.yaml)")
 LIBRARIES = tuple({sysconfig.get_paths()[kind] for kind in ("stdlib", "platstdlib", "purelib", "platlib")})
 HARNESS_TASK = os.path.join("lm_eval", "api", "task.py")
-REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUR_CODE = (REPOSITORY, os.path.dirname(os.path.abspath(__file__)))      # the top level and evals/
 
 
 def cause(e):
@@ -162,7 +163,7 @@ def cause(e):
     message = " ".join(str(e).split())
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
         file = frame.filename
-        task_code = not (file.startswith(LIBRARIES + ("<",)) or os.path.dirname(file) == REPOSITORY)
+        task_code = not (file.startswith(LIBRARIES + ("<",)) or os.path.dirname(file) in OUR_CODE)
         if task_code or file.endswith(HARNESS_TASK):
             where = f" (at {HARNESS_TASK if file.endswith(HARNESS_TASK) else file}:{frame.lineno}, in {frame.name})"
             break

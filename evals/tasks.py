@@ -1,8 +1,9 @@
-"""Downstream tasks, as scoring.py scores them: each a list of requests (a context, a continuation) whose
-log-likelihoods the model gives, the request of each example's right continuation, and the metrics those
-log-likelihoods make. Two kinds: `Task`, multiple-choice examples scored as lm-evaluation-harness scores its
-multiple-choice tasks (the bundled task and the olmo_* tasks below, neither needing the harness); harness.py's,
-the harness's own tasks, scored by the harness's code.
+"""Downstream tasks, as evals/scoring.py scores them. What scoring needs of a task is `Task` (a Protocol): a
+list of requests (a context, a continuation) whose log-likelihoods the model gives, one row of --T tokens each,
+the request of each example's right continuation, and the metrics those log-likelihoods make. Two kinds
+implement it: `MultipleChoiceTask`, multiple-choice examples scored as lm-evaluation-harness scores its
+multiple-choice tasks (the bundled task and the olmo_* tasks below, neither needing the harness); and
+evals/harness.py's HarnessTask, the harness's own tasks, scored by the harness's code.
 
 The bundled task, `kjv_endings`, needs nothing but this repository: every third verse of the held-out books of
 the bundled corpus (data/corpus.py's VAL_BOOKS, never trained on) split at its middle word, its true ending
@@ -15,10 +16,36 @@ import json
 import re
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from data import corpus
+
+
+class Task(Protocol):
+    """A task as scoring (evals/scoring.py: TaskScorer, scores) and main.py read it. Its requests are rows, one
+    sequence each (B in an array's name, as in the legend)."""
+
+    @property
+    def name(self) -> str:
+        """The task's name in --eval_tasks, the metrics and the logs."""
+
+    @property
+    def requests(self) -> tuple:
+        """(context, continuation) of every request, in order."""
+
+    @property
+    def gold(self) -> tuple:
+        """The index in `requests` of each example's right continuation (its bits per byte are the task's bpb)."""
+
+    @property
+    def chance(self) -> float | None:
+        """The accuracy of a uniform random guess; None for a task that is not a choice."""
+
+    def metrics(self, ll_B, greedy_B) -> dict:
+        """{metric: value} (acc, acc_norm, ...) from each request's log-likelihood and whether its continuation is
+        the greedy one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +56,8 @@ class Example:
 
 
 @dataclasses.dataclass(frozen=True)
-class Task:
+class MultipleChoiceTask:
+    """A Task of multiple-choice examples: a request per (example, choice)."""
     name: str
     examples: tuple
     target_delimiter: str = " "     # between context and choice, as the harness's (not counted in acc_norm)
@@ -49,14 +77,15 @@ class Task:
         """The accuracy of a uniform random guess."""
         return float(np.mean([1 / len(e.choices) for e in self.examples]))
 
-    def metrics(self, ll_R, greedy_R):
+    def metrics(self, ll_B, greedy_B):
         """acc: the share of examples whose right continuation has the highest log-likelihood; acc_norm: the
         same with each log-likelihood over its continuation's length in characters (the harness's)."""
         correct, normed = [], []
         for start, e in zip(self._starts(), self.examples):
-            ll_C, chars_C = ll_R[start:start + len(e.choices)], np.array([len(c) for c in e.choices], np.float64)
-            correct.append(int(np.argmax(ll_C)) == e.gold)
-            normed.append(int(np.argmax(ll_C / chars_C)) == e.gold)
+            choice_ll = ll_B[start:start + len(e.choices)]          # the example's requests, one per choice
+            choice_chars = np.array([len(c) for c in e.choices], np.float64)
+            correct.append(int(np.argmax(choice_ll)) == e.gold)
+            normed.append(int(np.argmax(choice_ll / choice_chars)) == e.gold)
         return {"acc": float(np.mean(correct)), "acc_norm": float(np.mean(normed))}
 
     def _starts(self):
@@ -85,7 +114,7 @@ def kjv_endings(n_choices=4, seed=0):
         others = [endings[j] for j in rng.permutation(len(endings)) if endings[j] != ending][:n_choices - 1]
         gold = int(rng.integers(n_choices))
         examples.append(Example(beginning, tuple(others[:gold] + [ending] + others[gold:]), gold))
-    return Task("kjv_endings", tuple(examples))
+    return MultipleChoiceTask("kjv_endings", tuple(examples))
 
 
 BUNDLED = {"kjv_endings": kjv_endings}
@@ -146,7 +175,7 @@ def _sciq(row):
 
 def olmo_task(name, subset, example):
     """A packaged benchmark's validation split, each row made an Example by `example`."""
-    return Task(name, tuple(example(row) for row in _olmo_rows(subset)))
+    return MultipleChoiceTask(name, tuple(example(row) for row in _olmo_rows(subset)))
 
 
 PACKAGED = {"olmo_arc_easy": ("ai2_arc/ARC-Easy", _arc), "olmo_arc_challenge": ("ai2_arc/ARC-Challenge", _arc),

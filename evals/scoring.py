@@ -1,4 +1,4 @@
-"""Scoring downstream tasks (tasks.py's, harness.py's) on the training mesh, as lm-evaluation-harness scores
+"""Scoring downstream tasks (evals/tasks.py's, evals/harness.py's) on the training mesh, as lm-evaluation-harness scores
 a task from its loglikelihood requests: each request's continuation's log-likelihood given its context, summed
 over the continuation's tokens, and whether every one of those tokens is the greedy choice; per task
 
@@ -23,16 +23,16 @@ import fsspec
 import jax
 import numpy as np
 
-import harness
-from tasks import BUNDLED, TaskError
+from evals import harness
+from evals.tasks import BUNDLED, Task, TaskError
 from metrics_schema import bits_per_byte
 from rundir import write_whole
 
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """A task's rows [R, T] in (example, choice) order: inputs, targets, and 1 where a target is one of the
-    continuation's tokens; `cut`: rows whose ids were cut on the left to fit --T."""
+    """A task's rows [B, T], a request each, in the order of its requests: inputs, targets, and 1 where a target
+    is one of the continuation's tokens; `cut`: rows whose ids were cut on the left to fit --T."""
     x: np.ndarray
     y: np.ndarray
     mask: np.ndarray
@@ -90,11 +90,11 @@ def batch_plan(rows, batch_rows, min_width=MIN_WIDTH):
     """How row_scores runs `rows`: (the rows' order, longest first, the last batch padded with repeats that score
     nothing; per batch of batch_rows, (its rows, its width, its window)). The width is the narrowest that holds
     the batch's longest row (a power of two >= min_width, at most T), the window the positions a row through the
-    output layer: the batch's longest continuation (`pipeline.row_scores`)."""
-    R, T = rows.x.shape
+    output layer: the batch's longest continuation (`pipeline.continuation_scores`)."""
+    n_rows, T = rows.x.shape
     lengths = T - np.argmax(rows.mask[:, ::-1] > 0, axis=1)          # up to the continuation's last token
     order = np.argsort(-lengths, kind="stable")
-    order = np.concatenate([order, np.full(-R % batch_rows, order[-1])])     # the last batch: repeats, dropped
+    order = np.concatenate([order, np.full(-n_rows % batch_rows, order[-1])])     # the last batch: repeats, dropped
     plan = []
     for i in range(0, len(order), batch_rows):
         batch = order[i:i + batch_rows]
@@ -105,7 +105,7 @@ def batch_plan(rows, batch_rows, min_width=MIN_WIDTH):
 
 
 def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH, stop=lambda: False):
-    """Each row's summed nats over its continuation [R] and whether all its tokens are greedy [R]: the rows in
+    """Each row's summed nats over its continuation [B] and whether all its tokens are greedy [B]: the rows in
     batches of batch_rows as `batch_plan` lays them out, each only as wide as its longest row and only as many
     positions a row through the output layer as its longest continuation needs. No score changes: attention is
     causal and an expert's capacity counts --T whatever the width (model.expert_capacity), so the tokens after a
@@ -124,9 +124,9 @@ def row_scores(trainer, state, rows, batch_rows, min_width=MIN_WIDTH, stop=lambd
         running = dispatched
     fetched.append(jax.device_get(running))
     nats, greedy = (np.concatenate(a) for a in zip(*fetched))
-    R = len(rows.x)
-    unsorted = np.empty(R, np.int64)
-    unsorted[order[:R]] = np.arange(R)
+    n_rows = len(rows.x)
+    unsorted = np.empty(n_rows, np.int64)
+    unsorted[order[:n_rows]] = np.arange(n_rows)
     return nats[unsorted], greedy[unsorted]
 
 
@@ -140,20 +140,20 @@ def _on_mesh(rows, sharding):
     return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
 
 
-def scores(task, nats_R, greedy_R, cut, seconds):
+def scores(task: Task, nats_B, greedy_B, cut, seconds):
     """The record of a task from its rows' nats and greedy flags: acc, acc_norm (None where the task has
     none), bpb, the counts, chance (None: not a choice) and the time."""
-    metrics = task.metrics(-nats_R.astype(np.float64), greedy_R)
+    metrics = task.metrics(-nats_B.astype(np.float64), greedy_B)
     gold_bytes = sum(len(task.requests[r][1].encode("utf-8")) for r in task.gold)
     return {"task": task.name, "acc": metrics.get("acc"), "acc_norm": metrics.get("acc_norm"),
-            "bpb": bits_per_byte(float(np.sum(nats_R[list(task.gold)])), gold_bytes), "examples": len(task.gold),
+            "bpb": bits_per_byte(float(np.sum(nats_B[list(task.gold)])), gold_bytes), "examples": len(task.gold),
             "cut_on_the_left": cut, "chance": task.chance, "seconds": seconds}
 
 
 class TaskScorer:
     """The tasks of a run, tokenized once (`rows`), scored on the trainer's mesh at every call."""
 
-    def __init__(self, tasks, enc, T, batch_rows, vocab_size):
+    def __init__(self, tasks: list[Task], enc, T, batch_rows, vocab_size):
         self.tasks, self.batch_rows = tasks, batch_rows
         self.rows = [task_rows(task, enc, T) for task in tasks]
         for task, rows in zip(tasks, self.rows):
@@ -186,12 +186,12 @@ class TaskScorer:
         scored = row_scores(trainer, state, rows, self.batch_rows, stop=stop)
         if scored is None:
             return None
-        nats_R, greedy_R = scored
-        record = scores(task, nats_R, greedy_R, rows.cut, time.perf_counter() - t0)
+        nats_B, greedy_B = scored
+        record = scores(task, nats_B, greedy_B, rows.cut, time.perf_counter() - t0)
         if with_requests:
             record["requests"] = [{"context": context, "continuation": continuation, "loglikelihood": -float(nats),
                                    "is_greedy": bool(greedy)}
-                                  for (context, continuation), nats, greedy in zip(task.requests, nats_R, greedy_R)]
+                                  for (context, continuation), nats, greedy in zip(task.requests, nats_B, greedy_B)]
         return record
 
 
