@@ -143,7 +143,8 @@ def matmul_flops(hlo_text):
     the first three split the total by part ("unattributed": dots XLA created without an op_name,
     seen inside the pipelined blocks), the last three by pass ("remat" is the forward recomputed
     inside the backward). The output layer is recognised by its "output_layer" scope. "by_dtype":
-    the total by operand dtypes, {"bf16 x bf16": F, "f32 x f32": F, ...}."""
+    the total by operand dtypes, {"bf16 x bf16": F, "f32 x f32": F, ...}. A TPU's Pallas kernel counts the
+    FLOPs it declares (`_pallas_kernel`)."""
     parsed = parse(hlo_text)
     if parsed is None:
         return None
@@ -151,7 +152,7 @@ def matmul_flops(hlo_text):
     defined = _definitions(comps)
 
     def matmuls(rhs):
-        product = _matmul(rhs, defined)
+        product = _matmul(rhs, defined) or _pallas_kernel(rhs, defined)
         if product is None:
             return {}
         flops, dtypes = product
@@ -194,6 +195,18 @@ def _matmul(rhs, defined):
         return 0.0, dtypes
     lhs = _dims(typed[0].group(2))
     return 2.0 * math.prod(_dims(out.group(2))) * math.prod(lhs[d] for d in _dims(contract.group(1))), dtypes
+
+
+def _pallas_kernel(rhs, defined):
+    """(FLOPs, "lhs x rhs" dtypes) a TPU Pallas kernel declares in its cost estimate (engine/tpu_attention.py's
+    attention: its products'), or None for any other instruction."""
+    flops = re.search(r'custom_call_target="tpu_custom_call".*"cost_estimate":\{"flops":"(\d+)"', rhs)
+    if not flops:
+        return None
+    operands = re.search(r"custom-call\(([^)]*)\)", rhs)
+    names = [o.strip().split(" ")[-1].lstrip("%") for o in operands.group(1).split(",")][:2] if operands else []
+    typed = [_SHAPE.match(defined.get(n, "").strip()) for n in names]
+    return float(flops.group(1)), " x ".join(t.group(1) if t else "?" for t in typed)
 
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")

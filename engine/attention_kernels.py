@@ -1,9 +1,10 @@
 """Engine: the attention seam's fast implementation (engine.Fast.attention). The core's attention is
 `model.masked_attention`, softmax(q.k / sqrt(Q)) v under a mask, which is what --engine reference runs.
 
-Fast: on a GPU in bf16 with a head width cuDNN takes, cuDNN's fused kernel (`cudnn_attention`); elsewhere
-masked_attention itself, a causal one a chunk of queries at a time so that the blocks above the diagonal
-are never computed.
+Fast: on a GPU in bf16 with a head width cuDNN takes, cuDNN's fused kernel (`cudnn_attention`); on a TPU
+in bf16, a causal one of up to engine.tpu_attention.MAX_T tokens, our Pallas kernel (`tpu_attention`);
+elsewhere masked_attention itself, a causal one a chunk of queries at a time so that the blocks above the
+diagonal are never computed.
 """
 import math
 from functools import cache, partial
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from engine import products
+from engine import products, tpu_attention
 from model import masked_attention
 from multihost import log
 
@@ -26,10 +27,17 @@ KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused
 
 def attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, platform, query_chunks=CAUSAL_QUERY_CHUNKS):
     """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype; causal (mask_TS None: query t
-    sees keys <= t, in up to query_chunks chunks of queries) or under mask_TS."""
+    sees keys <= t) or under mask_TS. query_chunks: xla_attention's, where no kernel runs."""
     Q = q_BThQ.shape[-1]
     if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
         return cudnn_attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)), mask_TS)
+    if platform == "tpu" and dtype == jnp.bfloat16 and mask_TS is None and tpu_attention.takes(q_BThQ.shape[1]):
+        return keep_kernel_outputs(tpu_attention.attention, *(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)))
+    return xla_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, query_chunks)
+
+
+def xla_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, query_chunks=CAUSAL_QUERY_CHUNKS):
+    """masked_attention as XLA compiles it; a causal one in up to query_chunks chunks of queries."""
     if mask_TS is not None:
         return masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, products.mm)
     T = q_BThQ.shape[1]

@@ -1,5 +1,6 @@
-"""Attention alone on one accelerator: the fast engine's TPU path against jax's Pallas kernels at MLA's head
-widths, forward and backward, each timed in the same process (ratios to the engine's: above 1 is faster).
+"""Attention alone on one accelerator: XLA's causal chunks against our TPU kernel (engine/tpu_attention.py) and
+jax's Pallas kernels at MLA's head widths, forward and backward, each timed in the same process (ratios to
+the first variant's: above 1 is faster).
 `python scripts/attention_bench.py [--batch 8] [--heads 12] [--T 1024] [--reps 10]`; one JSON line a variant.
 On a CPU the kernels run in Pallas' interpret mode (slow; for checking that the variants run, not timing).
 """
@@ -20,11 +21,15 @@ from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash  # n
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # noqa: E402
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask  # noqa: E402
 
-from engine import attention_kernels  # noqa: E402
+from engine import attention_kernels, tpu_attention  # noqa: E402
 
 
-def engine_chunks(n):
-    return lambda q, k, v: attention_kernels.attention(q, k, v, None, jnp.bfloat16, "tpu", n)
+def xla_chunks(n):
+    return lambda q, k, v: attention_kernels.xla_attention(q, k, v, None, jnp.bfloat16, n)
+
+
+def mla_kernel(block, interpret):
+    return lambda q, k, v: tpu_attention.attention(q, k, v, block, interpret)
 
 
 def splash_variant(block, compute, fused, interpret):
@@ -61,7 +66,8 @@ def pallas_flash_variant(block_q, block_k, interpret):
 
 
 def variants(interpret):
-    out = {f"engine_{n}_chunks": engine_chunks(n) for n in (8, 4)}
+    out = {f"xla_{n}_chunks": xla_chunks(n) for n in (8, 4)}
+    out |= {f"mla_kernel_{block}": mla_kernel(block, interpret) for block in (512, 256, 128)}
     for block, compute, fused in [(512, 512, True), (512, 256, True), (1024, 512, True), (512, 512, False),
                                   (256, 256, True), (1024, 1024, True)]:
         out[f"splash_{block}_{compute}{'_fused' if fused else ''}"] = splash_variant(block, compute, fused, interpret)

@@ -15,6 +15,7 @@ for its platform, proven equal to --engine reference (tests/test_engine.py).
 """
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -32,7 +33,7 @@ import hardware  # noqa: E402
 import multihost  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
-from engine import attention_kernels  # noqa: E402
+from engine import attention_kernels, tpu_attention  # noqa: E402
 from planning.measure import compiled_or_shortfall, planned_gib  # noqa: E402
 
 
@@ -58,10 +59,21 @@ def attention_in(chunks):
     @dataclasses.dataclass(frozen=True)
     class AttentionInChunks(engine.Fast):
         def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
-            return attention_kernels.attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, self.platform, chunks)
-    AttentionInChunks.__doc__ = (f"A causal attention in up to {chunks} query chunks (the engine's: "
-                                 f"{attention_kernels.CAUSAL_QUERY_CHUNKS})")
+            return attention_kernels.xla_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, chunks)
+    AttentionInChunks.__doc__ = (f"XLA's causal attention in up to {chunks} query chunks (the engine's where no "
+                                 f"kernel runs: {attention_kernels.CAUSAL_QUERY_CHUNKS})")
     return AttentionInChunks
+
+
+def attention_kernel_blocks(block):
+    @dataclasses.dataclass(frozen=True)
+    class AttentionKernelBlocks(engine.Fast):
+        def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
+            kernel = functools.partial(tpu_attention.attention, block=block)
+            return attention_kernels.keep_kernel_outputs(kernel, *(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)))
+    AttentionKernelBlocks.__doc__ = f"The TPU attention kernel in blocks of {block} x {block} (the engine's: the largest of " \
+                                    f"{tpu_attention.BLOCK_SIZES} dividing T)"
+    return AttentionKernelBlocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +89,10 @@ class KeepFfnHidden(engine.Fast):
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
     **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096, 8192)},
-    **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4)},
+    **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4, 8)},
+    **{f"attention_kernel_blocks_of_{n}": ((), attention_kernel_blocks(n)) for n in (128, 256, 512)},
     "remat_full": (("--remat", "full"), None),
+    "remat_auto": (("--remat", "auto"), None),         # dots on a TPU
     "remat_keep_ffn_hidden": ((), KeepFfnHidden),
     "moe_ragged": (("--moe_impl", "ragged"), None),
     # twice the sequences a step (compare MFU, not step time): the optimizer's pass over the state per token halved

@@ -3,7 +3,8 @@ the test process stays on the CPU). Every result is one JSON line on stdout.
 
     python tests/chip_checks.py CHECK [CHECK ...]
 
-A CHECK is `fp32` (the tiny preset's first three steps in fp32: loss, grad norm) or a memory case (MODEL's flags +
+A CHECK is `fp32` (the tiny preset's first three steps in fp32: loss, grad norm), `attention` (the TPU attention
+kernel's and XLA's bf16 attention against fp32, at the one-chip preset's shapes) or a memory case (MODEL's flags +
 CASE's: the compiler's verdict and plan, measure.planned_gib, and what the device held after three steps: its buffers,
 bytes_in_use, and the program's reserved temporaries, bytes_reserved). One process runs them all: each start and
 shutdown of a TPU runtime costs tens of seconds.
@@ -21,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
 from bench import build_step  # noqa: E402
+from engine import attention_kernels, tpu_attention  # noqa: E402
 from planning import measure  # noqa: E402
 
 GiB = 2**30
@@ -69,7 +71,32 @@ def fp32():
     return {"platform": jax.default_backend(), "steps": steps}
 
 
+def attention():
+    """The largest error against fp32 (its share of the fp32 value's largest) of the output and the gradients of
+    q, k, v of sum(attention * w), for the kernel (engine/tpu_attention.py) and XLA's path, both in bf16, at the
+    one-chip preset's sequences (8 of 1,024), 12 heads and MLA's widths (q.k 192 with RoPE, 64 without; v 64)."""
+    errors = {}
+    for Q, J in ((192, 64), (64, 64)):
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k = (jax.random.normal(key, (8, 1024, 12, Q), jnp.float32) for key in keys[:2])
+        v, w = (jax.random.normal(key, (8, 1024, 12, J), jnp.float32) for key in keys[2:])
+
+        def run(attention, dtype):
+            out, vjp = jax.vjp(lambda *qkv: attention(*qkv).astype(jnp.float32), *(x.astype(dtype) for x in (q, k, v)))
+            return [out, *(g.astype(jnp.float32) for g in vjp(w))]
+        with jax.default_matmul_precision("highest"):
+            fp32 = jax.jit(lambda: run(lambda *qkv: attention_kernels.xla_attention(*qkv, None, jnp.float32),
+                                       jnp.float32))()
+        for name, attention in (("kernel", tpu_attention.attention),
+                                ("xla", lambda *qkv: attention_kernels.xla_attention(*qkv, None, jnp.bfloat16))):
+            got = jax.jit(lambda: run(attention, jnp.bfloat16))()
+            errors[f"{name} {Q}/{J}"] = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, fp32)]
+    return {"check": "attention", "platform": jax.default_backend(), "errors": errors}
+
+
+CHECKS = {"fp32": fp32, "attention": attention}
+
 if __name__ == "__main__":
     jnp.zeros(()).block_until_ready()        # the device is opened before anything is timed or measured
     for check in sys.argv[1:]:
-        print(json.dumps(fp32() if check == "fp32" else memory(check)), flush=True)
+        print(json.dumps(CHECKS[check]() if check in CHECKS else memory(check)), flush=True)

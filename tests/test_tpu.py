@@ -56,9 +56,9 @@ def results(proc):
 def chip(tpu_env, cpu_env):
     """{memory case or "fp32": chip_checks' result, "cpu_fp32": the CPU's}: the chip's checks in one process (its
     runtime started once), the CPU's fp32 beside it."""
-    on_chip, on_cpu = checks(tpu_env, *FITS, *REFUSED, "fp32"), checks(cpu_env, "fp32")
+    on_chip, on_cpu = checks(tpu_env, *FITS, *REFUSED, "fp32", "attention"), checks(cpu_env, "fp32")
     chip_results, cpu_results = results(on_chip), results(on_cpu)
-    return {r.get("case", "fp32"): r for r in chip_results} | {"cpu_fp32": cpu_results[0]}
+    return {r.get("case", r.get("check", "fp32")): r for r in chip_results} | {"cpu_fp32": cpu_results[0]}
 
 
 @pytest.mark.parametrize("case", FITS)
@@ -79,6 +79,16 @@ def test_fp32_on_the_chip_is_the_cpus_fp32(chip):
     assert (on_chip["platform"], cpu["platform"]) == ("tpu", "cpu")
     for (loss, norm), (cpu_loss, cpu_norm) in zip(on_chip["steps"], cpu["steps"]):
         assert abs(loss - cpu_loss) <= 1e-6 * cpu_loss and abs(norm - cpu_norm) <= 1e-6 * cpu_norm, (on_chip, cpu)
+
+
+def test_the_attention_kernel_is_no_further_from_fp32_than_xlas_attention(chip):
+    """engine/tpu_attention.py in bf16 on the chip, at the one-chip preset's shapes: its output and gradients no
+    further from fp32 than XLA's bf16 attention (the path it replaces), give or take the blocks' other order."""
+    result = chip["attention"]
+    assert result["platform"] == "tpu"
+    for widths in ("192/64", "64/64"):
+        kernel, xla = result["errors"][f"kernel {widths}"], result["errors"][f"xla {widths}"]
+        assert all(k <= 2 * x + 1e-3 for k, x in zip(kernel, xla)), (widths, kernel, xla)
 
 
 ONE_LINE = re.compile(r"error: out of memory: the train step needs [\d.]+ GiB a device, the TPU v5 lite devices have "
