@@ -44,14 +44,13 @@ import metrics_schema
 import sharding
 import utils
 from checkpoints import (SaveFailed, check_can_save, check_saves, checkpoint_manager, checksums_and_finite,
-                         compile_checksums, discard_failed_saves, newest_meta, quiet_failed_saves, restore_latest,
-                         save, wait_for_save)
+                         compile_checksums, discard_failed_saves, quiet_failed_saves, restore_latest, save,
+                         wait_for_save)
 from data.shards import OutputError
 from data.tokenizer import get_tokenizer
-from evals import scoring
-from evals.tasks import TaskError
-from metrics import Diverged, evaluate as val_loss_and_balance, log_interval
-from multihost import log, set_up_devices
+from evals import restored, scoring
+from metrics import Diverged, log_interval
+from multihost import log, set_up_devices, validate_on_devices
 from planning import fit
 from progress import Progress
 from rundir import Logger, RunRefused, lock_run_dir, metrics_records, os_error, run_dir_of, set_aside_previous_run
@@ -124,7 +123,7 @@ def open_run(cfg, mesh):
     rc, proc0 = cfg.run, jax.process_index() == 0
     run_dir = run_dir_of(rc)
     sample_ids = prompt_ids(cfg.inference, cfg.model.T)  # a prompt that cannot be sampled stops the run here
-    tasks = task_scorer(cfg)
+    tasks = scoring.task_scorer(cfg)
     on_process_0(lambda: lock_run_dir(run_dir))
     if rc.restart:                              # every host opens the checkpoints after they moved
         on_process_0(lambda: set_aside_previous_run(run_dir))
@@ -146,15 +145,6 @@ def open_run(cfg, mesh):
                                  trainer.data_sharding, rc.seed, consumed=start_seq)
     return Run(cfg, trainer, mngr, logger, train_ds, val_batches, val_bytes_per_token, tasks, loader, state, meta,
                start_step, start_seq, run_id, sample_ids)
-
-
-def task_scorer(cfg):
-    """--eval_tasks, tokenized once; RunRefused names an unknown task."""
-    try:
-        tasks = scoring.load_tasks(cfg.run.eval_tasks, cfg.run.eval_tasks_limit)
-        return scoring.TaskScorer(tasks, get_tokenizer(), cfg.model.T, cfg.run.val_batch_size, cfg.model.vocab_size)
-    except TaskError as e:
-        raise RunRefused(str(e)) from None
 
 
 def start_position(meta, cfg):
@@ -536,48 +526,13 @@ def score_lost_tasks(run, state, interval, stop=lambda: False):
         score_tasks(run, state, interval, stop)
 
 
-def checkpoint_config(cfg, flag):
-    """(cfg with the model config that the checkpoint of --step (0: the run's newest readable one) recorded,
-    validated, and the run's checkpoints, read-only); RunRefused for a run with none, or a --step it does not
-    keep (naming those it keeps)."""
-    mngr = checkpoint_manager(run_dir_of(cfg.run), read_only=True)
-    kept, step = sorted(mngr.all_steps()), cfg.run.step
-    if step and step not in kept:
-        raise RunRefused(f"--step {step}: {mngr.directory} keeps no checkpoint of that step; " + (
-            f"it keeps steps {', '.join(map(str, kept))}" if kept else "it keeps none: train the run first"))
-    chosen = newest_meta(mngr, [step] if step else kept)
-    if chosen is None:
-        raise RunRefused(f"{flag}: no readable checkpoint {f'of step {step} ' if step else ''}in {mngr.directory}"
-                         + ("" if kept else "; train the run first"))
-    fields = {f.name for f in dataclasses.fields(utils.ModelConfig)}
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, **{k: v for k, v in (chosen[1].get("model") or {}).items() if k in fields}))
-    return validate_on_devices(cfg), mngr
-
-
-def validate_on_devices(cfg):
-    """cfg, checked against this job's devices and processes (ConfigError otherwise)."""
-    utils.validate(cfg, jax.device_count())
-    return utils.check_slices(cfg, jax.process_count(), len({getattr(d, "slice_index", 0) for d in jax.devices()}))
-
-
-def restore_on_this_mesh(cfg, mngr):
-    """(trainer, state, metadata) of the checkpoint of --step (0: the newest readable one), restored on
-    --n_device_axis whatever mesh saved it."""
-    trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
-    steps = [cfg.run.step] if cfg.run.step else None
-    state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model, steps)
-    mngr.close()
-    return trainer, state, meta
-
-
 def sample_from_checkpoint(cfg):
     """--sample: print one sample for --prompt from the run's newest readable checkpoint, write nothing. The
     key is the one training samples with at that step, so on the same mesh the text is the one samples.txt
     holds."""
-    cfg, mngr = checkpoint_config(cfg, "--sample")
+    cfg, mngr = restored.checkpoint_config(cfg, "--sample")
     ids = prompt_ids(cfg.inference, cfg.model.T)
-    trainer, state, meta = restore_on_this_mesh(cfg, mngr)
+    trainer, state, meta = restored.restore_on_this_mesh(cfg, mngr)
     text = sample_text(compile_sampler(cfg, trainer, ids), state, int(meta["step"]))
     log(f"sample @ {meta['step']} of {mngr.directory}:\n{cfg.inference.prompt}{text}")
     return 0
@@ -588,34 +543,13 @@ def evaluate_checkpoint(cfg):
     --step (0: the run's newest readable one) on this mesh, printed as they come and written to
     OUTPUT_DIR/NAME/evaluation-STEP.json (whole or not at all, beside an earlier one of that step, never over it)
     with every request's log-likelihood; nothing else is written. A task that fails is a line, and `failed` in
-    the file; the other tasks are scored and written, and the exit is 1."""
-    cfg, mngr = checkpoint_config(cfg, "--evaluate")
-    tasks = task_scorer(cfg)
-    trainer, state, meta = restore_on_this_mesh(cfg, mngr)
-    step, run_dir = int(meta["step"]), run_dir_of(cfg.run)
+    the file; the other tasks are scored and written, and the exit is 1 (evals/restored.py)."""
+    cfg, mngr = restored.checkpoint_config(cfg, "--evaluate")
+    tasks = scoring.task_scorer(cfg)
+    trainer, state, meta = restored.restore_on_this_mesh(cfg, mngr)
     _, val_batches, bytes_per_token = load_data(cfg, trainer.data_sharding)
-    val_ce = val_loss_and_balance(trainer, state, val_batches)[0]
-    result = {"checkpoint": f"{mngr.directory}/{step}", "step": step, "mesh": list(cfg.run.n_device_axis),
-              "val_loss": val_ce, "val_bpb": metrics_schema.bits_per_byte(val_ce, bytes_per_token), "tasks": [],
-              "failed": {}}
-    log(f"evaluation @ {step} of {mngr.directory}: val cross-entropy {val_ce:.4f} nats, {result['val_bpb']:.4f} "
-        f"bits per byte")
-    for name, record, failure in tasks.each(trainer, state, with_requests=True):
-        if record:
-            result["tasks"].append(record)
-        else:
-            result["failed"][name] = failure
-        log(scoring.line(record) if record else f"{name}: not scored ({failure})")
-    if jax.process_index() == 0:
-        try:
-            log(scoring.write_evaluation(run_dir, result))
-        except OSError as e:
-            raise SaveFailed(f"--evaluate: the evaluation of step {step} cannot be written in {run_dir} "
-                             f"({os_error(e)}); nothing was left there, its numbers are the lines above") from None
-    if result["failed"]:
-        print(f"error: --eval_tasks {','.join(result['failed'])} could not be scored (the lines above say why); the "
-              f"other tasks' scores are written", file=sys.stderr)
-    return 1 if result["failed"] else 0
+    return restored.evaluate(cfg, tasks, trainer, state, int(meta["step"]), mngr.directory, val_batches,
+                             bytes_per_token)
 
 
 def prompt_ids(ic, T):

@@ -1,6 +1,6 @@
-"""What main.py needs to run as one of several processes (one per host): setting up the devices and
-joining jax.distributed within a time limit, printing on process 0, saying it has started, the stop
-signals, agreeing on a stop without a per-step host sync, and the hang watchdog.
+"""What main.py needs to run as one of several processes (one per host): setting up the devices (and checking
+a config against them) and joining jax.distributed within a time limit, printing on process 0, saying it has
+started, the stop signals, agreeing on a stop without a per-step host sync, and the hang watchdog.
 
 Environment:
   JAXFORMER_INIT_TIMEOUT=S   seconds to wait for every process to join jax.distributed (default 300);
@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax._src import distributed   # the state initialize() resolved, also when auto-detected
 from jax.experimental import multihost_utils
+
+import utils
 
 INIT_TIMEOUT_ENV, INIT_TIMEOUT_S = "JAXFORMER_INIT_TIMEOUT", 300
 STOP_CHECK_ENV, STOP_CHECK_S = "JAXFORMER_STOP_CHECK_S", 5
@@ -171,6 +173,12 @@ def set_up_devices(cfg):
                 raise
             # one line: the cause (often the TPU metadata server, unreachable) is a page of HTTP retries
             print(f"one TPU host: running without jax.distributed ({type(e).__name__})", file=sys.stderr, flush=True)
+
+
+def validate_on_devices(cfg):
+    """cfg, checked against this job's devices and processes (ConfigError otherwise)."""
+    utils.validate(cfg, jax.device_count())
+    return utils.check_slices(cfg, jax.process_count(), len({getattr(d, "slice_index", 0) for d in jax.devices()}))
 
 
 def _has_cuda_plugin():

@@ -5,4 +5,5 @@ any checkpoint after the fact (--evaluate).
               multiple-choice tasks
   harness.py  lm-evaluation-harness's tasks by name or YAML file, scored by the harness's own code
   scoring.py  the tasks' requests as rows on the mesh (trainer.score_step), their scores and records
+  restored.py a checkpoint read after the fact: --evaluate's scores of it, and what --sample reads
 """

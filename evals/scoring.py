@@ -23,10 +23,11 @@ import fsspec
 import jax
 import numpy as np
 
+from data.tokenizer import get_tokenizer
 from evals import harness
 from evals.tasks import BUNDLED, Task, TaskError
 from metrics_schema import bits_per_byte
-from rundir import write_whole
+from rundir import RunRefused, write_whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,15 @@ def load_tasks(names, limit=0):
         else:
             tasks += next(harness_tasks)
     return tasks
+
+
+def task_scorer(cfg):
+    """--eval_tasks, tokenized once; RunRefused names an unknown task."""
+    try:
+        tasks = load_tasks(cfg.run.eval_tasks, cfg.run.eval_tasks_limit)
+        return TaskScorer(tasks, get_tokenizer(), cfg.model.T, cfg.run.val_batch_size, cfg.model.vocab_size)
+    except TaskError as e:
+        raise RunRefused(str(e)) from None
 
 
 def task_rows(task, enc, T):
