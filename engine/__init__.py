@@ -37,7 +37,8 @@ from model import BRANCH_SUM, EXPERT_OUTPUTS, FFN_HIDDEN, masked_attention
 # What a fast engine's layer remat keeps besides what its policy keeps: each branch's tp all-reduce, a fused
 # kernel's outputs and the routed experts' outputs.
 _ALWAYS_KEPT = (BRANCH_SUM, attention_kernels.KERNEL_OUTPUTS, EXPERT_OUTPUTS)
-REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT),
+REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT,
+                                                                       attention_kernels.TPU_KERNEL_OUTPUTS),
                   "dots": jax.checkpoint_policies.save_from_both_policies(
                       jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                       jax.checkpoint_policies.save_only_these_names(products.UNBATCHED_DOT, *_ALWAYS_KEPT))}

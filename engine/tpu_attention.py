@@ -47,7 +47,8 @@ def _attention(q_BThQ, k_BShQ, v_BShJ, block, interpret):
 
 
 def _forward(q_BThQ, k_BShQ, v_BShJ, block, interpret):
-    """(out_BThJ, (the residuals: q, k, v as given, out_BhTJ, lse_Bh1T))."""
+    """(out_BThJ, (the residuals: q, k, v and out as they are given and returned, so that a remat keeping the
+    output keeps one copy of it, and lse_Bh1T))."""
     q, k, v = (_heads_first(x) for x in (q_BThQ, k_BShQ, v_BShJ))
     B, h, T, Q = q.shape
     J = v.shape[-1]
@@ -59,12 +60,13 @@ def _forward(q_BThQ, k_BShQ, v_BShJ, block, interpret):
         out_shape=[_like(q, (B, h, T, J)), _like(q, (B, h, 1, T), jnp.float32)],
         compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(B, h, T, Q, J, block, q.dtype, backward=False),
         interpret=interpret, name="mla_causal_attention")(q, k, v)
-    return _heads_first(out_BhTJ), (q_BThQ, k_BShQ, v_BShJ, out_BhTJ, lse_Bh1T)
+    out_BThJ = _heads_first(out_BhTJ)
+    return out_BThJ, (q_BThQ, k_BShQ, v_BShJ, out_BThJ, lse_Bh1T)
 
 
 def _backward(block, interpret, residuals, dout_BThJ):
-    q_BThQ, k_BShQ, v_BShJ, out_BhTJ, lse_Bh1T = residuals
-    q, k, v, dout = (_heads_first(x) for x in (q_BThQ, k_BShQ, v_BShJ, dout_BThJ))
+    q_BThQ, k_BShQ, v_BShJ, out_BThJ, lse_Bh1T = residuals
+    q, k, v, out, dout = (_heads_first(x) for x in (q_BThQ, k_BShQ, v_BShJ, out_BThJ, dout_BThJ))
     B, h, T, Q = q.shape
     J = v.shape[-1]
     dq_BhQT, dk, dv = pl.pallas_call(
@@ -76,7 +78,7 @@ def _backward(block, interpret, residuals, dout_BThJ):
         out_shape=[_like(q, (B, h, Q, T)), _like(k, k.shape), _like(v, v.shape)],
         scratch_shapes=[pltpu.VMEM((Q, T), jnp.float32)],
         compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(B, h, T, Q, J, block, q.dtype, backward=True),
-        interpret=interpret, name="mla_causal_attention_backward")(q, k, v, out_BhTJ, dout, lse_Bh1T)
+        interpret=interpret, name="mla_causal_attention_backward")(q, k, v, out, dout, lse_Bh1T)
     return jnp.transpose(dq_BhQT, (0, 3, 1, 2)), _heads_first(dk), _heads_first(dv)
 
 

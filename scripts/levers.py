@@ -65,15 +65,19 @@ def attention_in(chunks):
     return AttentionInChunks
 
 
-def attention_kernel_blocks(block):
+def attention_kernel(block=None, keep_outputs=None):
     @dataclasses.dataclass(frozen=True)
-    class AttentionKernelBlocks(engine.Fast):
+    class AttentionKernel(engine.Fast):
         def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
             kernel = functools.partial(tpu_attention.attention, block=block)
-            return attention_kernels.keep_kernel_outputs(kernel, *(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)))
-    AttentionKernelBlocks.__doc__ = f"The TPU attention kernel in blocks of {block} x {block} (the engine's: the largest of " \
-                                    f"{tpu_attention.BLOCK_SIZES} dividing T)"
-    return AttentionKernelBlocks
+            operands = (a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ))
+            name = {None: attention_kernels.TPU_KERNEL_OUTPUTS, True: attention_kernels.KERNEL_OUTPUTS}.get(keep_outputs)
+            return attention_kernels.keep_kernel_outputs(kernel, name, *operands) if name else kernel(*operands)
+    AttentionKernel.__doc__ = (f"The TPU attention kernel in blocks of {block or 'the engine'}'s side (the engine's: the "
+                               f"largest of {tpu_attention.BLOCK_SIZES} dividing T)" +
+                               {True: ", its outputs kept by every remat policy", False: ", its outputs recomputed"}.get(
+                                   keep_outputs, ""))
+    return AttentionKernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,9 @@ LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
     **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096, 8192)},
     **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4, 8)},
-    **{f"attention_kernel_blocks_of_{n}": ((), attention_kernel_blocks(n)) for n in (128, 256, 512)},
+    **{f"attention_kernel_blocks_of_{n}": ((), attention_kernel(n)) for n in (128, 256, 512)},
+    "attention_kernel_outputs_kept": ((), attention_kernel(keep_outputs=True)),
+    "attention_kernel_outputs_recomputed": ((), attention_kernel(keep_outputs=False)),
     "remat_full": (("--remat", "full"), None),
     "remat_auto": (("--remat", "auto"), None),         # dots on a TPU
     "remat_keep_ffn_hidden": ((), KeepFfnHidden),

@@ -1,8 +1,7 @@
 """The TPU's attention kernel (engine/tpu_attention.py) computes model.masked_attention's causal attention:
 in fp32, run here by Pallas' interpret mode, its output and the gradients of q, k and v equal the one
 masked softmax's at MLA's head widths (q.k wider than v) and several blocks a sequence; inside a shard_map
-over heads; and in the whole model, behind the attention seam with the remat keeping its outputs, on a
-mesh with tp, where it gives the XLA path's loss and every gradient. Compiled for a TPU by libtpu here, its
+over heads; and in the whole model, behind the attention seam, on a mesh with pp and tp, where it gives the XLA path's loss and every gradient. Compiled for a TPU by libtpu here, its
 products count in the program's matmul FLOPs. On the chip: tests/test_tpu.py."""
 import dataclasses
 import functools
@@ -76,8 +75,7 @@ class InterpretedKernel(engine.Fast):
     def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
         if mask_TS is not None:
             return super().attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype)
-        kernel = functools.partial(tpu_attention.attention, block=8, interpret=pltpu.InterpretParams())
-        return attention_kernels.keep_kernel_outputs(kernel, q_BThQ, k_BShQ, v_BShJ)
+        return tpu_attention.attention(q_BThQ, k_BShQ, v_BShJ, block=8, interpret=pltpu.InterpretParams())
 
 
 def test_the_model_with_the_kernel_gives_the_xla_paths_loss_and_gradients(monkeypatch):
