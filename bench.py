@@ -162,12 +162,12 @@ def pipeline_flops(cfg):
     (P M + pp - 1) / (P M pp). The output layer (tied embedding, large vocab) runs after the
     pipeline, split over the stages (1/pp each), so the total ratio sits below the pipeline figure
     by how much of the step the output layer is; "ratio_by_part" shows both."""
-    dp, pp, tp = cfg.run.n_device_axis
-    M, P = cfg.run.micro_batch_size, cfg.model.pipeline_repeats
+    dims = cfg.run.dims
+    pp, M, P = dims.pp, cfg.run.micro_batch_size, cfg.model.pipeline_repeats
     stages = sorted({1, pp} | {2 ** i for i in range(1, pp.bit_length()) if 2 ** i < pp})
     counts = {}
     for stage_count in stages:
-        variant = utils.override(cfg, n_device_axis=(dp, stage_count, tp))
+        variant = utils.override(cfg, n_device_axis=dims.replace(pp=stage_count).shape)
         try:
             utils.validate(variant, jax.device_count())
         except utils.ConfigError:
@@ -187,7 +187,7 @@ def pipeline_flops(cfg):
               "expected_flops": expected_pipeline_ratio(M, n, P) * without["total"]}
              for n, c in sorted(counts.items())]
     return {
-        "mode": "pipeline_flops", "mesh": [dp, pp, tp], "flat_mesh": [dp, 1, tp], "micro_batches": M,
+        "mode": "pipeline_flops", "mesh": list(dims.shape), "flat_mesh": list(dims.replace(pp=1).shape), "micro_batches": M,
         "pipeline_repeats": P,
         "global_batch": utils.global_batch(cfg), "T": cfg.model.T, "remat": cfg.model.remat,
         "per_device_flops_pp": with_pp["total"], "per_device_flops_pp1": without["total"],
@@ -273,7 +273,7 @@ def grad_error(cfg, tokens="zipf"):
             return errors(grad(jax.device_put(params, sharding.param_shardings(params, mesh, mc.expert_parallel))))
 
     other_engine = dataclasses.replace(m, engine="reference" if m.engine == "fast" else "fast")
-    runs = {"mesh": on_mesh(cfg.run.n_device_axis), "one_device": on_mesh((1, 1, 1)),
+    runs = {"mesh": on_mesh(cfg.run.dims.shape), "one_device": on_mesh((1, 1, 1)),
             f"{other_engine.engine}_engine": on_mesh((1, 1, 1), other_engine),
             "rounding": errors(jax.tree.map(lambda r: r.astype(m.model_dtype), reference))}
     worst = {name: by_leaf[leaf] for name, (by_leaf, leaf) in runs.items()}
@@ -282,7 +282,7 @@ def grad_error(cfg, tokens="zipf"):
     worst_ratio_leaf = max(leaf_ratios, key=leaf_ratios.get)
     # leaf by leaf, this engine's error over the other's, both on one device
     engine_ratios = [e / runs[f"{other_engine.engine}_engine"][0][leaf] for leaf, e in runs["one_device"][0].items()]
-    return {"mode": "grad_error", "tokens": tokens, "mesh": list(cfg.run.n_device_axis), "micro_batches": M,
+    return {"mode": "grad_error", "tokens": tokens, "mesh": list(cfg.run.dims.shape), "micro_batches": M,
             "global_batch": len(x), "model_dtype": m.model_dtype, "engine": m.engine,
             **{f"{name}_error": worst[name] for name in runs}, **{f"{name}_worst_leaf": runs[name][1] for name in runs},
             "ratio": worst["mesh"] / worst["one_device"], "bound": GRAD_ERROR_SLACK,
@@ -344,8 +344,7 @@ def compiled_memory(compiled, platform):
 
 
 def run_benchmark(args, cfg, argv):
-    dp, pp, tp = cfg.run.n_device_axis
-    n_mesh = dp * pp * tp
+    n_mesh = cfg.run.dims.n_devices
     mesh = sharding.run_mesh(cfg.run)
     device_kind = jax.devices()[0].device_kind
     step, make_state, make_batch, abstract_args = build_step(cfg, mesh)
@@ -376,7 +375,7 @@ def run_benchmark(args, cfg, argv):
     measured_peak, matmul_shape = matmul_peak(jax.devices()[0], args.matmul_size)
     counts = sharding.count_params(cfg.model)
     return {
-        "preset": args.preset, "mesh": [dp, pp, tp], "devices": n_mesh, "device_kind": device_kind,
+        "preset": args.preset, "mesh": list(cfg.run.dims.shape), "devices": n_mesh, "device_kind": device_kind,
         "backend": jax.default_backend(), "jax_version": jax.__version__,
         "model_dtype": cfg.model.model_dtype, "remat": cfg.model.remat,
         "global_batch": utils.global_batch(cfg), "T": cfg.model.T,

@@ -159,12 +159,11 @@ def start_position(meta, cfg):
 
 
 def print_header(cfg):
-    dp, pp, tp = cfg.run.n_device_axis
     log(utils.config_lines(cfg))
     counts = sharding.count_params(cfg.model)
     log(f"params: total {counts['total']:,} | active {counts['active']:,} | embedding {counts['embedding']:,} "
         f"(active: used per token, without the embedding)")
-    log(f"mesh: {utils.mesh_words(cfg)} over {dp * pp * tp} of {jax.device_count()} "
+    log(f"mesh: {cfg.run.dims.words} over {cfg.run.dims.n_devices} of {jax.device_count()} "
         f"{jax.devices()[0].device_kind} device(s), {jax.process_count()} process(es)")
 
 

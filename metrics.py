@@ -253,7 +253,7 @@ def evaluate(trainer, state, val_batches, stop=lambda: False):
 def log_interval(run, meter, state, step, stop=lambda: False):
     """Evaluate and write the interval's record (metrics_schema.METRICS["interval"]) and line; returns val CE, or
     None when stop() ended the evaluation (`evaluate`), the interval's steps then kept for a later call."""
-    cfg, (dp, pp, tp) = run.cfg, run.cfg.run.n_device_axis
+    cfg = run.cfg
     meter.fetch()
     steps_end = time.perf_counter()          # the steps are timed up to here, not through the evaluation
     evaluated = evaluate(run.trainer, state, run.val_batches, stop)
@@ -269,7 +269,7 @@ def log_interval(run, meter, state, step, stop=lambda: False):
     first = interval_start(step, cfg.run.checkpoint_steps)
     partial = recs[0]["step"] > first
     peak = hardware.peak_flops(jax.devices()[0].device_kind)
-    util = hardware.mfu(tok_s, sharding.flops_per_token(cfg.model), dp * pp * tp, peak) if tok_s else None
+    util = hardware.mfu(tok_s, sharding.flops_per_token(cfg.model), cfg.run.dims.n_devices, peak) if tok_s else None
     rec = metrics_schema.metrics_record(
         "interval", step, val_loss=val_ce, val_bpb=val_bpb, val_balance=val_bal,
         train_loss=float(np.mean([r["loss"] for r in recs])),

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from collectives import MESH_AXES
 from model import DENSE_LAYERS, LAYERS, PROLOGUE, Transformer
+from parallel_dims import ParallelDims
 
 # The one sharding table: logical axis -> mesh axis, in order of precedence. A mesh axis shards at most one
 # dim of a parameter (flax's logical_to_mesh_axes), so dp splits D in w_dq [D, Lq] and the latent in w_uq
@@ -298,7 +299,7 @@ def physical_order(device):
 
 def make_mesh(shape, devices=None, n_slices=1):
     """The ("slice", "dp", "pp", "tp") mesh of n_slices x (dp/n_slices, pp, tp) devices, real or an ahead-of-time
-    TPU topology's, for shape = --n_device_axis (dp, pp, tp): dp counts the data-parallel replicas of every slice.
+    TPU topology's, for shape = (dp, pp, tp) (ParallelDims.shape): dp counts the data-parallel replicas of every slice.
 
     Devices are taken slice by slice (a TPU slice's, or on CPUs and GPUs an equal share of the devices in
     host order), host by host, each host's in physical order, and laid out with tp fastest: so a pp x tp
@@ -307,22 +308,22 @@ def make_mesh(shape, devices=None, n_slices=1):
     only the slice axis crosses slices. jax.make_mesh instead insists on not splitting physical axes, which
     (8, 2, 2) on v4-64's 2 x 4 x 4 chips cannot satisfy. Auto axes: outside shard_map XLA propagates
     shardings (optimizer, generation); inside it every collective is written out."""
-    dp, pp, tp = shape
+    dims = ParallelDims(*shape, n_slices=n_slices)
     ordered = sorted(jax.devices() if devices is None else devices, key=physical_order)
-    per_slice, in_mesh = len(ordered) // n_slices, math.prod(shape) // n_slices
+    per_slice, in_mesh = len(ordered) // n_slices, dims.devices_per_slice
     if per_slice < in_mesh:
-        raise ValueError(f"mesh {tuple(shape)} over {n_slices} slice(s) needs {math.prod(shape)} devices, "
+        raise ValueError(f"mesh {dims.shape} over {n_slices} slice(s) needs {dims.n_devices} devices, "
                          f"{len(ordered)} available")
     grid = np.empty((n_slices, in_mesh), dtype=object)
     for s in range(n_slices):
         grid[s, :] = ordered[s * per_slice:s * per_slice + in_mesh]
-    return jax.sharding.Mesh(grid.reshape(n_slices, dp // n_slices, pp, tp), MESH_AXES,
+    return jax.sharding.Mesh(grid.reshape(dims.mesh_shape), MESH_AXES,
                              axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def run_mesh(rc, devices=None):
-    """The mesh a run's config (cfg.run) asks for: --n_device_axis over --n_slices slices."""
-    return make_mesh(rc.n_device_axis, devices, rc.n_slices)
+    """The mesh a run's config (cfg.run) asks for: its dims (--n_device_axis over --n_slices slices)."""
+    return make_mesh(rc.dims.shape, devices, rc.dims.n_slices)
 
 
 def axes_across_hosts(mesh):

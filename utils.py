@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 import hardware
+from parallel_dims import PP, TP, ParallelDims
 
 
 # The embedding table is padded to a multiple of this many rows, independent of the mesh, so that a
@@ -208,6 +209,11 @@ class RunConfig:
     step: int = flag(0, "with --evaluate or --sample: the checkpoint of this step, any the run keeps, instead of the "
                         "newest readable one (0)")
 
+    @property
+    def dims(self):
+        """The mesh's sizes: --n_device_axis over --n_slices."""
+        return ParallelDims.of(self.n_device_axis, self.n_slices)
+
 
 @dataclass(frozen=True)
 class InferenceConfig:
@@ -379,25 +385,24 @@ def build_parser():
     return parser
 
 
-def _mesh_hint(cfg, n_devices, n_mesh, pp_tp):
+def _mesh_hint(cfg, n_devices):
     """What to pass for a mesh that does not fit: on a --compile_for slice, this preset's version made for it
     and the mesh with this PP and TP that fills it; on a CPU, enough simulated devices."""
-    r = cfg.run
+    r, dims = cfg.run, cfg.run.dims
     if r.compile_for:
         fixes = [f"--preset {p}" for p, s in PRESET_SLICES.items()
                  if s == r.compile_for.strip().lower() and p.startswith(f"{cfg.preset}-")]
-        if n_devices % pp_tp == 0:
-            fixes.append(_same_batch_on(cfg, n_devices // pp_tp))
+        if n_devices % dims.stage_plane == 0:
+            fixes.append(_same_batch_on(cfg, n_devices // dims.stage_plane))
         return f" (for {r.compile_for}: {' or '.join(fixes)})" if fixes else ""
-    return "" if r.cpu_devices else f" (to try this mesh on a CPU: --cpu_devices {n_mesh})"
+    return "" if r.cpu_devices else f" (to try this mesh on a CPU: --cpu_devices {dims.n_devices})"
 
 
 def _same_batch_on(cfg, dp):
     """The flags for cfg's pp and tp with `dp` replicas and the same sequences per optimizer step: more passes
     (--grad_step) where fewer replicas each keep their --train_batch_size, else a larger one; or the step's new
     size said where neither divides."""
-    _, pp, tp = cfg.run.n_device_axis
-    mesh, per_replica, grad_step = f"--n_device_axis {dp} {pp} {tp}", cfg.run.train_batch_size, cfg.optim.grad_step
+    mesh, per_replica, grad_step = cfg.run.dims.replace(dp=dp).flags, cfg.run.train_batch_size, cfg.optim.grad_step
     sequences = sequences_per_step(cfg)
     if sequences % (dp * per_replica) == 0:
         passes = sequences // (dp * per_replica)
@@ -453,11 +458,9 @@ def validate(cfg, n_devices=None):
     if nonfinite:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(
             f"{flag} must be a finite number, got {_field(cfg, flag)}" for flag in nonfinite))
-    if len(r.n_device_axis) != 3 or any(n < 1 for n in r.n_device_axis):
-        errors.append(f"--n_device_axis needs three positive sizes DP PP TP, got {r.n_device_axis}")
-        dp = pp = tp = 1
-    else:
-        dp, pp, tp = r.n_device_axis
+    errors += ParallelDims.shape_errors(r.n_device_axis)
+    dims = r.dims
+    dp, pp, tp, fsdp = dims.dp, dims.pp, dims.tp, dims.fsdp_per_slice
     for flag, value, low in [("--model_dimension", m.model_dimension, 1), ("--n_head", m.n_head, 1),
                              ("--blocks", m.blocks, 1), ("--layers_per_block", m.layers_per_block, 1),
                              ("--T", m.T, 2), ("--latent_dim", m.latent_dim, 1),
@@ -516,34 +519,29 @@ def validate(cfg, n_devices=None):
         errors.append(f"--dhR ({m.dhR}) must be even: RoPE rotates pairs of channels")
     if not m.qk_head_dim:                                 # the head width is D / H
         _divides(errors, m.model_dimension, "--model_dimension", m.n_head, "--n_head")
-    _divides(errors, m.n_head, "--n_head", tp, "TP of --n_device_axis")
+    _divides(errors, m.n_head, "--n_head", tp, TP)
     _divides(errors, m.ffn_dim, "--ffn_hidden_dim" if m.ffn_hidden_dim else "4 x --model_dimension (the FFN width)",
-             tp, "TP of --n_device_axis")
+             tp, TP)
     if m.moe_hidden_dim:
-        _divides(errors, m.moe_hidden_dim, "--moe_hidden_dim", tp, "TP of --n_device_axis")
-    _divides(errors, m.padded_vocab, f"--vocab_size padded to a multiple of {VOCAB_PAD_MULTIPLE}", tp,
-             "TP of --n_device_axis")
-    _at_least(errors, r.n_slices, "--n_slices", 1)
-    if r.n_slices >= 1 and dp % r.n_slices:
-        errors.append(f"--n_slices ({r.n_slices}) must divide DP of --n_device_axis ({dp}): each slice holds DP/N "
-                      f"of the data-parallel replicas; valid values of --n_slices are the divisors of {dp}")
+        _divides(errors, m.moe_hidden_dim, "--moe_hidden_dim", tp, TP)
+    _divides(errors, m.padded_vocab, f"--vocab_size padded to a multiple of {VOCAB_PAD_MULTIPLE}", tp, TP)
+    errors += dims.rule_errors()
     # FSDP shards the weights over the dp replicas of one slice
-    fsdp = dp // r.n_slices if r.n_slices >= 1 and not dp % r.n_slices else dp
-    shards = "DP of --n_device_axis" if r.n_slices == 1 else "DP/--n_slices"
+    shards = dims.fsdp_name
     _divides(errors, m.model_dimension, "--model_dimension", fsdp, f"{shards} (FSDP shards)")
     _divides(errors, m.latent_dim, "--latent_dim", fsdp, f"{shards} (FSDP shards)")
     _divides(errors, m.q_latent_dim, "--q_latent_dim", fsdp, f"{shards} (FSDP shards)")
-    _divides(errors, m.blocks, "--blocks", pp, "PP of --n_device_axis")
+    _divides(errors, m.blocks, "--blocks", pp, PP)
     if m.expert_parallel:
         _divides(errors, m.n_experts, "--n_experts", fsdp,
                  f"{shards} (--expert_parallel puts E/DP whole experts on each dp shard)")
-    _divides(errors, r.micro_batch_size, "--micro_batch_size", pp, "PP of --n_device_axis")
+    _divides(errors, r.micro_batch_size, "--micro_batch_size", pp, PP)
     if m.pipeline_repeats > 1:
         # Stage s holds the groups r PP + s of blocks/(PP R) blocks. The circular schedule also needs
         # M >= PP (a micro-batch back from the last stage must find stage 0 still busy with the others):
         # the rule above (M a multiple of PP, M >= 1) already implies it.
         _divides(errors, m.blocks, "--blocks", pp * m.pipeline_repeats,
-                 f"PP of --n_device_axis x --pipeline_repeats ({pp} x {m.pipeline_repeats})")
+                 f"{PP} x --pipeline_repeats ({pp} x {m.pipeline_repeats})")
     _divides(errors, r.train_batch_size, "--train_batch_size", r.micro_batch_size, "--micro_batch_size")
     # a global count: each replica's share of it splits into the micro-batches
     _divides(errors, r.val_batch_size, "--val_batch_size", dp * r.micro_batch_size,
@@ -552,13 +550,13 @@ def validate(cfg, n_devices=None):
         errors.append(f"--warmup_steps ({o.warmup_steps}) must be <= --end_steps ({o.end_steps})")
     if m.T >= 2 and i.max_tokens >= m.T:
         errors.append(f"--max_tokens ({i.max_tokens}) must be < --T ({m.T}): the KV cache holds T positions")
-    n_mesh = dp * pp * tp
+    n_mesh = dims.n_devices
     if n_devices is not None and (n_mesh > n_devices or n_devices % n_mesh):
         slices = [t.name for t in hardware.tpu_slices() if t.chips == n_mesh]
-        errors.append(f"--n_device_axis {dp} {pp} {tp} needs {n_mesh} devices"
+        errors.append(f"{dims.flags} needs {n_mesh} devices"
                       + (f" (a TPU {' or '.join(slices)})" if slices else "")
                       + f", which must divide the {n_devices} available; valid meshes have DP x PP x TP "
-                        f"dividing {n_devices}" + _mesh_hint(cfg, n_devices, n_mesh, pp * tp))
+                        f"dividing {n_devices}" + _mesh_hint(cfg, n_devices))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return cfg
@@ -597,16 +595,10 @@ def config_lines(cfg):
     return "\n".join(lines)
 
 
-def mesh_words(cfg):
-    """The mesh for a log line: "dp=D pp=P tp=T", and over several slices how dp splits."""
-    (dp, pp, tp), n = cfg.run.n_device_axis, cfg.run.n_slices
-    return f"dp={dp} pp={pp} tp={tp}" + (f" ({n} slices of dp={dp // n}, joined over DCN)" if n > 1 else "")
-
-
 def global_batch(cfg):
     """Sequences per micro-step over every data-parallel replica: DP x --train_batch_size (the guide's
     --train_batch_size is per replica)."""
-    return cfg.run.n_device_axis[0] * cfg.run.train_batch_size
+    return cfg.run.dims.dp * cfg.run.train_batch_size
 
 
 def sequences_per_step(cfg):

@@ -39,7 +39,7 @@ def checkpoint_config(cfg, flag):
 
 def restore_on_this_mesh(cfg, mngr):
     """(trainer, state, metadata) of the checkpoint of --step (0: the newest readable one), restored on
-    --n_device_axis whatever mesh saved it."""
+    this run's mesh (cfg.run.dims), whatever mesh saved it."""
     trainer = build_trainer(cfg, sharding.run_mesh(cfg.run))
     steps = [cfg.run.step] if cfg.run.step else None
     state, meta = restore_latest(mngr, trainer.abstract_state, None, cfg.model, steps)
@@ -53,7 +53,7 @@ def evaluate(cfg, tasks, trainer, state, step, checkpoints, val_batches, bytes_p
     written to OUTPUT_DIR/NAME (scoring.write_evaluation); the exit status (1: a task could not be scored)."""
     run_dir = run_dir_of(cfg.run)
     val_ce = val_loss_and_balance(trainer, state, val_batches)[0]
-    result = {"checkpoint": f"{checkpoints}/{step}", "step": step, "mesh": list(cfg.run.n_device_axis),
+    result = {"checkpoint": f"{checkpoints}/{step}", "step": step, "mesh": list(cfg.run.dims.shape),
               "val_loss": val_ce, "val_bpb": metrics_schema.bits_per_byte(val_ce, bytes_per_token), "tasks": [],
               "failed": {}}
     log(f"evaluation @ {step} of {checkpoints}: val cross-entropy {val_ce:.4f} nats, {result['val_bpb']:.4f} "

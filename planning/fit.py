@@ -6,7 +6,6 @@ planning/tradeoffs.py); and by the compile of the step the run trains with (`com
 said on an accelerator, a step too large for the devices one line naming the shortfall and the setting that
 fits). Compiles and plans are planning/measure.py's; `--compile_for` asks the compiled question of a slice
 (planning/report.py)."""
-import math
 from typing import NamedTuple
 
 import jax
@@ -139,7 +138,7 @@ def planned_bytes(cfg, trainer):
     of its replica's sequences of a micro-step (the schedule holds every micro-batch's until the backward)."""
     state = trainer.abstract_state
     on_device = lambda tree: sum(measure.shard_bytes(a) for a in jax.tree.leaves(tree))
-    m, pp = cfg.model, cfg.run.n_device_axis[1]
+    m, pp = cfg.model, cfg.run.dims.pp
     layers = m.blocks * m.layers_per_block // pp + m.first_k_dense
     return {"params": on_device(state["params"]),
             "optimizer state": on_device({k: v for k, v in state.items() if k != "params"}),
@@ -194,7 +193,7 @@ def _refusal(cfg, trainer, state_only=False):
     if memory is None or sum(plan.values()) * memory.sharing <= memory.bytes:
         return None
     sharing = memory.sharing
-    n_mesh = math.prod(cfg.run.n_device_axis)
+    n_mesh = cfg.run.dims.n_devices
     target = utils.PRESET_SLICES.get(cfg.preset) or next((t.name for t in hardware.tpu_slices() if t.chips == n_mesh),
                                                          "SLICE")
     smaller = _presets_that_fit(cfg, mesh, memory)
@@ -213,7 +212,7 @@ def _presets_that_fit(cfg, mesh, memory):
     total = sharding.count_params(cfg.model)["total"]
     fit = []
     for name, preset in sorted(utils.PRESETS.items(), key=lambda kv: sharding.count_params(kv[1].model)["total"]):
-        candidate = utils.override(preset, n_device_axis=cfg.run.n_device_axis)
+        candidate = utils.override(preset, n_device_axis=cfg.run.dims.shape)
         try:
             utils.validate(candidate, mesh.size)
         except utils.ConfigError:

@@ -170,25 +170,25 @@ class Report:
 
     def header(self):
         target, mesh = self.target, self.mesh
-        dp, pp, tp = self.cfg.run.n_device_axis
+        dims = self.cfg.run.dims
         kind = mesh.devices.flat[0].device_kind
         if self.gpu:
             print(f"target: {target.name} = {target.chips} {kind} GPU(s) on one host (XLA:GPU with XLA's H200 "
                   f"description; no GPU here); memory {target.hbm_bytes / GiB:.2f} GiB per GPU")
-            print(f"mesh: {utils.mesh_words(self.cfg)}")
+            print(f"mesh: {dims.words}")
             return
         crossing = sharding.axes_across_hosts(mesh)
         n = target.slices
         slices = f"{n} slices of " if n > 1 else ""
         print(f"slice: {target.name} = {slices}{target.chips // n} {kind} chips ({target.topology_name}) on {target.hosts} "
               f"host(s) of {target.chips_per_host} chips; usable HBM {target.hbm_bytes / GiB:.2f} GiB per chip")
-        print(f"mesh: {utils.mesh_words(self.cfg)}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
-        for i, plane in enumerate(mesh.devices.reshape(dp, pp, tp)[:min(dp, 4)]):
+        print(f"mesh: {dims.words}; crossing hosts: {', '.join(crossing) or 'none (one host)'}")
+        for i, plane in enumerate(mesh.devices.reshape(dims.shape)[:min(dims.dp, 4)]):
             hosts = sorted({d.process_index for d in plane.flat})
             coords = " ".join("(" + ",".join(map(str, d.coords)) + ")" for d in plane.flat)
             print(f"  dp {i}: host(s) {','.join(map(str, hosts))}, chips {coords}")
-        if dp > 4:
-            print(f"  ... {dp - 4} more dp rows")
+        if dims.dp > 4:
+            print(f"  ... {dims.dp - 4} more dp rows")
 
     def step(self, name, compiled, seconds, cpu_seconds, abstract_state):
         """Print the step's plan; return the GiB it needs per chip."""

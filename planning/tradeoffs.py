@@ -39,18 +39,18 @@ def memory_changes(cfg):
     """The single changes that trade compute (or collective bytes) for memory and that cfg does not have
     already: [{flag: value}]. Validity on the mesh is checked by the caller (utils.validate)."""
     m, r, o = cfg.model, cfg.run, cfg.optim
-    dp, pp, _ = r.n_device_axis
+    dims = r.dims
     found = []
     if m.remat != "full":
         found.append({"remat": "full"})
     for n in GRAD_STEP_FACTORS:
         if r.train_batch_size % (n * r.micro_batch_size) == 0:
             found.append({"train_batch_size": r.train_batch_size // n, "grad_step": o.grad_step * n})
-    if pp > 1 and r.train_batch_size % (2 * r.micro_batch_size) == 0:   # one stage keeps every micro-batch's values
+    if dims.pp > 1 and r.train_batch_size % (2 * r.micro_batch_size) == 0:  # one stage keeps every micro-batch's values
         found.append({"micro_batch_size": 2 * r.micro_batch_size})
-    if dp > 1 and m.n_experts and not m.expert_parallel:                 # a lone dp rank holds every expert anyway
+    if dims.dp > 1 and m.n_experts and not m.expert_parallel:                # a lone dp rank holds every expert anyway
         found.append({"expert_parallel": True})
-    if m.fsdp_gather == "step" and dp // r.n_slices > 1:                # FSDP shards in a slice
+    if m.fsdp_gather == "step" and dims.fsdp_per_slice > 1:
         found.append({"fsdp_gather": "tick"})
     return found
 

@@ -134,6 +134,24 @@ def test_slices_are_whole_processes_and_as_many_as_the_tpus_say():
         check_slices(override(cfg, n_slices=1), 2, 2)
 
 
+def test_the_mesh_sizes_are_one_type_handed_out_by_the_run_config():
+    """cfg.run.dims: --n_device_axis DP PP TP over --n_slices as a ParallelDims, what the rest asks of the mesh
+    written once; the config itself (and so its JSON) keeps the guide's positional field."""
+    from parallel_dims import ParallelDims
+    cfg = config_from_args(["--n_device_axis", "8", "2", "2", "--n_slices", "2"])
+    dims = cfg.run.dims
+    assert dims == ParallelDims(8, 2, 2, 2) and dims.shape == cfg.run.n_device_axis == (8, 2, 2)
+    assert (dims.n_devices, dims.stage_plane, dims.fsdp_per_slice, dims.devices_per_slice) == (32, 4, 4, 16)
+    assert dims.mesh_shape == (2, 4, 2, 2) and dims.flags == "--n_device_axis 8 2 2"
+    assert dims.words == "dp=8 pp=2 tp=2 (2 slices of dp=4, joined over DCN)" and dims.rule_errors() == []
+    assert ParallelDims(4, 1, 2).words == "dp=4 pp=1 tp=2" and ParallelDims(4).fsdp_name == "DP of --n_device_axis"
+    assert "dims" not in dataclasses.asdict(cfg.run) and dataclasses.asdict(cfg.run)["n_device_axis"] == (8, 2, 2)
+    assert override(cfg, n_device_axis=[2, 1, 1]).run.dims == ParallelDims(2, 1, 1, 2)      # a JSON list reads back
+    assert ParallelDims(3, n_slices=2).rule_errors() and ParallelDims(3, n_slices=0).rule_errors()
+    assert ParallelDims.of((2, 0, 1)) == ParallelDims.of((2, 2)) == ParallelDims()         # shape_errors says why
+    assert ParallelDims.shape_errors((2, 2)) and not ParallelDims.shape_errors((1, 1, 1))
+
+
 def test_cli_keeps_guide_flag_names_and_overrides_preset():
     cfg = config_from_args(["--model_dimension", "256", "--n_device_axis", "2", "2", "2", "--T", "64",
                             "--micro_batch_size", "4", "--grad_step", "2", "--use_cache", "false", "--wandb"])
