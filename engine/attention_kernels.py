@@ -23,8 +23,8 @@ CUDNN_MAX_HEAD_DIM = 256
 # and each is more to compile (docs/performance-log.md#2026-12-01-h200-estimate-issue-27).
 CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused kernel's outputs by
-# The TPU kernel's outputs' name, which --remat full keeps and dots does not: a pipeline keeps them for every
-# micro-batch, and moe1B-v4-32 (dots) would need 30.99 of a v4's 30.75 GiB (28.22 with XLA's attention).
+# The TPU kernel's outputs' name, which --remat full keeps and dots does not: a pipeline would keep them for
+# every micro-batch, and the pods' dots presets have no room for that (docs/performance-log.md).
 TPU_KERNEL_OUTPUTS = "tpu_kernel_outputs"
 
 
