@@ -7,8 +7,6 @@ from typing import Protocol
 import jax
 from jax import lax
 
-MESH_AXES = ("slice", "dp", "pp", "tp")
-
 
 def data_axes(n_slices):
     """The mesh axes a batch's rows are split over, for a mesh of n_slices slices (inside shard_map:

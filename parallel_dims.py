@@ -1,10 +1,11 @@
-"""The mesh's sizes in one place: `ParallelDims` (torchtitan's name), what `RunConfig.dims` hands out.
+"""The mesh in one place: `ParallelDims` (torchtitan's name, what `RunConfig.dims` hands out), its sizes and the mesh.
 
 A run's mesh is `--n_device_axis DP PP TP` over `--n_slices` slices: DP data-parallel replicas counted over
 every slice (DP/N in each, where FSDP shards the weights), PP pipeline stages, TP tensor shards. The rules
-the sizes obey among themselves and every size the rest asks for (devices, FSDP shards per slice, the
-mesh's shape: sharding.make_mesh builds it) are written here once; `utils.validate` checks them against the
-model. Nothing of the project is imported: the config, the CLI and the mesh read it.
+the sizes obey among themselves, every size the rest asks for (devices, FSDP shards per slice, the mesh's
+shape) and the mesh itself (`build_mesh`, over `MESH_AXES`) are written here once; `utils.validate` checks
+them against the model. Nothing of the project is imported: the config, the CLI and the sharded model read it;
+jax and numpy only by build_mesh, so that --help prints before they load (tests/test_config.py).
 """
 import dataclasses
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 FLAG = "--n_device_axis"
 # What a message calls each size: the flag's part that sets it
 DP, PP, TP = (f"{axis} of {FLAG}" for axis in ("DP", "PP", "TP"))
+# The mesh's axes, outermost first: TPU slices, FSDP shards within a slice, pipeline stages, tensor shards
+MESH_AXES = ("slice", "dp", "pp", "tp")
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class ParallelDims:
 
     @property
     def mesh_shape(self):
-        """The sizes of the mesh's axes ("slice", "dp", "pp", "tp") (collectives.MESH_AXES)."""
+        """The sizes of the mesh's axes, MESH_AXES."""
         return self.n_slices, self.fsdp_per_slice, self.pp, self.tp
 
     @property
@@ -93,3 +96,34 @@ class ParallelDims:
 
     def replace(self, **sizes):
         return dataclasses.replace(self, **sizes)
+
+    def build_mesh(self, devices=None):
+        """The MESH_AXES mesh of n_slices x (dp/n_slices, pp, tp) of `devices` (jax.devices() by default), real or
+        an ahead-of-time TPU topology's.
+
+        Devices are taken slice by slice (a TPU slice's, or on CPUs and GPUs an equal share of the devices in
+        host order), host by host, each host's in physical order, and laid out with tp fastest: so a pp x tp
+        plane whose size divides a host's device count sits on one host (on a v4 host's 2 x 2 chips, tp pairs
+        along x and pp pairs along y are direct neighbours), only dp crosses hosts, as in the guide's figure, and
+        only the slice axis crosses slices. jax.make_mesh instead insists on not splitting physical axes, which
+        (8, 2, 2) on v4-64's 2 x 4 x 4 chips cannot satisfy. Auto axes: outside shard_map XLA propagates
+        shardings (optimizer, generation); inside it every collective is written out."""
+        import jax
+        import numpy as np
+        ordered = sorted(jax.devices() if devices is None else devices, key=physical_order)
+        per_slice, in_mesh = len(ordered) // self.n_slices, self.devices_per_slice
+        if per_slice < in_mesh:
+            raise ValueError(f"mesh {self.shape} over {self.n_slices} slice(s) needs {self.n_devices} devices, "
+                             f"{len(ordered)} available")
+        grid = np.empty((self.n_slices, in_mesh), dtype=object)
+        for s in range(self.n_slices):
+            grid[s, :] = ordered[s * per_slice:s * per_slice + in_mesh]
+        return jax.sharding.Mesh(grid.reshape(self.mesh_shape), MESH_AXES,
+                                 axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def physical_order(device):
+    """Sort key: TPU slice, host, then the chip's position (z, y, x) and core on a TPU; id elsewhere."""
+    coords = getattr(device, "coords", None)
+    place = (*reversed(coords), getattr(device, "core_on_chip", 0)) if coords is not None else (device.id,)
+    return (getattr(device, "slice_index", 0), device.process_index, *place)

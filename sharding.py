@@ -7,7 +7,8 @@
   the modules' attribute names, each drawn by the initializer its module declared (`init_params`);
   `build` merges them back into the modules (inside shard_map, from the local shards).
 - `Layout`: how the params store the stacked blocks for the pipeline, [blocks, ...] or [P, G, ...].
-- `make_mesh`: the ("slice", "dp", "pp", "tp") mesh over real devices or an ahead-of-time TPU topology.
+- The mesh itself is ParallelDims.build_mesh's (parallel_dims.py); `make_mesh` and `run_mesh` call it for a shape or a
+  run's config.
 """
 import dataclasses
 import math
@@ -19,7 +20,6 @@ from flax import nnx
 from flax.linen import logical_to_mesh_axes
 from jax.sharding import NamedSharding
 
-from collectives import MESH_AXES
 from model import DENSE_LAYERS, LAYERS, PROLOGUE, Transformer
 from parallel_dims import ParallelDims
 
@@ -290,40 +290,14 @@ def init_sharded_params(cfg, key, mesh):
 # The mesh
 
 
-def physical_order(device):
-    """Sort key: TPU slice, host, then the chip's position (z, y, x) and core on a TPU; id elsewhere."""
-    coords = getattr(device, "coords", None)
-    place = (*reversed(coords), getattr(device, "core_on_chip", 0)) if coords is not None else (device.id,)
-    return (getattr(device, "slice_index", 0), device.process_index, *place)
-
-
 def make_mesh(shape, devices=None, n_slices=1):
-    """The ("slice", "dp", "pp", "tp") mesh of n_slices x (dp/n_slices, pp, tp) devices, real or an ahead-of-time
-    TPU topology's, for shape = (dp, pp, tp) (ParallelDims.shape): dp counts the data-parallel replicas of every slice.
-
-    Devices are taken slice by slice (a TPU slice's, or on CPUs and GPUs an equal share of the devices in
-    host order), host by host, each host's in physical order, and laid out with tp fastest: so a pp x tp
-    plane whose size divides a host's device count sits on one host (on a v4 host's 2 x 2 chips, tp pairs
-    along x and pp pairs along y are direct neighbours), only dp crosses hosts, as in the guide's figure, and
-    only the slice axis crosses slices. jax.make_mesh instead insists on not splitting physical axes, which
-    (8, 2, 2) on v4-64's 2 x 4 x 4 chips cannot satisfy. Auto axes: outside shard_map XLA propagates
-    shardings (optimizer, generation); inside it every collective is written out."""
-    dims = ParallelDims(*shape, n_slices=n_slices)
-    ordered = sorted(jax.devices() if devices is None else devices, key=physical_order)
-    per_slice, in_mesh = len(ordered) // n_slices, dims.devices_per_slice
-    if per_slice < in_mesh:
-        raise ValueError(f"mesh {dims.shape} over {n_slices} slice(s) needs {dims.n_devices} devices, "
-                         f"{len(ordered)} available")
-    grid = np.empty((n_slices, in_mesh), dtype=object)
-    for s in range(n_slices):
-        grid[s, :] = ordered[s * per_slice:s * per_slice + in_mesh]
-    return jax.sharding.Mesh(grid.reshape(dims.mesh_shape), MESH_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    """ParallelDims.build_mesh for shape = (dp, pp, tp): the mesh of --n_device_axis `shape` over n_slices slices."""
+    return ParallelDims(*shape, n_slices=n_slices).build_mesh(devices)
 
 
 def run_mesh(rc, devices=None):
     """The mesh a run's config (cfg.run) asks for: its dims (--n_device_axis over --n_slices slices)."""
-    return make_mesh(rc.dims.shape, devices, rc.dims.n_slices)
+    return rc.dims.build_mesh(devices)
 
 
 def axes_across_hosts(mesh):

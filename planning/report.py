@@ -5,7 +5,7 @@
 (`pip install -r requirements-tpu.txt`) compiles for a TPU topology on a CPU (as MaxText's
 train_compile does), so a config's per-chip memory plan, FLOPs and compile time are known before a
 pod is rented, with the bytes each chip moves in collectives per step (`collective_bytes`, counted
-from the compiled HLO). The mesh comes from `sharding.make_mesh` over the topology's devices, the same function
+from the compiled HLO). The mesh comes from `ParallelDims.build_mesh` over the topology's devices, the same function
 and device order a real run on that slice uses (planning/measure.py); the steps are `trainer.build_trainer`'s,
 the ones main.py runs. Nothing is trained and nothing is written.
 

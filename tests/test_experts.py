@@ -54,7 +54,7 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import engine, hardware, hlo, sharding, utils
 from planning import measure
-from collectives import MESH_AXES, Axes
+from collectives import Axes
 measure.compile_only_cuda()
 B, T, D, F, E, k = 4, 64, 64, 128, 8, 2
 mesh = sharding.make_mesh((2, 1, 2), measure.target_devices(hardware.GpuTarget("h200", 4)))
@@ -62,7 +62,7 @@ cfg = utils.override(utils.Config(), moe_impl="ragged").model
 
 def loss(w, x_BTD, experts_BTk, slot_BTk, platform):
     def local(w, x_BTD, experts_BTk, slot_BTk):
-        axes = Axes(*MESH_AXES, engine=engine.Fast(platform))
+        axes = Axes("dp", "pp", "tp", engine=engine.Fast(platform))
         y_BTkD = axes.engine.routed_experts(w, x_BTD, experts_BTk, slot_BTk, T, cfg, axes)
         return jax.lax.psum(jnp.sum(y_BTkD.astype(jnp.float32) ** 2), ("dp", "tp"))
     weights = {"expert_up": PartitionSpec(None, None, "tp"), "expert_down": PartitionSpec(None, "tp", None)}

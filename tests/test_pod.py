@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-import collectives
 import hardware
 import hlo
 import pipeline
@@ -65,7 +64,7 @@ def test_libtpu_builds_every_known_slice_with_its_chips_and_hosts(topology):
 def test_jax_make_mesh_cannot_place_the_guides_mesh_on_v4_64(topology):
     import jax
     with pytest.raises(Exception):
-        jax.make_mesh((8, 2, 2), collectives.MESH_AXES, devices=topology("v4-64"))
+        jax.make_mesh((8, 2, 2), ("dp", "pp", "tp"), devices=topology("v4-64"))
     assert sharding.make_mesh((8, 2, 2), topology("v4-64")).devices.shape == (1, 8, 2, 2)
 
 
