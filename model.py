@@ -1,10 +1,10 @@
-"""The guide's model as flax.nnx modules, in its order: RMSNorm, Embedding, RoPE, MLA, FeedForward, the
-MoE layer (router, capacity, balance loss, aux-loss-free bias), Layer, Block, Transformer. Plain math, every
+"""The guide's model as flax.nnx modules, in its order: RMSNorm, Embedding, RoPE, MLA, FeedForward, the MoE
+layer (router, capacity, balance loss, aux-loss-free bias), Layer, Block, Transformer. Plain math, every
 collective written out; each __call__ takes the mesh axes it runs under (`collectives.Axes`, all None on one
-device) and calls the engine (axes.engine, the engine package engine/) at its seams. Every weight is an nnx.Param with
-logical axes that sharding.py maps to the mesh. Shape suffixes: docs/model.md's legend (B sequences, T and
-S query and key positions, D width, H heads, K, J and R content, value and rotary width per head, Q = K + R,
-L latent, F FFN, V vocabulary, E experts, k per token, C slots; lowercase: this shard's part).
+device) and calls the engine (axes.engine: engine/) at its seams. Every weight is an nnx.Param with logical axes
+that sharding.py maps to the mesh. Shape suffixes: docs/model.md's legend (B sequences, T and S query and key
+positions, D width, H heads, K, J and R content, value and rotary width per head, Q = K + R, L latent, F FFN,
+V vocabulary, E experts, k per token, C slots; lowercase: this shard's part).
 """
 import math
 from functools import partial
@@ -77,8 +77,7 @@ class Embedding(nnx.Module):
         return axes.engine.gathered(self.table, axes, jnp.dtype(self.cfg.model_dtype))
 
     def __call__(self, ids_BT, axes, table_vD):
-        """Each tp rank contributes its rows and zeros for ids outside them; the psum over tp assembles it."""
-        # Guide: the table is split over tp by vocabulary rows (Megatron's vocab-parallel embedding).
+        # Guide: all_to_all; Megatron's vocab-parallel lookup here: each tp rank's own rows (others 0), one psum.
         v = table_vD.shape[0]
         local_BT = ids_BT - vocab_start(axes, v)
         inside_BT = (local_BT >= 0) & (local_BT < v)
@@ -95,8 +94,7 @@ def output_logits(h_BTD, table_vD, cfg, axes):
 
 
 def rope(x, positions, base):
-    """Rotate channel pairs (i, i + R/2) of x[..., T, (heads,) R] by position x frequency. Queries and keys
-    call this with the same R, hence the same frequency table."""
+    """Rotate channel pairs (i, i + R/2) of x[..., T, (heads,) R] by position x frequency."""
     # Guide: one frequency table over R for queries and keys (the guide's query uses dhR x heads channels).
     half = x.shape[-1] // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -115,8 +113,7 @@ def masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, mm):
 
 
 def branch_sum(x_BTD, axes, dtype):
-    """A residual branch's output: the tp ranks' partial sums added (Megatron's one all-reduce a branch, in
-    the matmul dtype: `tp_sum`), named for the remat to keep rather than all-reduce again (if it did one)."""
+    """A branch's tp partial sums added in the matmul dtype (`tp_sum`), named for the remat to keep, not recompute."""
     # Guide: Megatron tensor parallelism, one psum over tp per branch (the guide: all_to_all + psum_scatter).
     out_BTD = tp_sum(x_BTD, axes.tp, dtype)
     return out_BTD if axes.tp is None or lax.axis_size(axes.tp) == 1 else axes.engine.keep(out_BTD, BRANCH_SUM)
@@ -161,22 +158,19 @@ class MLA(nnx.Module):
         c_q_BTL, c_kv_BTL, k_rope_BTR = self.down_projections(x_BTD, mm, dtype)
         c_q_BTL = c_q_BTL if self.q_norm is None else self.q_norm(c_q_BTL)
         q_BThK = mm("btl,lf->btf", c_q_BTL, self.w_uq[...], dtype, dtype).reshape(B, T, -1, K)
-        new_cache = {"c_kv": c_kv_BTL}
+        kv = {"c_kv": c_kv_BTL}                  # what attention reads: this call's, or the cache updated with it
         if self.use_rope:
             # Rotated in fp32 from the product in the matmul dtype, as Megatron rotates its q.
             q_rope_BThR = rope(mm("btl,lf->btf", c_q_BTL, self.w_qr[...], dtype, dtype).reshape(B, T, -1, R),
                                positions_T, cfg.rope_base)
-            new_cache["k_rope"] = rope(k_rope_BTR, positions_T, cfg.rope_base)
-        if cache is None:
-            kv, key_positions_S = new_cache, positions_T
-        else:
-            kv = {name: lax.dynamic_update_slice_in_dim(cache[name], new_cache[name].astype(cache[name].dtype),
+            kv["k_rope"] = rope(k_rope_BTR, positions_T, cfg.rope_base)
+        if cache is not None:
+            kv = {name: lax.dynamic_update_slice_in_dim(cache[name], kv[name].astype(cache[name].dtype),
                                                         positions_T[0], axis=1) for name in cache}
-            new_cache, key_positions_S = kv, jnp.arange(kv["c_kv"].shape[1])
-        h = q_BThK.shape[2]
+            key_positions_S = jnp.arange(kv["c_kv"].shape[1])
         c_kv_BSL = kv["c_kv"] if self.kv_norm is None else self.kv_norm(kv["c_kv"])     # the cache holds it unnormed
-        k_BShK = mm("bsl,lf->bsf", c_kv_BSL, self.w_uk[...], dtype, dtype).reshape(B, -1, h, K)
-        v_BShJ = mm("bsl,lf->bsf", c_kv_BSL, self.w_uv[...], dtype, dtype).reshape(B, -1, h, J)
+        k_BShK = mm("bsl,lf->bsf", c_kv_BSL, self.w_uk[...], dtype, dtype).reshape(*c_kv_BSL.shape[:2], -1, K)
+        v_BShJ = mm("bsl,lf->bsf", c_kv_BSL, self.w_uv[...], dtype, dtype).reshape(*c_kv_BSL.shape[:2], -1, J)
         if self.use_rope:
             # Decoupled RoPE: one dot product gives q_C.k_C + q_R.k_R, the shared rotary key repeated for every
             # head, rounded after the broadcast and the cast to varying over tp (which concatenate would insert)
@@ -191,14 +185,13 @@ class MLA(nnx.Module):
         out_BThJ = axes.engine.attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype)
         # Each tp rank holds h heads: its W_o rows give a partial sum of the output.
         out_BTD = mm("btf,fd->btd", out_BThJ.reshape(B, T, -1), self.w_o[...], dtype, dtype)
-        return branch_sum(out_BTD, axes, dtype), (new_cache if cache is not None else None)
+        return branch_sum(out_BTD, axes, dtype), None if cache is None else kv
 
 
 def ffn(x, w_up, w_down, up_spec, mm, keep=None, w_gate=None):
     """The feed-forward of the dense layers and every expert: up-projection, GELU (with w_gate DeepSeek-V3's
-    SiLU(x w_gate) x (x w_up)) in fp32 rounded back, down-projection: this tp rank's f hidden units' partial
-    sum, in the matmul dtype. up_spec: the up-projection's einsum (the down's swaps d and f); keep: tags
-    the up-projection for the remat."""
+    SiLU(x w_gate) x (x w_up)) in fp32 rounded back, down-projection: this tp rank's f hidden units' partial sum
+    in the matmul dtype. up_spec: the up-projection's einsum; keep: tags its output for the remat."""
     dtype = w_up.dtype
     hidden = mm(up_spec, x, w_up, dtype, dtype)
     hidden = hidden if keep is None else keep(hidden)
@@ -229,10 +222,11 @@ class FeedForward(nnx.Module):
 
 
 def expert_capacity(cfg):
-    """Slots per expert per sequence: ceil(capacity_factor k T / E) counting all k choices, T the padded
-    length whatever one call's (cached decode's 1); capacity_factor 0: dropless (T slots)."""
+    """Slots per expert per sequence, T the padded length whatever one call's (cached decode's 1)."""
     # Guide: capacity counts all k choices, per sequence (the guide's is B T factor / E over the batch).
-    return cfg.T if cfg.capacity_factor == 0 else min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
+    if cfg.capacity_factor == 0:                                    # dropless
+        return cfg.T
+    return min(cfg.T, math.ceil(cfg.capacity_factor * cfg.k * cfg.T / cfg.n_experts))
 
 
 class Routing(NamedTuple):
@@ -262,8 +256,7 @@ def route(router_DE, x_BTD, cfg, bias_E=None):
     chosen_BNE = jax.nn.one_hot(experts_BTk, E, dtype=jnp.int32).reshape(B, T * k, E)   # N = T k choices
     slot_BTk = jnp.sum((jnp.cumsum(chosen_BNE, axis=1) - 1) * chosen_BNE, axis=-1).reshape(B, T, k)
     tokens_per_expert_BE = jnp.sum(chosen_BNE, axis=1)
-    # Guide: DeepSeek-V3's sequence-wise balance loss in every MoE layer, summed over the layers:
-    # f_i = E/(kT) tokens routed to i, P_i = mean_t s_i / sum_j s_j.
+    # Guide: DeepSeek-V3's sequence-wise balance loss, sum_i f_i P_i, in every MoE layer, summed over the layers.
     f_BE = E / (k * T) * tokens_per_expert_BE
     p_BE = jnp.mean(scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True), axis=1)
     balance_B = jnp.sum(f_BE * p_BE, axis=-1)
@@ -317,9 +310,8 @@ class MoE(nnx.Module):
             # of n_shared F hidden units, the same sum in one pair of GEMMs.
             n_shared, D, f = self.shared_up[...].shape
             as_one = lambda w: None if w is None else jnp.moveaxis(w[...], 0, 1).reshape(D, n_shared * f)
-            shared_up_Df = as_one(self.shared_up)
-            out_BTD = out_BTD + ffn(x_BTD, shared_up_Df, self.shared_down[...].reshape(n_shared * f, D), "btd,df->btf",
-                                    axes.engine.mm, w_gate=as_one(self.shared_gate))
+            up_Df, down_fD = as_one(self.shared_up), self.shared_down[...].reshape(n_shared * f, D)
+            out_BTD += ffn(x_BTD, up_Df, down_fD, "btd,df->btf", axes.engine.mm, w_gate=as_one(self.shared_gate))
         out_BTD = branch_sum(out_BTD, axes, dtype)                                   # one psum, as in MLA
         stats = {"balance": jnp.sum(balance_B), "tokens_per_expert": jnp.sum(tokens_per_expert_BE, axis=0),
                  "dropped": jnp.sum(~kept_BTk).astype(jnp.float32)}
@@ -376,10 +368,9 @@ class Block(nnx.Module):
     """layers_per_block layers: the dense RoPE layers (stacked, scanned), then one MoE NoPE layer."""
 
     def __init__(self, cfg, rngs, router_bias=False):
-        dense_layer = lambda rngs: Layer(cfg, rngs, use_moe=False)
         # --layers_per_block 1: every layer MoE, and no empty stack of dense ones to checkpoint
         n_dense = cfg.layers_per_block - 1
-        self.dense = stacked(dense_layer, n_dense, DENSE_LAYERS, rngs) if n_dense else None
+        self.dense = stacked(partial(Layer, cfg, use_moe=False), n_dense, DENSE_LAYERS, rngs) if n_dense else None
         self.moe = Layer(cfg, rngs, use_moe=True, router_bias=router_bias)
         self.cfg = cfg
 
@@ -390,13 +381,12 @@ class Block(nnx.Module):
         # Each layer is rematerialised on its own (not the block as one, which would replay the whole inner
         # scan); the engine says what each keeps and whether the dense layers' scan is unrolled.
         policy, unroll = axes.engine.layer_remat(self.cfg)
-        new_cache = {}
+        cache, new_cache = cache or {}, {}
         if self.dense is not None:
             x_BTD, new_cache["dense"] = run_dense(self.dense, DENSE_LAYERS, x_BTD, positions_T, axes, ctx, keys[:n_dense],
-                                                  None if cache is None else cache["dense"], policy, unroll)
-        x_BTD, stats, new_cache["moe"] = remat_call(self.moe, moe, x_BTD, None if cache is None else cache["moe"],
-                                                    policy)
-        return x_BTD, stats, None if cache is None else new_cache
+                                                  cache.get("dense"), policy, unroll)
+        x_BTD, stats, new_cache["moe"] = remat_call(self.moe, moe, x_BTD, cache.get("moe"), policy)
+        return x_BTD, stats, new_cache if cache else None
 
 
 def run_dense(stack, axis, x_BTD, positions_T, axes, ctx, keys, cache, policy, unroll):
@@ -414,8 +404,8 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg, rngs, router_bias=False):
         self.embed = Embedding(cfg, rngs)
-        dense_layer = lambda rngs: Layer(cfg, rngs, use_moe=False)
-        self.prologue = stacked(dense_layer, cfg.first_k_dense, PROLOGUE, rngs) if cfg.first_k_dense else None
+        self.prologue = (stacked(partial(Layer, cfg, use_moe=False), cfg.first_k_dense, PROLOGUE, rngs)
+                         if cfg.first_k_dense else None)
         self.blocks = stacked(lambda rngs: Block(cfg, rngs, router_bias), cfg.blocks, LAYERS, rngs)
         self.final_norm = RMSNorm(cfg.model_dimension, rngs, cfg.norm_shift)
         self.unembed = None if cfg.tied_embeddings else vocab_table(rngs, cfg, 0.02)
@@ -443,8 +433,7 @@ class Transformer(nnx.Module):
 
         n_blocks = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
         # Layer i of block j drops out with fold_in(fold_in(key, j), i), drawn outside the scan and the remat.
-        keys = jax.vmap(partial(keys_of, n=self.cfg.layers_per_block))(
-            keys_of(ctx["key"], n_blocks, first_block))
+        keys = jax.vmap(partial(keys_of, n=self.cfg.layers_per_block))(keys_of(ctx["key"], n_blocks, first_block))
         x_BTD, (stats, caches) = scan_stacked(axes.engine.read_weights(self.blocks, self.cfg), LAYERS, block, x_BTD,
                                               (keys, caches))
         return x_BTD, stats, caches
