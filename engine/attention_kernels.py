@@ -23,9 +23,6 @@ CUDNN_MAX_HEAD_DIM = 256
 # and each is more to compile (docs/performance-log.md#2026-12-01-h200-estimate-issue-27).
 CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused kernel's outputs by
-# The TPU kernel's outputs' name, which --remat full keeps and dots does not: a pipeline would keep them for
-# every micro-batch, and the pods' dots presets have no room for that (docs/performance-log.md).
-TPU_KERNEL_OUTPUTS = "tpu_kernel_outputs"
 
 
 def attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, platform, query_chunks=CAUSAL_QUERY_CHUNKS):
@@ -35,8 +32,9 @@ def attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, platform, query_chunks=CAU
     if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
         return cudnn_attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)), mask_TS)
     if platform == "tpu" and dtype == jnp.bfloat16 and mask_TS is None and tpu_attention.takes(q_BThQ.shape[1]):
-        return keep_kernel_outputs(tpu_attention.attention, TPU_KERNEL_OUTPUTS,
-                                   *(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)))
+        # Its outputs are not kept (unlike cuDNN's): the layer scans' stacking of them cost more than the
+        # kernel's forward run again, and a pipeline would keep them for every micro-batch (performance-log.md)
+        return tpu_attention.attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)))
     return xla_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, query_chunks)
 
 
@@ -67,31 +65,30 @@ def cudnn_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS):
     kernel = partial(_cudnn_narrow_v if J < Q and cudnn_takes_narrow_v(Q, J) else _cudnn_padded_v, mask_TS=mask_TS)
     if mask_TS is not None:                 # cached decode: nothing to differentiate
         return kernel(q_BThQ, k_BShQ, v_BShJ)
-    return keep_kernel_outputs(kernel, KERNEL_OUTPUTS, q_BThQ, k_BShQ, v_BShJ)
+    return keep_kernel_outputs(kernel, q_BThQ, k_BShQ, v_BShJ)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def keep_kernel_outputs(kernel, name, *operands):
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def keep_kernel_outputs(kernel, *operands):
     """kernel(*operands), with what its backward needs besides its operands (a fused attention's output
-    and softmax statistics) named `name` (KERNEL_OUTPUTS: every fast remat policy keeps it;
-    TPU_KERNEL_OUTPUTS: --remat full alone), so that the policy keeps it: the backward then runs the
-    kernel's own backward without running its forward again."""
+    and softmax statistics) named KERNEL_OUTPUTS, so that every fast remat policy keeps it: the backward
+    then runs the kernel's own backward without running its forward again."""
     return kernel(*operands)
 
 
-def _keep_kernel_outputs_fwd(kernel, name, *operands):
+def _keep_kernel_outputs_fwd(kernel, *operands):
     out, backward = jax.vjp(kernel, *operands)
-    named_out = checkpoint_name(out, name)
+    named_out = checkpoint_name(out, KERNEL_OUTPUTS)
 
     def kept(residual):
         """The operands are left to the remat to recompute, as every layer input is; the rest is kept."""
         if residual is out:
             return named_out
-        return residual if any(residual is o for o in operands) else checkpoint_name(residual, name)
+        return residual if any(residual is o for o in operands) else checkpoint_name(residual, KERNEL_OUTPUTS)
     return named_out, jax.tree.map(kept, backward)
 
 
-def _keep_kernel_outputs_bwd(kernel, name, backward, g):
+def _keep_kernel_outputs_bwd(kernel, backward, g):
     return backward(g)
 
 

@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import bench  # noqa: E402
 import engine  # noqa: E402
@@ -33,7 +34,7 @@ import hardware  # noqa: E402
 import multihost  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
-from engine import attention_kernels, tpu_attention  # noqa: E402
+from engine import attention_kernels, products, tpu_attention  # noqa: E402
 from planning.measure import compiled_or_shortfall, planned_gib  # noqa: E402
 
 
@@ -65,19 +66,27 @@ def attention_in(chunks):
     return AttentionInChunks
 
 
-def attention_kernel(block=None, keep_outputs=None):
+def attention_kernel(block=None, keep_outputs=False, narrow_block=None):
     @dataclasses.dataclass(frozen=True)
     class AttentionKernel(engine.Fast):
         def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
-            kernel = functools.partial(tpu_attention.attention, block=block)
+            narrow = narrow_block if q_BThQ.shape[-1] <= 64 else None
+            kernel = functools.partial(tpu_attention.attention, block=narrow or block)
             operands = (a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ))
-            name = {None: attention_kernels.TPU_KERNEL_OUTPUTS, True: attention_kernels.KERNEL_OUTPUTS}.get(keep_outputs)
-            return attention_kernels.keep_kernel_outputs(kernel, name, *operands) if name else kernel(*operands)
+            return attention_kernels.keep_kernel_outputs(kernel, *operands) if keep_outputs else kernel(*operands)
     AttentionKernel.__doc__ = (f"The TPU attention kernel in blocks of {block or 'the engine'}'s side (the engine's: the "
                                f"largest of {tpu_attention.BLOCK_SIZES} dividing T)" +
-                               {True: ", its outputs kept by every remat policy", False: ", its outputs recomputed"}.get(
-                                   keep_outputs, ""))
+                               (", its outputs kept by every remat policy" if keep_outputs else "") +
+                               (f", blocks of {narrow_block} for q.k 64 (the NoPE layers)" if narrow_block else ""))
     return AttentionKernel
+
+
+@dataclasses.dataclass(frozen=True)
+class ProductsFused(engine.Fast):
+    """Each product's output free to fuse into what follows it (the engine's before the barriers of engine.Fast.mm)."""
+
+    def mm(self, spec, a, b, dtype, out_dtype=jnp.float32):
+        return products.mm(spec, a, b, dtype, out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +104,17 @@ LEVERS = {
     **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096, 8192)},
     **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4, 8)},
     **{f"attention_kernel_blocks_of_{n}": ((), attention_kernel(n)) for n in (128, 256, 512)},
+    "attention_kernel_blocks_of_256_for_nope": ((), attention_kernel(narrow_block=256)),
     "attention_kernel_outputs_kept": ((), attention_kernel(keep_outputs=True)),
-    "attention_kernel_outputs_recomputed": ((), attention_kernel(keep_outputs=False)),
     "remat_full": (("--remat", "full"), None),
-    "remat_auto": (("--remat", "auto"), None),         # dots on a TPU
+    "remat_auto": (("--remat", "auto"), None),
+    "remat_dots": (("--remat", "dots"), None),
     "remat_keep_ffn_hidden": ((), KeepFfnHidden),
+    "products_fused": ((), ProductsFused),
     "moe_ragged": (("--moe_impl", "ragged"), None),
     # twice the sequences a step (compare MFU, not step time): the optimizer's pass over the state per token halved
     "batch_16": (("--train_batch_size", "16"), None),
+    "batch_16_in_2_grad_steps": (("--grad_step", "2"), None),     # 8 sequences twice, one optimizer pass
     "batch_16_ce_chunks_of_8192_tokens": (("--train_batch_size", "16"), cross_entropy_chunks_of(8192)),
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
 }

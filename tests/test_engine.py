@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+import engine
 import pipeline
 import sharding
 from model_util import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, batch, one_device_run, rel_err,
@@ -68,3 +69,14 @@ def test_the_reference_engine_runs_none_of_the_fast_ones_kernels():
     for kernel in ("custom_vjp_call", " name[", "platform_index"):
         assert kernel in fast and kernel not in reference, kernel
     assert "dot_general" in reference and ("checkpoint" in reference or "remat" in reference)
+
+
+def test_a_tpus_products_stand_behind_barriers_and_no_other_platforms():
+    """On a TPU the fast engine's product and its cotangent stand behind optimization barriers, so that XLA fuses
+    nothing of what follows into the matmul; the CPU's and GPU's programs have none (tests/test_golden_program.py)."""
+    a, b = np.ones((4, 8), np.float32), np.ones((8, 16), np.float32)
+
+    def barriers(platform):
+        loss = lambda a, b: engine.Fast(platform).mm("td,df->tf", a, b, "bfloat16").sum()
+        return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(a, b)).count("optimization_barrier")
+    assert (barriers("tpu"), barriers("cpu"), barriers("gpu"), barriers(None)) == (2, 0, 0, 0)

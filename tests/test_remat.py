@@ -46,22 +46,11 @@ def test_a_kept_kernels_forward_runs_once_under_the_remat():
     for policy in engine.REMAT_POLICIES.values():
         def grad(kernel):
             return jax.grad(jax.checkpoint(layer(kernel), policy=policy), argnums=(0, 1))
-        kept = lambda q, k: attention_kernels.keep_kernel_outputs(_kernel, attention_kernels.KERNEL_OUTPUTS, q, k)
+        kept = lambda q, k: attention_kernels.keep_kernel_outputs(_kernel, q, k)
         tanhs = lambda kernel: sum(e.primitive.name == "tanh" for e in eqns(jax.make_jaxpr(grad(kernel))(x, w).jaxpr))
         assert (tanhs(kept), tanhs(_kernel)) == (1, 2)
         for a, b in zip(grad(kept)(x, w), grad(_kernel)(x, w)):
             assert jnp.array_equal(a, b)
-
-
-def test_the_tpu_kernels_outputs_are_kept_by_full_and_recomputed_by_dots():
-    """TPU_KERNEL_OUTPUTS (engine/tpu_attention.py's): --remat full keeps them (one run of the kernel's forward),
-    dots replays the kernel (two): a pipeline under dots would keep them for every micro-batch."""
-    x, w = jnp.linspace(-1, 1, 24).reshape(4, 6), jnp.linspace(0.5, 1.5, 24).reshape(4, 6)
-    kept = lambda q, k: attention_kernels.keep_kernel_outputs(_kernel, attention_kernels.TPU_KERNEL_OUTPUTS, q, k)
-    loss = lambda x, w: jnp.sum(jnp.sin(kept(x * w, x + w)) ** 2)
-    for policy, runs in (("full", 1), ("dots", 2)):
-        grad = jax.grad(jax.checkpoint(loss, policy=engine.REMAT_POLICIES[policy]), argnums=(0, 1))
-        assert sum(e.primitive.name == "tanh" for e in eqns(jax.make_jaxpr(grad)(x, w).jaxpr)) == runs, policy
 
 
 def _grad_jaxpr(cfg, mesh):

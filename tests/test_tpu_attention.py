@@ -113,6 +113,16 @@ def test_the_fast_engine_runs_the_kernel_only_on_a_tpu_in_bf16():
     assert not tpu_attention.takes(100)             # no block divides it: XLA's path
 
 
+@pytest.mark.parametrize("policy", sorted(engine.REMAT_POLICIES))
+def test_the_layers_remat_runs_the_kernels_forward_again(policy):
+    """No remat policy keeps the kernel's outputs (the layer scans' stacking of them cost more than its forward
+    run again): the gradient of a rematted layer holds three kernels, the forward, its replay and the backward."""
+    q, k, v, w = (x.astype(jnp.bfloat16) for x in operands(1, 256, 2, 24, 8))
+    layer = lambda q, k, v: jnp.sum(engine.Fast("tpu").attention(q, k, v, None, jnp.bfloat16) * w)
+    grad = jax.grad(jax.checkpoint(layer, policy=engine.REMAT_POLICIES[policy]), argnums=(0, 1, 2))
+    assert str(jax.make_jaxpr(grad)(q, k, v)).count("pallas_call[") == 3
+
+
 def test_the_kernels_products_count_in_a_tpu_programs_matmul_flops():
     """Compiled for a v5e here (libtpu's compiler), the kernel's products are counted (hlo.matmul_flops reads the
     FLOPs it declares: its block pairs on and below the diagonal), the forward's and the backward's apart."""
