@@ -319,13 +319,14 @@ class MoE(nnx.Module):
 
 
 def dropout(x_BTD, rate, key, seq_ids_B):
-    """Inverted dropout whose mask depends only on (key, global sequence id), so any mesh (and any
-    micro-batching) draws the same mask for the same sequence."""
+    """Inverted dropout whose mask depends only on (key, global sequence id), so any mesh and micro-batching draw
+    the same mask; an element's 16 bits are half a threefry word (the guide's bernoulli takes a word: 1.025x slower)."""
     def one(x_TD, seq):
-        keep = jax.random.bernoulli(jax.random.fold_in(key, seq), 1.0 - rate, x_TD.shape)
-        # A product, not where(keep, x, 0): the scan over layers hoisted where's zeros out as a full [B, T, D]
-        # array that every layer then read. Same values.
-        return x_TD / (1.0 - rate) * keep
+        (T, D), cut = x_TD.shape, round(rate * 2**16)
+        words = jax.random.bits(jax.random.fold_in(key, seq), (T, (D + 1) // 2), jnp.uint32)
+        bits_TD = jnp.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(T, -1)[:, :D]
+        # A product, not where(keep, x, 0): the layers' scan hoisted where's zeros as a [B, T, D] array
+        return x_TD / (1 - cut / 2**16) * (bits_TD >= cut)
     return jax.vmap(one)(x_BTD, seq_ids_B)
 
 
@@ -378,9 +379,8 @@ class Block(nnx.Module):
         """Returns x, the block's MoE stats and new cache; ctx["layer_keys"]: each layer's dropout key, in order."""
         n_dense, keys = self.cfg.layers_per_block - 1, ctx["layer_keys"]
         moe = lambda layer, x_BTD, cache_l: layer(x_BTD, positions_T, axes, ctx | {"key": keys[n_dense]}, cache_l)
-        # Each layer is rematerialised on its own (not the block as one, which would replay the whole inner
-        # scan); the engine says what each keeps and whether the dense layers' scan is unrolled.
-        policy, unroll = axes.engine.layer_remat(self.cfg)
+        # Each layer rematerialised on its own (the block as one would replay its whole inner scan): what each keeps
+        policy, unroll = axes.engine.layer_remat(self.cfg)     # and whether the dense layers' scan is unrolled
         cache, new_cache = cache or {}, {}
         if self.dense is not None:
             x_BTD, new_cache["dense"] = run_dense(self.dense, DENSE_LAYERS, x_BTD, positions_T, axes, ctx, keys[:n_dense],
