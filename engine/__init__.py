@@ -7,7 +7,8 @@ what a reader steps through in a debugger and the oracle the tests hold the fast
 
   seam                       reference: the guide's plain math          fast (this package's files)
   mm(spec, a, b, dtype)      jnp.einsum, operands rounded to dtype,     products.mm: a custom VJP whose backward
-                             products in fp32                           products are bf16 x bf16 -> fp32 too
+                             products in fp32                           products are bf16 x bf16 -> fp32 too; on
+                                                                        a TPU behind optimization barriers
   attention(q, k, v, mask)   model.masked_attention, a causal mask      attention_kernels.attention: cuDNN's
                                                                         fused kernel on a GPU, tpu_attention's
                                                                         Pallas kernel on a TPU, else causal chunks
