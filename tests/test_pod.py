@@ -137,11 +137,12 @@ def test_compile_for_reports_the_plan_and_fits(tmp_path):
 def test_compile_for_a_config_that_cannot_fit_exits_1_with_the_shortfall_and_a_setting_that_fits(tmp_path):
     """The shortfall in one line, then the settings that trade compute for memory compiled (planning/tradeoffs.py) and
     the cheapest that fits named with its command; the exit status stays 1 (without --fit)."""
-    # The tiny preset's layers 192 blocks deep, every layer keeping 16 sequences' activations for the backward:
-    # the memory grows with the blocks while the compiled program (one scanned block) and its shapes stay small,
-    # so each compile takes seconds. The settings: --remat full and --grad_step 2 (8 micro-batches of one
-    # sequence leave no --grad_step 4), both fitting.
-    flags = ["--preset", "tiny", "--blocks", "192", "--T", "256", "--micro_batch_size", "8", "--compile_for", "v4-8"]
+    # The tiny preset 384 blocks deep, each of one (MoE) layer keeping 16 sequences' activations for the backward:
+    # the memory grows with the blocks while the compiled program (one scanned block of one layer: a third less to
+    # compile than the preset's two) and its shapes stay small, so each compile takes seconds. The settings:
+    # --remat full and --grad_step 2 (8 micro-batches of one sequence leave no --grad_step 4), both fitting.
+    flags = ["--preset", "tiny", "--blocks", "384", "--layers_per_block", "1", "--T", "256", "--micro_batch_size", "8",
+             "--compile_for", "v4-8"]
     p = compile_for(*flags, cwd=tmp_path)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     lines = p.stdout.strip().splitlines()
