@@ -7,6 +7,7 @@ a sorted grouped matmul (`experts_ragged`: lax.ragged_dot, or on a GPU in bf16 t
 Every way computes `model.ffn`. N = B T k routed choices, U slots per expert on a dp shard, W rows a
 shard receives, Z dp shards (expert parallelism's senders and receivers); e = E/dp experts on a dp shard.
 """
+import importlib
 from functools import partial
 
 import jax
@@ -71,13 +72,13 @@ def experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp):
     return y_EUD[experts_BTk, jnp.minimum(row_BTk, B * C - 1)]
 
 
-def _grouped_ffn(w, x_ND, group_sizes_E, platform):
+def _grouped_ffn(w, x_ND, group_sizes_E, kernel):
     """model.ffn over rows sorted by expert (group_sizes_E rows each, in expert order; rows past their sum
-    in no group), each product a grouped matmul with the product's contract: on a GPU (`platform`, the
-    mesh's) in bf16 tokamax's Triton kernel, else lax.ragged_dot, which is also the kernel's reference."""
+    in no group), each product a grouped matmul with the product's contract: in bf16 by `kernel` (a grouped
+    matmul as `triton_grouped` or `megablox_grouped`, None: lax.ragged_dot, which is also the kernels' reference)."""
     def grouped(spec, x, w_EDF, dtype, out_dtype):
-        kernel = platform == "gpu" and dtype == jnp.bfloat16
-        return _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), out_dtype, kernel, x, w_EDF, group_sizes_E)
+        return _ragged_rounded(dtype, (x.dtype, w_EDF.dtype), out_dtype, kernel if dtype == jnp.bfloat16 else None,
+                               x, w_EDF, group_sizes_E)
     return ffn(x_ND, w["expert_up"], w["expert_down"], "nd,edf->nf", grouped, w_gate=w.get("expert_gate"))
 
 
@@ -90,9 +91,9 @@ ROWS, ROWS_T, PER_GROUP = _dims(((1,), (1,)), (0,)), _dims(((1,), (2,)), (0,)), 
 
 def _grouped(a, b, group_sizes, dims, kernel, out_dtype=jnp.float32):
     """The grouped product `dims` of operands in the matmul dtype, accumulated in fp32 and returned in
-    out_dtype: by tokamax's Triton kernel (kernel True) or lax.ragged_dot_general."""
-    if kernel:
-        return triton_grouped(a, b, group_sizes, dims, out_dtype)
+    out_dtype: by `kernel` or, where it is None, lax.ragged_dot_general."""
+    if kernel is not None:
+        return kernel(a, b, group_sizes, dims, out_dtype)
     product = partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims, preferred_element_type=jnp.float32)
     return fp32_product(product, a, b, group_sizes).astype(out_dtype)
 
@@ -101,7 +102,7 @@ def _grouped(a, b, group_sizes, dims, kernel, out_dtype=jnp.float32):
 def _ragged_rounded(dtype, operand_dtypes, out_dtype, kernel, x_ND, w_EDF, group_sizes_E):
     """The grouped matmul of the operands rounded to `dtype`, accumulated in fp32 and returned in out_dtype,
     whose backward rounds the cotangent to `dtype` and returns each operand's cotangent in its own dtype
-    (as products.mm); kernel: tokamax's Triton kernel does all three products."""
+    (as products.mm); kernel (or lax's) does all three products."""
     return _grouped(x_ND.astype(dtype), w_EDF.astype(dtype), group_sizes_E, ROWS, kernel, out_dtype)
 
 
@@ -123,6 +124,23 @@ def _ragged_rounded_bwd(dtype, operand_dtypes, out_dtype, kernel, residuals, g_N
 _ragged_rounded.defvjp(_ragged_rounded_fwd, _ragged_rounded_bwd)
 
 
+def _only_grouped_rows(out, dims, group_sizes):
+    """A grouped kernel's output with what lax's holds where the kernel writes nothing: 0 in the rows past the
+    groups' (dropped choices) and, for the per-group products, in an empty group's matrix."""
+    if dims == PER_GROUP:
+        return jnp.where(group_sizes[:, None, None] > 0, out, 0)
+    return jnp.where(jnp.arange(out.shape[0])[:, None] < jnp.sum(group_sizes), out, 0)
+
+
+def _outside_vma_check(kernel, a, b, group_sizes):
+    """kernel(a, b, group_sizes), a Pallas call that does not give its outputs' varying axes, which a call
+    inside shard_map needs: traced with check_vma off (a shard_map over no axis), its result varying as its
+    operands do."""
+    out = jax.shard_map(kernel, in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names=frozenset(),
+                        check_vma=False)(a, b, group_sizes)
+    return vary_like((out,), (a, b, group_sizes))[0]
+
+
 def triton_grouped(a, b, group_sizes, dims, out_dtype):
     """lax.ragged_dot_general(a, b, group_sizes, dims) for dims ROWS, ROWS_T or PER_GROUP, by tokamax's
     Pallas-Triton grouped matmuls (requirements-gpu-aot.txt), accumulated in fp32 and returned in out_dtype.
@@ -141,22 +159,35 @@ def triton_grouped(a, b, group_sizes, dims, out_dtype):
 
     def kernel(a, b, group_sizes):
         if dims == PER_GROUP:
+            # an empty group's one (masked) step adds up the block_k rows before it (`_only_grouped_rows`)
             out = pallas_triton._ragged_contracting_dim_dot(
                 a, b, group_sizes=group_sizes,
                 ragged_dot_dimension_numbers=pallas_triton.base.RAGGED_CONTRACTING_DOT_DIM_NUMS, **common)
-            # An empty group's one (masked) step adds up the block_k rows before it: its sum is 0.
-            return jnp.where(group_sizes[:, None, None] > 0, out, 0)
-        out = pallas_triton._ragged_dot(
-            a, jnp.swapaxes(b, 1, 2) if dims == ROWS_T else b, group_sizes=group_sizes,
-            ragged_dot_dimension_numbers=pallas_triton.base.DEFAULT_RAGGED_DOT_DIM_NUMS,
-            split_k_intermediate_dtype=None, **common)
-        # The kernel writes only the groups' rows; those past them (dropped choices) are 0, as lax's.
-        return jnp.where(jnp.arange(a.shape[0])[:, None] < jnp.sum(group_sizes), out, 0)
-    # A Pallas call inside shard_map needs its outputs' varying axes, which tokamax does not give: it is
-    # traced with check_vma off (a shard_map over no axis), and its result varies as its operands do.
-    out = jax.shard_map(kernel, in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names=frozenset(),
-                        check_vma=False)(a, b, group_sizes)
-    return vary_like((out,), (a, b, group_sizes))[0]
+        else:
+            out = pallas_triton._ragged_dot(
+                a, jnp.swapaxes(b, 1, 2) if dims == ROWS_T else b, group_sizes=group_sizes,
+                ragged_dot_dimension_numbers=pallas_triton.base.DEFAULT_RAGGED_DOT_DIM_NUMS,
+                split_k_intermediate_dtype=None, **common)
+        return _only_grouped_rows(out, dims, group_sizes)
+    return _outside_vma_check(kernel, a, b, group_sizes)
+
+
+def megablox_grouped(a, b, group_sizes, dims, out_dtype, tiling=(128, 128, 128), interpret=False):
+    """lax.ragged_dot_general(a, b, group_sizes, dims) for dims ROWS, ROWS_T or PER_GROUP, by jax's Pallas TPU
+    grouped matmuls (megablox's gmm and, for the per-group products, tgmm), accumulated in fp32 and returned
+    in out_dtype; tiling: their (rows, contraction, columns) tiles. Not the engine's yet: a lever of
+    scripts/levers.py (`moe_ragged_megablox_*`) until timed on a chip."""
+    # the module: the package's `gmm` is its differentiable wrapper, whose backward ours replaces (_ragged_rounded)
+    megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+    def kernel(a, b, group_sizes):
+        if dims == PER_GROUP:
+            out = megablox.tgmm(a.T, b, group_sizes, jnp.float32, tiling, interpret=interpret)
+        else:
+            out = megablox.gmm(a, b, group_sizes, jnp.float32, tiling, transpose_rhs=dims == ROWS_T,
+                               interpret=interpret)
+        return _only_grouped_rows(out, dims, group_sizes).astype(out_dtype)
+    return _outside_vma_check(kernel, a, b, group_sizes)
 
 
 def _sorted_by_expert(experts_BTk, slot_BTk, C, E):
@@ -166,17 +197,17 @@ def _sorted_by_expert(experts_BTk, slot_BTk, C, E):
     return jnp.argsort(expert_N, stable=True), jnp.sum(jax.nn.one_hot(expert_N, E, dtype=jnp.int32), axis=0)
 
 
-def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C, platform=None):
+def experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C, kernel=None):
     """The same outputs from a grouped matmul: choices sorted by expert (dropped ones last, in no group) and
-    multiplied by their expert's weights; no capacity padding. platform: the mesh's (`_grouped_ffn`)."""
+    multiplied by their expert's weights; no capacity padding. kernel: the grouped matmul (`_grouped_ffn`)."""
     B, T, k = experts_BTk.shape
     order_N, group_sizes_E = _sorted_by_expert(experts_BTk, slot_BTk, C, w["expert_up"].shape[0])
-    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E, platform)
+    y_ND = _grouped_ffn(w, x_BTD.reshape(B * T, -1)[order_N // k], group_sizes_E, kernel)
     # order_N is a permutation: promising unique indices keeps the scatter's gradient a gather
     return jnp.zeros_like(y_ND).at[order_N].set(y_ND, unique_indices=True).reshape(B, T, k, -1)
 
 
-def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, platform=None):
+def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, kernel=None):
     """Expert parallelism without capacity padding: the kept choices, sorted by expert, travel to their
     experts' shard with lax.ragged_all_to_all (only the rows there are), run through a grouped matmul and
     come back the same way. XLA:CPU does not implement ragged_all_to_all: on a CPU this path is checked by
@@ -204,7 +235,7 @@ def experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, platform=None
     group_W = jnp.searchsorted(jnp.cumsum(sizes_Ze), jnp.arange(W), side="right")
     local_W = jnp.where(group_W < Z * e, group_W % e, e)
     by_expert_W = jnp.argsort(local_W, stable=True)
-    y_sorted_WD = _grouped_ffn(w, recv_WD[by_expert_W], jnp.sum(counts_ZZe[:, me, :], axis=0), platform)
+    y_sorted_WD = _grouped_ffn(w, recv_WD[by_expert_W], jnp.sum(counts_ZZe[:, me, :], axis=0), kernel)
     y_WD = jnp.zeros_like(y_sorted_WD).at[by_expert_W].set(y_sorted_WD, unique_indices=True)
     # And back over dp, the inverse exchange: [W, D] -> [N, D] in this shard's sorted order
     back_ND = vary_like((jnp.zeros((N, D), dtype),), (y_WD,))[0]
@@ -221,12 +252,17 @@ def buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None, platform=None):
     return experts_over_dp(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp)
 
 
+# The grouped matmul --moe_impl ragged runs in bf16, by the mesh's platform (lax.ragged_dot elsewhere)
+GROUPED_KERNELS = {"gpu": triton_grouped}
+
+
 def ragged(w, x_BTD, experts_BTk, slot_BTk, C, mm, dp=None, platform=None):
-    """--moe_impl ragged (grouped matmuls with the product's contract of their own, chosen by the mesh's
-    platform: mm is not used)."""
+    """--moe_impl ragged (grouped matmuls with the product's contract of their own, GROUPED_KERNELS' for the
+    mesh's platform: mm is not used)."""
+    kernel = GROUPED_KERNELS.get(platform)
     if dp is None:
-        return experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C, platform)
-    return experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, platform)
+        return experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C, kernel)
+    return experts_over_dp_ragged(w, x_BTD, experts_BTk, slot_BTk, C, dp, kernel)
 
 
 MOE_IMPLS = {"buffers": buffers, "ragged": ragged}

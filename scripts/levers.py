@@ -34,7 +34,7 @@ import hardware  # noqa: E402
 import multihost  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
-from engine import attention_kernels, products, tpu_attention  # noqa: E402
+from engine import attention_kernels, expert_kernels, products, tpu_attention  # noqa: E402
 from planning.measure import compiled_or_shortfall, planned_gib  # noqa: E402
 
 
@@ -81,6 +81,17 @@ def attention_kernel(block=None, keep_outputs=False, narrow_block=None):
     return AttentionKernel
 
 
+def experts_megablox(tiling):
+    @dataclasses.dataclass(frozen=True)
+    class MegabloxExperts(engine.Fast):
+        def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
+            kernel = functools.partial(expert_kernels.megablox_grouped, tiling=tiling)
+            return expert_kernels.experts_ragged(w, x_BTD, experts_BTk, slot_BTk, C, kernel)
+    MegabloxExperts.__doc__ = (f"--moe_impl ragged's grouped matmuls by jax's Pallas TPU kernels (megablox gmm, tgmm), "
+                               f"tiles of {tiling} (rows, contraction, columns); the engine's: lax.ragged_dot")
+    return MegabloxExperts
+
+
 @dataclasses.dataclass(frozen=True)
 class ProductsFused(engine.Fast):
     """Each product's output free to fuse into what follows it (the engine's before the barriers of engine.Fast.mm)."""
@@ -112,6 +123,8 @@ LEVERS = {
     "remat_keep_ffn_hidden": ((), KeepFfnHidden),
     "products_fused": ((), ProductsFused),
     "moe_ragged": (("--moe_impl", "ragged"), None),
+    **{f"moe_ragged_megablox_{'_'.join(map(str, tiling))}": (("--moe_impl", "ragged"), experts_megablox(tiling))
+       for tiling in ((128, 128, 128), (256, 256, 256), (512, 256, 256), (512, 768, 768))},
     # twice the sequences a step (compare MFU, not step time): the optimizer's pass over the state per token halved
     "batch_16": (("--train_batch_size", "16"), None),
     "batch_16_in_2_grad_steps": (("--grad_step", "2"), None),     # 8 sequences twice, one optimizer pass

@@ -103,3 +103,22 @@ def test_on_a_gpu_the_grouped_matmuls_are_tokamaxs_kernel_and_the_census_counts_
     # The kernel's outputs vary over the mesh axes its operands vary over, so the gradient's reductions are
     # lax.ragged_dot's: the same all-reduces.
     assert gpu["kinds"]["collective:all-reduce"] == cpu["kinds"]["collective:all-reduce"]
+
+
+@pytest.mark.parametrize("tiling", [(128, 128, 128), (256, 128, 256)])
+def test_megablox_grouped_matmuls_equal_laxs_in_fp32(tiling):
+    """expert_kernels.megablox_grouped (jax's Pallas TPU gmm and tgmm, in interpret mode here), the grouped
+    matmuls a lever times on a TPU: its three products equal lax.ragged_dot_general's in fp32, with an empty
+    group and rows past the groups (dropped choices: 0 in lax's)."""
+    from jax import lax
+    from engine import expert_kernels as ek
+    keys = jax.random.split(jax.random.key(0), 3)
+    N, D, F = 512, 256, 384
+    group_sizes = jax.numpy.array([200, 0, 160, 100], jax.numpy.int32)         # 460 of 512 rows in a group
+    x, g = jax.random.normal(keys[0], (N, D)), jax.random.normal(keys[1], (N, F))
+    w = jax.random.normal(keys[2], (4, D, F))
+    for a, b, dims in ((x, w, ek.ROWS), (g, w, ek.ROWS_T), (x, g, ek.PER_GROUP)):
+        expected = lax.ragged_dot_general(a, b, group_sizes, dims, precision=lax.Precision.HIGHEST)
+        with jax.set_mesh(sharding.make_mesh((1, 1, 1))):          # as inside the model's shard_map
+            got = ek.megablox_grouped(a, b, group_sizes, dims, jax.numpy.float32, tiling, interpret=True)
+        assert got.shape == expected.shape and rel_err(got, expected) < 1e-5, dims
