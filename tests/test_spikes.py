@@ -186,21 +186,26 @@ def test_tiny_preset_trains_without_spikes(shape=(2, 2, 2), dtype="float32"):
 def test_the_largest_finite_gradient_keeps_the_optimizer_state_finite():
     """What lets the train step test only the loss and the gradient's norm: with every g^2 finite (the
     norm is), Adam's moments, its update and the new parameters stay finite, at the preset's lr and
-    from a fresh state (moments 0, the table's rows with zero gradient included)."""
+    from a fresh state (moments 0, the table's rows with zero gradient included). The update compiled, as the
+    train step runs it (op by op it compiled each of its hundreds of ops apart: a minute)."""
     cfg = utils.Config(model=SPIKE_MODEL)
-    params = sharding.init_stored_params(SPIKE_MODEL, jax.random.key(0))
+    params = jax.jit(sharding.init_stored_params, static_argnums=0)(SPIKE_MODEL, jax.random.key(0))
     opt = optimizer.make_optimizer(cfg.optim, params)
     state, leaves = opt.init(params), jax.tree.leaves(params)
     largest = np.sqrt(np.finfo(np.float32).max / sum(leaf.size for leaf in leaves)) * 0.99
-    for sign in (1.0, -1.0, 1.0, 0.0):
+
+    @jax.jit
+    def update(sign, state, params):
         grads = jax.tree.map(lambda p: jnp.full(p.shape, sign * largest, jnp.float32).at[..., 0].set(0.0), params)
-        assert np.isfinite(float(optax.tree.norm(grads)))
         updates, state = opt.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.tree.norm(grads), updates, state, optax.apply_updates(params, updates)
+    for sign in (1.0, -1.0, 1.0, 0.0):
+        norm, updates, state, params = update(sign, state, params)
+        assert np.isfinite(float(norm))
         # the spike watch's window is not checked: NaN there means "no norm yet"
         assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((params, state.inner, updates))), sign
-    grads = jax.tree.map(lambda p: jnp.full(p.shape, 2 * largest, jnp.float32), params)   # squares sum past fp32
-    assert not np.isfinite(float(optax.tree.norm(grads)))
+    grads = jax.tree.map(lambda p: np.full(p.shape, 2 * largest, np.float32), params)     # squares sum past fp32
+    assert not np.isfinite(float(jax.jit(optax.tree.norm)(grads)))
 
 
 @pytest.mark.parametrize("bad", [np.nan, 1e30])
