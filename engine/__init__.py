@@ -127,7 +127,8 @@ class Fast(Reference):
     def mm(self, spec, a, b, dtype, out_dtype=jnp.float32):
         """products.mm; on a TPU its output (and in the backward its cotangent) behind an optimization barrier, so
         that XLA does not fuse the next norm's reduction, dropout's random bits or the residual into the product:
-        so fused the dense FFNs' ran at 47-61% of peak (the step 1.029x faster without: performance-log.md)."""
+        so fused the dense FFNs' ran at 47-61% of peak; behind barriers one v5e ran the step 1.029x faster
+        (docs/performance-log.md#2026-12-07-tpu-barriers-dropout)."""
         out = products.mm(spec, a, b, dtype, out_dtype)
         return lax.optimization_barrier(out) if self.platform == "tpu" else out
 
