@@ -18,7 +18,9 @@ test modules share.
 README runs the suite as `pytest -n 2 --dist loadfile`: each test module on one pytest-xdist worker, so its
 module-scoped fixtures (a trained run, an export, a bucket's shards) are built once. (`--dist loadgroup` with
 `xdist_group` marks no longer groups: xdist 3.8 names a group by rewriting `item._nodeid`, which pytest 9 does
-not read, so it dealt every test apart.)
+not read, so it dealt every test apart.) xdist deals the modules in collection order, and the modules that take
+minutes (LONGEST_FIRST) come first: dealt by their number of tests, as xdist would, the long ones with few tests
+(test_hang, test_launch_supervisor) came last, one running alone at the end while the other worker sat idle.
 """
 import atexit
 import gzip
@@ -57,7 +59,18 @@ os.environ.setdefault("WANDB_MODE", "offline")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# The modules that take minutes, longest first (each alone, with --durations, 2026-12-07: test_run_safety 10 minutes
+# under load, test_launch_multihost 2); the rest follow in their order. A module missing here is dealt later, not lost.
+LONGEST_FIRST = ("test_run_safety.py", "test_model.py", "test_main.py", "test_gcs.py", "test_tasks.py", "test_pod.py",
+                 "test_planner.py", "test_stop_points.py", "test_spikes.py", "test_launch_supervisor.py",
+                 "test_accelerator_program.py", "test_hang.py", "test_tpu_attention.py", "test_bench.py",
+                 "test_newcomer.py", "test_convert.py", "test_run_output.py", "test_harness_tasks.py", "test_fit.py",
+                 "test_launch_multihost.py")
+
+
 def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.option.loadscopereorder = False      # deal the modules in collection order (LONGEST_FIRST's)
     # a deprecated optax call is code to update (optax.global_norm warned 78 times a CI run), not noise
     config.addinivalue_line("filterwarnings", "error::DeprecationWarning:optax")
     config.addinivalue_line("markers", "slow(cost): an opt-in check, run with JAXFORMER_SLOW_TESTS=1; cost says what "
@@ -65,10 +78,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow are skipped unless JAXFORMER_SLOW_TESTS=1, the one place that says so."""
+    """Tests marked slow are skipped unless JAXFORMER_SLOW_TESTS=1, the one place that says so; the modules in
+    LONGEST_FIRST's order ahead of the rest (a stable sort: each module's tests keep theirs)."""
     for item in items:
         if (slow := item.get_closest_marker("slow")) is not None and os.environ.get("JAXFORMER_SLOW_TESTS") != "1":
             item.add_marker(pytest.mark.skip(reason=f"opt-in (JAXFORMER_SLOW_TESTS=1): {slow.args[0]}"))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
