@@ -91,11 +91,11 @@ ROWS, ROWS_T, PER_GROUP = _dims(((1,), (1,)), (0,)), _dims(((1,), (2,)), (0,)), 
 
 def _grouped(a, b, group_sizes, dims, kernel, out_dtype=jnp.float32):
     """The grouped product `dims` of operands in the matmul dtype, accumulated in fp32 and returned in
-    out_dtype: by `kernel` or, where it is None, lax.ragged_dot_general."""
+    out_dtype: by `kernel` or, where it is None, lax.ragged_dot_general; 0 where no group has a row."""
     if kernel is not None:
         return kernel(a, b, group_sizes, dims, out_dtype)
     product = partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims, preferred_element_type=jnp.float32)
-    return fp32_product(product, a, b, group_sizes).astype(out_dtype)
+    return _only_grouped_rows(fp32_product(product, a, b, group_sizes), dims, group_sizes).astype(out_dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -125,8 +125,10 @@ _ragged_rounded.defvjp(_ragged_rounded_fwd, _ragged_rounded_bwd)
 
 
 def _only_grouped_rows(out, dims, group_sizes):
-    """A grouped kernel's output with what lax's holds where the kernel writes nothing: 0 in the rows past the
-    groups' (dropped choices) and, for the per-group products, in an empty group's matrix."""
+    """A grouped product's output with 0 where it may write nothing: in the rows past the groups' (dropped
+    choices, whose d_x would otherwise flow back into their tokens) and, for the per-group products, in an
+    empty group's matrix. lax.ragged_dot promises these zeros but on a TPU leaves the rows past the groups
+    unwritten (jax 0.10.2; tests/test_tpu.py), as the Pallas kernels leave both."""
     if dims == PER_GROUP:
         return jnp.where(group_sizes[:, None, None] > 0, out, 0)
     return jnp.where(jnp.arange(out.shape[0])[:, None] < jnp.sum(group_sizes), out, 0)

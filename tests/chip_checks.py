@@ -4,11 +4,13 @@ the test process stays on the CPU). Every result is one JSON line on stdout.
     python tests/chip_checks.py CHECK [CHECK ...]
 
 A CHECK is `fp32` (the tiny preset's first three steps in fp32: loss, grad norm), `attention` (the TPU attention
-kernel's and XLA's bf16 attention against fp32, at the one-chip preset's shapes) or a memory case (MODEL's flags +
+kernel's and XLA's bf16 attention against fp32, at the one-chip preset's shapes), `grouped` (the grouped
+matmuls of --moe_impl ragged, lax's and megablox's, against fp32 products) or a memory case (MODEL's flags +
 CASE's: the compiler's verdict and plan, measure.planned_gib, and what the device held after three steps: its buffers,
 bytes_in_use, and the program's reserved temporaries, bytes_reserved). One process runs them all: each start and
 shutdown of a TPU runtime costs tens of seconds.
 """
+import functools
 import gc
 import json
 import os
@@ -22,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
 from bench import build_step  # noqa: E402
-from engine import attention_kernels, tpu_attention  # noqa: E402
+from engine import attention_kernels, expert_kernels, tpu_attention  # noqa: E402
 from planning import measure  # noqa: E402
 
 GiB = 2**30
@@ -75,26 +77,51 @@ def attention():
     """The largest error against fp32 (its share of the fp32 value's largest) of the output and the gradients of
     q, k, v of sum(attention * w), for the kernel (engine/tpu_attention.py) and XLA's path, both in bf16, at the
     one-chip preset's sequences (8 of 1,024), 12 heads and MLA's widths (q.k 192 with RoPE, 64 without; v 64)."""
+    def run(attention, dtype, q, k, v, w):
+        out, vjp = jax.vjp(lambda *qkv: attention(*qkv).astype(jnp.float32), *(x.astype(dtype) for x in (q, k, v)))
+        return [out, *(g.astype(jnp.float32) for g in vjp(w))]
     errors = {}
     for Q, J in ((192, 64), (64, 64)):
         keys = jax.random.split(jax.random.key(0), 4)
         q, k = (jax.random.normal(key, (8, 1024, 12, Q), jnp.float32) for key in keys[:2])
         v, w = (jax.random.normal(key, (8, 1024, 12, J), jnp.float32) for key in keys[2:])
 
-        def run(attention, dtype):
-            out, vjp = jax.vjp(lambda *qkv: attention(*qkv).astype(jnp.float32), *(x.astype(dtype) for x in (q, k, v)))
-            return [out, *(g.astype(jnp.float32) for g in vjp(w))]
+        # the operands are arguments: closed over, they are constants the compiler folds for minutes
         with jax.default_matmul_precision("highest"):
-            fp32 = jax.jit(lambda: run(lambda *qkv: attention_kernels.xla_attention(*qkv, None, jnp.float32),
-                                       jnp.float32))()
+            fp32 = jax.jit(functools.partial(
+                run, lambda *qkv: attention_kernels.xla_attention(*qkv, None, jnp.float32), jnp.float32))(q, k, v, w)
         for name, attention in (("kernel", tpu_attention.attention),
                                 ("xla", lambda *qkv: attention_kernels.xla_attention(*qkv, None, jnp.bfloat16))):
-            got = jax.jit(lambda: run(attention, jnp.bfloat16))()
+            got = jax.jit(functools.partial(run, attention, jnp.bfloat16))(q, k, v, w)
             errors[f"{name} {Q}/{J}"] = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, fp32)]
     return {"check": "attention", "platform": jax.default_backend(), "errors": errors}
 
 
-CHECKS = {"fp32": fp32, "attention": attention}
+def grouped():
+    """The largest error (its share of the largest value) of each of --moe_impl ragged's grouped products
+    (expert_kernels' ROWS, ROWS_T, PER_GROUP) of bf16 operands, by lax.ragged_dot_general and by megablox,
+    against one fp32 product per group: 1,024 rows in 8 groups, one empty, and 128 rows past the groups
+    (the dropped choices, whose outputs must be 0)."""
+    N, D, F = 1024, 768, 512
+    sizes_E = jnp.array([200, 0, 130, 90, 256, 50, 100, 70], jnp.int32)
+    group_NE = jax.nn.one_hot(jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(N), side="right"), len(sizes_E))
+    keys = jax.random.split(jax.random.key(0), 4)
+    x_ND, g_NF = (jax.random.normal(key, shape).astype(jnp.bfloat16) for key, shape in zip(keys, [(N, D), (N, F)]))
+    w_EDF = jax.random.normal(keys[2], (len(sizes_E), D, F)).astype(jnp.bfloat16)
+    cases = {"rows": (x_ND, w_EDF, expert_kernels.ROWS, "nd,edf,ne->nf"),
+             "rows_t": (g_NF, w_EDF, expert_kernels.ROWS_T, "nf,edf,ne->nd"),
+             "per_group": (x_ND, g_NF, expert_kernels.PER_GROUP, "nd,nf,ne->edf")}
+    errors = {}
+    for name, (a, b, dims, spec) in cases.items():
+        want = jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), group_NE, precision="highest")
+        for kernel_name, kernel in (("lax", None), ("megablox", expert_kernels.megablox_grouped)):
+            with jax.set_mesh(jax.sharding.Mesh(jax.devices()[:1], ("one",))):     # the kernels' shard_map needs one
+                got = jax.jit(functools.partial(expert_kernels._grouped, dims=dims, kernel=kernel))(a, b, sizes_E)
+            errors[f"{kernel_name} {name}"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    return {"check": "grouped", "platform": jax.default_backend(), "errors": errors}
+
+
+CHECKS = {"fp32": fp32, "attention": attention, "grouped": grouped}
 
 if __name__ == "__main__":
     jnp.zeros(()).block_until_ready()        # the device is opened before anything is timed or measured

@@ -56,7 +56,7 @@ def results(proc):
 def chip(tpu_env, cpu_env):
     """{memory case or "fp32": chip_checks' result, "cpu_fp32": the CPU's}: the chip's checks in one process (its
     runtime started once), the CPU's fp32 beside it."""
-    on_chip, on_cpu = checks(tpu_env, *FITS, *REFUSED, "fp32", "attention"), checks(cpu_env, "fp32")
+    on_chip, on_cpu = checks(tpu_env, *FITS, *REFUSED, "fp32", "attention", "grouped"), checks(cpu_env, "fp32")
     chip_results, cpu_results = results(on_chip), results(on_cpu)
     return {r.get("case", r.get("check", "fp32")): r for r in chip_results} | {"cpu_fp32": cpu_results[0]}
 
@@ -89,6 +89,15 @@ def test_the_attention_kernel_is_no_further_from_fp32_than_xlas_attention(chip):
     for widths in ("192/64", "64/64"):
         kernel, xla = result["errors"][f"kernel {widths}"], result["errors"][f"xla {widths}"]
         assert all(k <= 2 * x + 1e-3 for k, x in zip(kernel, xla)), (widths, kernel, xla)
+
+
+def test_the_grouped_matmuls_are_fp32_sums_of_bf16_products(chip):
+    """--moe_impl ragged's three grouped products on the chip, lax.ragged_dot_general's and megablox's, equal an
+    fp32 product per group of the same bf16 operands, with rows past the groups (dropped choices: 0) and an
+    empty group."""
+    result = chip["grouped"]
+    assert result["platform"] == "tpu"
+    assert all(error <= 1e-4 for error in result["errors"].values()), result["errors"]
 
 
 ONE_LINE = re.compile(r"error: out of memory: the train step needs [\d.]+ GiB a device, the TPU v5 lite devices have "
