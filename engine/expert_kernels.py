@@ -177,8 +177,9 @@ def triton_grouped(a, b, group_sizes, dims, out_dtype):
 def megablox_grouped(a, b, group_sizes, dims, out_dtype, tiling=(128, 128, 128), interpret=False):
     """lax.ragged_dot_general(a, b, group_sizes, dims) for dims ROWS, ROWS_T or PER_GROUP, by jax's Pallas TPU
     grouped matmuls (megablox's gmm and, for the per-group products, tgmm), accumulated in fp32 and returned
-    in out_dtype; tiling: their (rows, contraction, columns) tiles. Not the engine's yet: a lever of
-    scripts/levers.py (`moe_ragged_megablox_*`) until timed on a chip."""
+    in out_dtype; tiling: their (rows, contraction, columns) tiles. Not the engine's: on one v5e the preset's
+    step was slower with it at every tiling timed than with lax's (scripts/levers.py `moe_ragged_megablox_*`,
+    docs/performance-log.md#2026-12-07-tpu-megablox)."""
     # the module: the package's `gmm` is its differentiable wrapper, whose backward ours replaces (_ragged_rounded)
     megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
