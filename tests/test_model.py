@@ -213,9 +213,11 @@ def test_causal_attention_in_query_chunks_equals_one_masked_softmax(T):
     chunked = lambda q, k, v: attention_kernels.attention(q, k, v, None, jnp.float32, None)
     whole = lambda q, k, v: model.masked_attention(q, k, v, jnp.tril(jnp.ones((T, T), bool)), jnp.float32, products.mm)
     assert attention_kernels.CAUSAL_MIN_CHUNK * 2 <= T          # more than one chunk
-    np.testing.assert_allclose(chunked(q, k, v), whole(q, k, v), rtol=1e-5, atol=1e-6)
+    # jitted: run op by op, the gradients compiled each of their dozens of operations apart (17 s of the test)
+    np.testing.assert_allclose(jax.jit(chunked)(q, k, v), jax.jit(whole)(q, k, v), rtol=1e-5, atol=1e-6)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-    for g, g_ref in zip(jax.grad(loss(chunked), (0, 1, 2))(q, k, v), jax.grad(loss(whole), (0, 1, 2))(q, k, v)):
+    grads = [jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v) for f in (chunked, whole)]
+    for g, g_ref in zip(*grads):
         np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
