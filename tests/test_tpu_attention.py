@@ -81,10 +81,12 @@ class InterpretedKernel(engine.Fast):
 def test_the_model_with_the_kernel_gives_the_xla_paths_loss_and_gradients(monkeypatch):
     """CFG's first 2 blocks (T 16: two kernel blocks of 8) on mesh 1 x 2 x 4 (pp 2, tp 4: 2 of the 8 heads a
     device), against the fast engine's one-device run. (Not under a remat: the interpreter's callbacks are
-    effects, which jax.checkpoint refuses; tests/test_tpu.py runs the chip's under --remat full.)"""
+    effects, which jax.checkpoint refuses; tests/test_tpu.py runs the chip's under --remat full.) A batch of 4
+    sequences, 2 a micro-batch: the interpreter's run grows with the kernel's grid (sequences x heads), 16
+    sequences took a minute of its run."""
     monkeypatch.setitem(engine.ENGINES, "interpreted_kernel", InterpretedKernel)
     small = with_model(CFG, blocks=2)
-    params, (x, y) = sharding.init_params(small, KEY), batch()
+    params, (x, y) = sharding.init_params(small, KEY), batch(n=4)
     (want_loss, _), want_grads = jax.jit(jax.value_and_grad(
         lambda p: pipeline.one_device_loss(p, x, y, KEY, small), has_aux=True))(params)
     cfg = with_model(small, engine="interpreted_kernel")
