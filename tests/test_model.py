@@ -542,7 +542,7 @@ def test_moe_weight_gradients_with_drops_by_hand(impl):
     by_hand = lambda w: jnp.sum(_moe_by_hand(w, capacity=2) * g_TD)        # capacity 2: 6 of the 12 choices drop
 
     through_moe = lambda w: jnp.sum(moe(w, jnp.asarray(LOGITS)[None], cfg, one_device(cfg))[0][0] * g_TD)
-    got, want = jax.grad(through_moe)(w), jax.grad(by_hand)(w)
+    got, want = jax.jit(jax.grad(through_moe))(w), jax.jit(jax.grad(by_hand))(w)      # jitted: op by op compiled each
     for name in ("expert_up", "expert_down", "shared_up", "shared_down"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
