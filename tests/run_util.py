@@ -1,6 +1,6 @@
 """Helpers shared by the tests that run main.py as a user would, a subprocess on CPU: TINY_FLAGS (a run of
 small_configs' model), the meshes MESH1 and MESH8, `run` (to its end) and `start` (in the background), waiting on
-a run's metrics.jsonl and checkpoints, SPAN (a span of time in a log line), and `mount` (a read-only or
+a run's metrics.jsonl and checkpoints, SPAN (a span of time in a log line), `unoptimized` (XLA at -O0), and `mount` (a read-only or
 full directory for a run to meet)."""
 import json
 import os
@@ -24,6 +24,14 @@ N = 20              # steps; checkpoints every 10 x --checkpoint_steps = 10 step
 MESH1 = "--n_device_axis 1 1 1 --train_batch_size 8".split()
 MESH8 = "--n_device_axis 2 2 2 --train_batch_size 4 --val_batch_size 4 --cpu_devices 8".split()
 SPAN = r"\d+(\.\d)? (s|min|h)"      # a span of time in a log line (metrics.duration: minutes past 120 s, as when loaded)
+
+
+def unoptimized(env):
+    """env's XLA flags with XLA at -O0, for a run of a program no other test compiles: a cold compile of the
+    training step takes seconds at -O0 where -O2 takes minutes (loaded), and a run of a few steps never earns -O2's
+    compile back (docs/performance-log.md#2026-12-07-suite-time). Programs the suite shares stay at -O2: the
+    persistent cache holds them once, and -O0 runs their many steps slower."""
+    return {"XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()}
 
 
 def run(cpu_env, out, *args, steps=N, extra_env=None, expect=0, timeout=CEILING_S):

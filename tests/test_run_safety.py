@@ -35,7 +35,7 @@ import pytest
 
 from launch_util import kill_tmux, needs_tmux, tmux
 from run_util import (MESH1, MESH8, REPO, TINY_FLAGS, checkpoints, last_step, mount, records, run, start, wait_for,
-                      wait_for_step)
+                      wait_for_step, unoptimized)
 from ceiling import CEILING_S
 
 
@@ -56,16 +56,6 @@ def trained(cpu_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
     run(cpu_env, out, *MESH1, steps=2)
     return out
-
-
-# XLA at -O0 (--xla_backend_optimization_level=0) for the runs of a configuration only this module compiles (a
-# dropout, a batch layout of its own): their programs compile several times faster (a cold compile of the training
-# step: 25 s where -O2 took minutes, loaded), and the runs take a few steps, where -O2's faster steps never pay its
-# compile back. (Tried on the 64-expert and the (2,2,2) runs too: no faster there, loaded, so they stay at -O2.) What the tests prove (what is written, refused, resumed, and each
-# sequence's cross-entropy against the others') is the same at either level. The common runs (TINY_FLAGS on
-# MESH1) stay at -O2: compiled once, they are the persistent cache's for this module's other tests and the suite's.
-def unoptimized(cpu_env):
-    return {"XLA_FLAGS": f"{cpu_env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()}
 
 
 def newest_checkpoint(out):
