@@ -92,10 +92,12 @@ ROWS, ROWS_T, PER_GROUP = _dims(((1,), (1,)), (0,)), _dims(((1,), (2,)), (0,)), 
 def _grouped(a, b, group_sizes, dims, kernel, out_dtype=jnp.float32):
     """The grouped product `dims` of operands in the matmul dtype, accumulated in fp32 and returned in
     out_dtype: by `kernel` or, where it is None, lax.ragged_dot_general; 0 where no group has a row."""
-    if kernel is not None:
-        return kernel(a, b, group_sizes, dims, out_dtype)
-    product = partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims, preferred_element_type=jnp.float32)
-    return _only_grouped_rows(fp32_product(product, a, b, group_sizes), dims, group_sizes).astype(out_dtype)
+    if kernel is None:
+        product = partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims, preferred_element_type=jnp.float32)
+        out = fp32_product(product, a, b, group_sizes)
+    else:
+        out = kernel(a, b, group_sizes, dims, out_dtype)
+    return _only_grouped_rows(out, dims, group_sizes).astype(out_dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -128,7 +130,7 @@ def _only_grouped_rows(out, dims, group_sizes):
     """A grouped product's output with 0 where it may write nothing: in the rows past the groups' (dropped
     choices, whose d_x would otherwise flow back into their tokens) and, for the per-group products, in an
     empty group's matrix. lax.ragged_dot promises these zeros but on a TPU leaves the rows past the groups
-    unwritten (jax 0.10.2; tests/test_tpu.py), as the Pallas kernels leave both."""
+    unwritten (jax 0.10.2; tests/test_tpu.py), and the Pallas kernels leave both unwritten."""
     if dims == PER_GROUP:
         return jnp.where(group_sizes[:, None, None] > 0, out, 0)
     return jnp.where(jnp.arange(out.shape[0])[:, None] < jnp.sum(group_sizes), out, 0)
@@ -144,8 +146,9 @@ def _outside_vma_check(kernel, a, b, group_sizes):
 
 
 def triton_grouped(a, b, group_sizes, dims, out_dtype):
-    """lax.ragged_dot_general(a, b, group_sizes, dims) for dims ROWS, ROWS_T or PER_GROUP, by tokamax's
-    Pallas-Triton grouped matmuls (requirements-gpu-aot.txt), accumulated in fp32 and returned in out_dtype.
+    """lax.ragged_dot_general(a, b, group_sizes, dims) where a group has rows (`_grouped` zeroes the rest), for
+    dims ROWS, ROWS_T or PER_GROUP, by tokamax's Pallas-Triton grouped matmuls (requirements-gpu-aot.txt),
+    accumulated in fp32 and returned in out_dtype.
     XLA:GPU expands lax.ragged_dot into a dense product with every group's matrix; jax's own Mosaic GPU
     kernels read the local GPU's SM count while tracing, which a deviceless `--compile_for h200` has not.
     Tokamax's private entries: its public one reads absl flags from sys.argv and asks the local device."""
@@ -162,21 +165,19 @@ def triton_grouped(a, b, group_sizes, dims, out_dtype):
     def kernel(a, b, group_sizes):
         if dims == PER_GROUP:
             # an empty group's one (masked) step adds up the block_k rows before it (`_only_grouped_rows`)
-            out = pallas_triton._ragged_contracting_dim_dot(
+            return pallas_triton._ragged_contracting_dim_dot(
                 a, b, group_sizes=group_sizes,
                 ragged_dot_dimension_numbers=pallas_triton.base.RAGGED_CONTRACTING_DOT_DIM_NUMS, **common)
-        else:
-            out = pallas_triton._ragged_dot(
-                a, jnp.swapaxes(b, 1, 2) if dims == ROWS_T else b, group_sizes=group_sizes,
-                ragged_dot_dimension_numbers=pallas_triton.base.DEFAULT_RAGGED_DOT_DIM_NUMS,
-                split_k_intermediate_dtype=None, **common)
-        return _only_grouped_rows(out, dims, group_sizes)
+        return pallas_triton._ragged_dot(
+            a, jnp.swapaxes(b, 1, 2) if dims == ROWS_T else b, group_sizes=group_sizes,
+            ragged_dot_dimension_numbers=pallas_triton.base.DEFAULT_RAGGED_DOT_DIM_NUMS,
+            split_k_intermediate_dtype=None, **common)
     return _outside_vma_check(kernel, a, b, group_sizes)
 
 
 def megablox_grouped(a, b, group_sizes, dims, out_dtype, tiling=(128, 128, 128), interpret=False):
-    """lax.ragged_dot_general(a, b, group_sizes, dims) for dims ROWS, ROWS_T or PER_GROUP, by jax's Pallas TPU
-    grouped matmuls (megablox's gmm and, for the per-group products, tgmm), accumulated in fp32 and returned
+    """lax.ragged_dot_general(a, b, group_sizes, dims) where a group has rows (`_grouped` zeroes the rest), for
+    dims ROWS, ROWS_T or PER_GROUP, by jax's Pallas TPU grouped matmuls (megablox's gmm and, for the per-group products, tgmm), accumulated in fp32 and returned
     in out_dtype; tiling: their (rows, contraction, columns) tiles. Not the engine's: on one v5e the preset's
     step was slower with it at every tiling timed than with lax's (scripts/levers.py `moe_ragged_megablox_*`,
     docs/performance-log.md#2026-12-07-tpu-megablox)."""
@@ -189,7 +190,7 @@ def megablox_grouped(a, b, group_sizes, dims, out_dtype, tiling=(128, 128, 128),
         else:
             out = megablox.gmm(a, b, group_sizes, jnp.float32, tiling, transpose_rhs=dims == ROWS_T,
                                interpret=interpret)
-        return _only_grouped_rows(out, dims, group_sizes).astype(out_dtype)
+        return out.astype(out_dtype)
     return _outside_vma_check(kernel, a, b, group_sizes)
 
 

@@ -112,12 +112,12 @@ def grouped():
              "rows_t": (g_NF, w_EDF, expert_kernels.ROWS_T, "nf,edf,ne->nd"),
              "per_group": (x_ND, g_NF, expert_kernels.PER_GROUP, "nd,nf,ne->edf")}
     errors = {}
-    for name, (a, b, dims, spec) in cases.items():
-        want = jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), group_NE, precision="highest")
-        for kernel_name, kernel in (("lax", None), ("megablox", expert_kernels.megablox_grouped)):
-            with jax.set_mesh(jax.sharding.Mesh(jax.devices()[:1], ("one",))):     # the kernels' shard_map needs one
+    with jax.set_mesh(jax.sharding.Mesh(jax.devices()[:1], ("one",))):         # the kernels' shard_map needs one
+        for name, (a, b, dims, spec) in cases.items():
+            want = jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), group_NE, precision="highest")
+            for kernel_name, kernel in (("lax", None), ("megablox", expert_kernels.megablox_grouped)):
                 got = jax.jit(functools.partial(expert_kernels._grouped, dims=dims, kernel=kernel))(a, b, sizes_E)
-            errors[f"{kernel_name} {name}"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                errors[f"{kernel_name} {name}"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     return {"check": "grouped", "platform": jax.default_backend(), "errors": errors}
 
 

@@ -1,7 +1,7 @@
 """Helpers shared by the tests that run main.py as a user would, a subprocess on CPU: TINY_FLAGS (a run of
 small_configs' model), the meshes MESH1 and MESH8, `run` (to its end) and `start` (in the background), waiting on
-a run's metrics.jsonl and checkpoints, SPAN (a span of time in a log line), `unoptimized` (XLA at -O0), and `mount` (a read-only or
-full directory for a run to meet)."""
+a run's metrics.jsonl and checkpoints, SPAN (a span of time in a log line), `unoptimized` (XLA at -O0) and
+`mount` (a read-only or full directory for a run to meet)."""
 import json
 import os
 import re

@@ -7,6 +7,7 @@ without a GPU (XLA:GPU from requirements-gpu-aot.txt, in its own virtualenv: $JA
 .venv-gpu/bin/python), in a subprocess.
 """
 import json
+import functools
 import os
 import subprocess
 
@@ -108,8 +109,8 @@ def test_on_a_gpu_the_grouped_matmuls_are_tokamaxs_kernel_and_the_census_counts_
 @pytest.mark.parametrize("tiling", [(128, 128, 128), (256, 128, 256)])
 def test_megablox_grouped_matmuls_equal_laxs_in_fp32(tiling):
     """expert_kernels.megablox_grouped (jax's Pallas TPU gmm and tgmm, in interpret mode here), the grouped
-    matmuls a lever times on a TPU: its three products equal lax.ragged_dot_general's in fp32, with an empty
-    group and rows past the groups (dropped choices: 0 in lax's)."""
+    matmuls a lever times on a TPU, as `_grouped` runs them: its three products equal lax.ragged_dot_general's in
+    fp32, with an empty group and rows past the groups (dropped choices: 0 in lax's)."""
     from jax import lax
     from engine import expert_kernels as ek
     keys = jax.random.split(jax.random.key(0), 3)
@@ -120,5 +121,6 @@ def test_megablox_grouped_matmuls_equal_laxs_in_fp32(tiling):
     for a, b, dims in ((x, w, ek.ROWS), (g, w, ek.ROWS_T), (x, g, ek.PER_GROUP)):
         expected = lax.ragged_dot_general(a, b, group_sizes, dims, precision=lax.Precision.HIGHEST)
         with jax.set_mesh(sharding.make_mesh((1, 1, 1))):          # as inside the model's shard_map
-            got = ek.megablox_grouped(a, b, group_sizes, dims, jax.numpy.float32, tiling, interpret=True)
+            kernel = functools.partial(ek.megablox_grouped, tiling=tiling, interpret=True)
+            got = ek._grouped(a, b, group_sizes, dims, kernel)
         assert got.shape == expected.shape and rel_err(got, expected) < 1e-5, dims
