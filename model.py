@@ -105,6 +105,19 @@ def rope(x, positions, base):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+def decoupled_rope_qk(q_BThK, k_BShK, rotary, dtype):
+    """q = [q_C; q_R], k = [k_C; k_R] from rotary = (q_R, the one rotary key k_R [B, S, R]), or None (NoPE: Q = K):
+    one dot product gives q_C.k_C + q_R.k_R. k_R is repeated for every head and rounded after the cast to varying
+    over tp (which concatenate would insert): its cotangent's psum over tp and sum over heads stay fp32."""
+    if rotary is None:
+        return q_BThK, k_BShK
+    (q_rope_BThR, k_rope_BSR), R = rotary, rotary[1].shape[-1]
+    k_rope_BShR, = vary_like((jnp.broadcast_to(k_rope_BSR[:, :, None, :], (*k_BShK.shape[:3], R)),), (k_BShK,))
+    k_rope_BShR = k_rope_BShR.astype(dtype)
+    return (jnp.concatenate([q_BThK, q_rope_BThR.astype(dtype)], axis=-1),
+            jnp.concatenate([k_BShK, k_rope_BShR], axis=-1))
+
+
 def masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, mm):
     """softmax(q.k / sqrt(Q)) v, query t seeing the keys s where mask_TS[t, s]; the softmax in fp32."""
     scores_BhTS = mm("bthq,bshq->bhts", q_BThQ, k_BShQ, dtype) / math.sqrt(q_BThQ.shape[-1])
@@ -171,18 +184,9 @@ class MLA(nnx.Module):
         c_kv_BSL = kv["c_kv"] if self.kv_norm is None else self.kv_norm(kv["c_kv"])     # the cache holds it unnormed
         k_BShK = mm("bsl,lf->bsf", c_kv_BSL, self.w_uk[...], dtype, dtype).reshape(*c_kv_BSL.shape[:2], -1, K)
         v_BShJ = mm("bsl,lf->bsf", c_kv_BSL, self.w_uv[...], dtype, dtype).reshape(*c_kv_BSL.shape[:2], -1, J)
-        if self.use_rope:
-            # Decoupled RoPE: one dot product gives q_C.k_C + q_R.k_R, the shared rotary key repeated for every
-            # head, rounded after the broadcast and the cast to varying over tp (which concatenate would insert)
-            # so that the cotangent's psum over tp and sum over heads stay fp32.
-            k_rope_BShR, = vary_like((jnp.broadcast_to(kv["k_rope"][:, :, None, :], (*k_BShK.shape[:3], R)),), (k_BShK,))
-            k_rope_BShR = k_rope_BShR.astype(dtype)
-            q_BThQ = jnp.concatenate([q_BThK, q_rope_BThR.astype(dtype)], axis=-1)
-            k_BShQ = jnp.concatenate([k_BShK, k_rope_BShR], axis=-1)
-        else:
-            q_BThQ, k_BShQ = q_BThK, k_BShK                                                # NoPE: Q = K
+        rotary = (q_rope_BThR, kv["k_rope"]) if self.use_rope else None                  # NoPE: Q = K
         mask_TS = None if cache is None else key_positions_S[None, :] <= positions_T[:, None]
-        out_BThJ = axes.engine.attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype)
+        out_BThJ = axes.engine.attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype)
         # Each tp rank holds h heads: its W_o rows give a partial sum of the output.
         out_BTD = mm("btf,fd->btd", out_BThJ.reshape(B, T, -1), self.w_o[...], dtype, dtype)
         return branch_sum(out_BTD, axes, dtype), None if cache is None else kv

@@ -9,7 +9,7 @@ what a reader steps through in a debugger and the oracle the tests hold the fast
   mm(spec, a, b, dtype)      jnp.einsum, operands rounded to dtype,     products.mm: a custom VJP whose backward
                              products in fp32                           products are bf16 x bf16 -> fp32 too; on
                                                                         a TPU behind optimization barriers
-  attention(q, k, v, mask)   model.masked_attention, a causal mask      attention_kernels.attention: cuDNN's
+  attention(q, k, v, rotary, model.masked_attention, a causal mask        attention_kernels.attention: cuDNN's
                                                                         fused kernel on a GPU, tpu_attention's
                                                                         Pallas kernel on a TPU, else causal chunks
   routed_experts(...)        expert_kernels.experts_in_buffers (over    the same, or --moe_impl ragged
@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import loss
 from engine import attention_kernels, chunked_loss, expert_kernels, fsdp, products
-from model import BRANCH_SUM, EXPERT_OUTPUTS, FFN_HIDDEN, masked_attention
+from model import BRANCH_SUM, EXPERT_OUTPUTS, FFN_HIDDEN, decoupled_rope_qk, masked_attention
 
 # What a fast engine's layer remat keeps besides what its policy keeps: each branch's tp all-reduce, a fused
 # kernel's outputs and the routed experts' outputs.
@@ -86,8 +86,9 @@ class Reference:
         widened = (x.astype(dtype).astype(jnp.float32) for x in (a, b))
         return jnp.einsum(spec, *widened, precision=lax.Precision.HIGHEST).astype(out_dtype)
 
-    def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
-        """mask_TS None: causal."""
+    def attention(self, q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype):
+        """rotary: decoupled RoPE's parts (model.decoupled_rope_qk) or None; mask_TS None: causal."""
+        q_BThQ, k_BShQ = decoupled_rope_qk(q_BThK, k_BShK, rotary, dtype)
         if mask_TS is None:
             mask_TS = jnp.arange(k_BShQ.shape[1])[None, :] <= jnp.arange(q_BThQ.shape[1])[:, None]
         return masked_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, self.mm)
@@ -132,8 +133,8 @@ class Fast(Reference):
         out = products.mm(spec, a, b, dtype, out_dtype)
         return lax.optimization_barrier(out) if self.platform == "tpu" else out
 
-    def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
-        return attention_kernels.attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, self.platform)
+    def attention(self, q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype):
+        return attention_kernels.attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype, self.platform)
 
     def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
         """--moe_impl ragged's grouped matmuls are tokamax's kernel on a GPU (expert_kernels.triton_grouped)."""

@@ -15,7 +15,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from engine import products, tpu_attention
-from model import masked_attention
+from collectives import vary_like
+from model import decoupled_rope_qk, masked_attention
 from multihost import log
 
 CUDNN_MAX_HEAD_DIM = 256
@@ -25,17 +26,32 @@ CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused kernel's outputs by
 
 
-def attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, platform, query_chunks=CAUSAL_QUERY_CHUNKS):
-    """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype; causal (mask_TS None: query t
-    sees keys <= t) or under mask_TS. query_chunks: xla_attention's, where no kernel runs."""
+def attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype, platform, query_chunks=CAUSAL_QUERY_CHUNKS):
+    """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype, q and k joined with decoupled RoPE's
+    parts (rotary: model.decoupled_rope_qk's); causal (mask_TS None: query t sees keys <= t) or under mask_TS.
+    query_chunks: xla_attention's, where no kernel runs."""
+    _, T, h, K = q_BThK.shape
+    R = 0 if rotary is None else rotary[0].shape[-1]
+    if (platform == "tpu" and dtype == jnp.bfloat16 and mask_TS is None
+            and tpu_attention.takes(T, h, K, v_BShJ.shape[-1], R)):
+        return tpu_kernel_attention(q_BThK, k_BShK, v_BShJ, rotary, dtype)
+    q_BThQ, k_BShQ = decoupled_rope_qk(q_BThK, k_BShK, rotary, dtype)
     Q = q_BThQ.shape[-1]
     if platform == "gpu" and dtype == jnp.bfloat16 and Q <= CUDNN_MAX_HEAD_DIM and Q % 8 == 0:
         return cudnn_attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)), mask_TS)
-    if platform == "tpu" and dtype == jnp.bfloat16 and mask_TS is None and tpu_attention.takes(q_BThQ.shape[1]):
-        # Its outputs are not kept (unlike cuDNN's): the layer scans' stacking of them cost more than the
-        # kernel's forward run again, and a pipeline would keep them for every micro-batch (performance-log.md)
-        return tpu_attention.attention(*(a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ)))
     return xla_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, query_chunks)
+
+
+def tpu_kernel_attention(q_BThK, k_BShK, v_BShJ, rotary, dtype, **kernel):
+    """tpu_attention's kernel, which reads decoupled RoPE's parts as they are (nothing joined or repeated);
+    kernel: its block, interpret and lanes (the tests'). Its outputs are not kept (unlike cuDNN's): the layer
+    scans' stacking of them cost more than the kernel's forward run again, and a pipeline would keep them for
+    every micro-batch (performance-log.md)."""
+    q_rope_BThR, k_rope_BSR = (None, None) if rotary is None else (rotary[0].astype(dtype), rotary[1])
+    if rotary is not None:        # varying over tp as the heads do: its cotangent's psum over tp in fp32
+        k_rope_BSR, = vary_like((k_rope_BSR,), (k_BShK,))
+    return tpu_attention.attention(q_BThK.astype(dtype), k_BShK.astype(dtype), v_BShJ.astype(dtype),
+                                   q_rope_BThR, k_rope_BSR, **kernel)
 
 
 def xla_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, query_chunks=CAUSAL_QUERY_CHUNKS):

@@ -1,17 +1,24 @@
-"""Engine: causal attention on a TPU as one Pallas kernel a (sequence, head), forward and backward, for
-MLA's narrow heads (q.k 64 or 192 wide, v 64), where XLA writes every T x T block of scores to HBM and
-jax's splash and flash kernels were slower than that (docs/performance-log.md#2026-12-06-tpu-levers).
+"""Engine: causal attention on a TPU as one Pallas kernel a (sequence, group of heads), forward and backward, for
+MLA's narrow heads (content q.k 64 wide, a rotary part of 128, v 64), where XLA writes every T x T block of
+scores to HBM and jax's splash and flash kernels were slower than that (docs/performance-log.md#2026-12-06-tpu-levers).
 
-One grid step holds a whole sequence of one head in VMEM (q, k, v, and in the backward dq's fp32 sums:
-about 2 MB at T 1024, 9 MB at T 4096) and walks its causal blocks, block x block at a time, with the
-loops unrolled at trace time: the blocks above the diagonal are never visited and only the diagonal's
-are masked. The forward is flash attention's online softmax (the scores never leave VMEM) and keeps the
-rows' log-sum-exp; the backward recomputes each block's probabilities from it (FlashAttention-2's).
-Numerics as model.masked_attention's: scores and softmax in fp32, the products' operands in the input
-dtype (bf16 on the chip), fp32 sums; the block order changes the rounding, not the math.
+It reads q, k and v as the layer's products leave them, [B, T, h x width], and MLA's parts apart: the content
+q and k, the per-head rotary q and the one rotary key all heads share. So nothing is joined, repeated or
+turned heads-first around it: a grid step takes g heads, the fewest whose parts fill whole tiles of 128
+lanes (2 at widths of 64). Inside, a head's part of a tile is its lanes: sliced where a head fills whole
+tiles, else the other heads' lanes zeroed in one operand, which the MXU's 128-deep products cost the same.
+
+One grid step holds whole sequences of its heads in VMEM (about 4 MB at T 1024 in the backward) and walks
+their causal blocks, block x block at a time, with the loops unrolled at trace time: the blocks above the
+diagonal are never visited and only the diagonal's are masked. The forward is flash attention's online
+softmax (the scores never leave VMEM) and keeps each row's log-sum-exp; the backward recomputes each block's
+probabilities from it (FlashAttention-2's). Numerics as model.masked_attention's on the joined q and k:
+scores and softmax in fp32, the products' operands in the input dtype (bf16 on the chip), fp32 sums; the
+block order changes the rounding, not the math.
 """
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -22,64 +29,118 @@ from jax.experimental.pallas import tpu as pltpu
 BLOCK_SIZES = (512, 256, 128)        # a block is the largest of these that divides T
 MAX_T = 4096                          # above this a sequence's dq sums and operands crowd VMEM: XLA's path
 VMEM_LIMIT_BYTES = 64 * 2**20
+LANES = 128                           # a vector register's lanes: a block's last dim is a multiple of them
+NT = (((1,), (1,)), ((), ()))         # dot_general's a @ b.T
 
 
-def takes(T):
-    """Whether the kernel runs a causal attention of T queries (else the caller keeps XLA's path)."""
-    return T <= MAX_T and T % BLOCK_SIZES[-1] == 0
+def heads_per_step(h, K, J, R, lanes=LANES):
+    """The fewest heads g (dividing h) whose content (K), value (J) and rotary (R, 0 without RoPE) widths each
+    fill whole tiles of `lanes`, a head's part being whole tiles or a fraction of one; None if none does."""
+    fits = lambda w: w == 0 or w % lanes == 0 or lanes % w == 0
+    if not all(map(fits, (K, J, R))):
+        return None
+    return next((g for g in range(1, h + 1) if h % g == 0 and all(g * w % lanes == 0 for w in (K, J, R))), None)
 
 
-def attention(q_BThQ, k_BShQ, v_BShJ, block=None, interpret=False):
-    """softmax(q.k / sqrt(Q)) v, causal (S = T), returned in q's dtype; block: the square block's side
-    (default: the largest of BLOCK_SIZES dividing T)."""
-    T = q_BThQ.shape[1]
+def takes(T, h, K, J, R):
+    """Whether the kernel runs a causal attention of T queries and h heads of these widths (else the caller
+    keeps XLA's path)."""
+    return T <= MAX_T and T % BLOCK_SIZES[-1] == 0 and heads_per_step(h, K, J, R) is not None
+
+
+def attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR=None, k_rope_BSR=None, block=None, interpret=False,
+              lanes=LANES):
+    """softmax(q.k / sqrt(K + R)) v, causal (S = T), with q = [q_content; q_rope] and k = [k_content; k_rope]
+    (the one rotary key repeated for every head; both rotary parts None without RoPE), returned in q's dtype.
+    k_rope_BSR is rounded to q's dtype in here, so that its gradient, the heads' sum, is added up in fp32.
+    block: the square block's side (default: the largest of BLOCK_SIZES dividing T); lanes: the tile width the
+    heads are grouped for (smaller in tests, where the interpreter runs the kernel)."""
+    T = q_BThK.shape[1]
     block = block or next(b for b in BLOCK_SIZES if T % b == 0)
-    return _attention(q_BThQ, k_BShQ, v_BShJ, block, interpret)
+    k_rope_BSR = None if k_rope_BSR is None else k_rope_BSR.astype(jnp.float32)
+    return _attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes)
 
 
-def _heads_first(x_BThX):
-    return jnp.swapaxes(x_BThX, 1, 2)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes):
+    return _forward(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q_BThQ, k_BShQ, v_BShJ, block, interpret):
-    return _forward(q_BThQ, k_BShQ, v_BShJ, block, interpret)[0]
+class _Shape:
+    """One call's sizes: h heads of K, J and R wide parts (R 0 without RoPE) in groups of g, a grid step a
+    (sequence, group); the rotary key as the kernel reads it, Rk lanes: itself where R fills whole tiles, else
+    repeated g times to meet the group's lanes."""
+
+    def __init__(self, q_BThK, v_BShJ, q_rope_BThR, lanes):
+        self.B, self.T, self.h, self.K = q_BThK.shape
+        self.J, self.R = v_BShJ.shape[-1], 0 if q_rope_BThR is None else q_rope_BThR.shape[-1]
+        self.g, self.lanes = heads_per_step(self.h, self.K, self.J, self.R, lanes), lanes
+        self.Rk = self.R if self.R % lanes == 0 else self.g * self.R
+        self.groups = self.h // self.g
+
+    def kernel_args(self, block):
+        return dict(block=block, scale=1 / math.sqrt(self.K + self.R), g=self.g, widths=(self.K, self.J, self.R),
+                    lanes=self.lanes)
+
+    def rope_specs(self):
+        """The group's rotary queries and the sequence's one rotary key (every group reads it whole)."""
+        if self.R == 0:
+            return []
+        return [_group_spec(self.T, self.g * self.R), pl.BlockSpec((pl.squeezed, self.T, self.Rk), lambda b, _: (b, 0, 0))]
 
 
-def _forward(q_BThQ, k_BShQ, v_BShJ, block, interpret):
-    """(out_BThJ, (the residuals: q, k, v and out as they are given and returned, so that a remat keeping the
-    output keeps one copy of it, and lse_Bh1T))."""
-    q, k, v = (_heads_first(x) for x in (q_BThQ, k_BShQ, v_BShJ))
-    B, h, T, Q = q.shape
-    J = v.shape[-1]
-    out_BhTJ, lse_Bh1T = pl.pallas_call(
-        functools.partial(_forward_kernel, block=block, scale=1 / math.sqrt(Q)),
-        grid=(B, h),
-        in_specs=[_sequence_spec(T, Q), _sequence_spec(T, Q), _sequence_spec(T, J)],
-        out_specs=[_sequence_spec(T, J), _sequence_spec(1, T)],
-        out_shape=[_like(q, (B, h, T, J)), _like(q, (B, h, 1, T), jnp.float32)],
-        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(B, h, T, Q, J, block, q.dtype, backward=False),
-        interpret=interpret, name="mla_causal_attention")(q, k, v)
-    out_BThJ = _heads_first(out_BhTJ)
-    return out_BThJ, (q_BThQ, k_BShQ, v_BShJ, out_BThJ, lse_Bh1T)
+def _flat(x_BThX):
+    """[B, T, h, X] -> [B, T, h X]: a group's heads side by side in its lanes."""
+    return x_BThX.reshape(*x_BThX.shape[:2], -1)
 
 
-def _backward(block, interpret, residuals, dout_BThJ):
-    q_BThQ, k_BShQ, v_BShJ, out_BThJ, lse_Bh1T = residuals
-    q, k, v, out, dout = (_heads_first(x) for x in (q_BThQ, k_BShQ, v_BShJ, out_BThJ, dout_BThJ))
-    B, h, T, Q = q.shape
-    J = v.shape[-1]
-    dq_BhQT, dk, dv = pl.pallas_call(
-        functools.partial(_backward_kernel, block=block, scale=1 / math.sqrt(Q)),
-        grid=(B, h),
-        in_specs=[_sequence_spec(T, Q), _sequence_spec(T, Q), _sequence_spec(T, J), _sequence_spec(T, J),
-                  _sequence_spec(T, J), _sequence_spec(1, T)],
-        out_specs=[_sequence_spec(Q, T), _sequence_spec(T, Q), _sequence_spec(T, J)],
-        out_shape=[_like(q, (B, h, Q, T)), _like(k, k.shape), _like(v, v.shape)],
-        scratch_shapes=[pltpu.VMEM((Q, T), jnp.float32)],
-        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(B, h, T, Q, J, block, q.dtype, backward=True),
-        interpret=interpret, name="mla_causal_attention_backward")(q, k, v, out, dout, lse_Bh1T)
-    return jnp.transpose(dq_BhQT, (0, 3, 1, 2)), _heads_first(dk), _heads_first(dv)
+def _forward(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes):
+    """(out_BThJ, the residuals: q, k, v, out as given and returned, the rotary parts as the kernel reads them
+    (or None), each row's log-sum-exp)."""
+    s = _Shape(q_BThK, v_BShJ, q_rope_BThR, lanes)
+    rope = None
+    if s.R:
+        k_rope_BSRk = k_rope_BSR.astype(q_BThK.dtype)
+        rope = (q_rope_BThR, k_rope_BSRk if s.Rk == s.R else jnp.tile(k_rope_BSRk, (1, 1, s.g)))
+    out, lse_Bh1T = pl.pallas_call(
+        functools.partial(_forward_kernel, **s.kernel_args(block)),
+        grid=(s.B, s.groups),
+        in_specs=[_group_spec(s.T, s.g * w) for w in (s.K, s.K, s.J)] + s.rope_specs(),
+        out_specs=[_group_spec(s.T, s.g * s.J), _lse_spec(s)],
+        out_shape=[_like(q_BThK, (s.B, s.T, s.h * s.J)), _like(q_BThK, (s.B, s.h, 1, s.T), jnp.float32)],
+        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(s, block, q_BThK.dtype, backward=False),
+        interpret=interpret, name="mla_causal_attention")(
+            _flat(q_BThK), _flat(k_BShK), _flat(v_BShJ), *(() if rope is None else (_flat(rope[0]), rope[1])))
+    out_BThJ = out.reshape(s.B, s.T, s.h, s.J)
+    return out_BThJ, (q_BThK, k_BShK, v_BShJ, out_BThJ, rope, lse_Bh1T)
+
+
+def _backward(block, interpret, lanes, residuals, dout_BThJ):
+    q_BThK, k_BShK, v_BShJ, out_BThJ, rope, lse_Bh1T = residuals
+    s = _Shape(q_BThK, v_BShJ, None if rope is None else rope[0], lanes)
+    # dq's parts come out transposed, [B, h / g, g x width, T]; the rotary key's per group, in fp32
+    transposed = lambda w: (_per_group_spec(s.g * w, s.T), _like(q_BThK, (s.B, s.groups, s.g * w, s.T)))
+    outs = [transposed(s.K), (_group_spec(s.T, s.g * s.K), _like(k_BShK, (s.B, s.T, s.h * s.K))),
+            (_group_spec(s.T, s.g * s.J), _like(v_BShJ, (s.B, s.T, s.h * s.J)))]
+    if rope is not None:
+        outs += [transposed(s.R), (_per_group_spec(s.T, s.Rk), _like(q_BThK, (s.B, s.groups, s.T, s.Rk), jnp.float32))]
+    grads = pl.pallas_call(
+        functools.partial(_backward_kernel, **s.kernel_args(block)),
+        grid=(s.B, s.groups),
+        in_specs=[_group_spec(s.T, s.g * w) for w in (s.K, s.K, s.J, s.J, s.J)] + [_lse_spec(s)] + s.rope_specs(),
+        out_specs=[spec for spec, _ in outs], out_shape=[shape for _, shape in outs],
+        scratch_shapes=[pltpu.VMEM((s.g * w, s.T), jnp.float32) for w in (s.K, s.R) if w],
+        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(s, block, q_BThK.dtype, backward=True),
+        interpret=interpret, name="mla_causal_attention_backward")(
+            *map(_flat, (q_BThK, k_BShK, v_BShJ, out_BThJ, dout_BThJ)), lse_Bh1T,
+            *(() if rope is None else (_flat(rope[0]), rope[1])))
+    heads_last = lambda xT, w: jnp.transpose(xT, (0, 3, 1, 2)).reshape(s.B, s.T, s.h, w)
+    dq, dk, dv = heads_last(grads[0], s.K), grads[1].reshape(k_BShK.shape), grads[2].reshape(v_BShJ.shape)
+    if rope is None:
+        return dq, dk, dv, None, None
+    # the rotary key's gradient: every head's, summed in each group (and over its copies) and then here
+    d_k_rope = jnp.sum(grads[4].reshape(s.B, s.groups, s.T, s.Rk // s.R, s.R), axis=(1, 3))
+    return dq, dk, dv, heads_last(grads[3], s.R), d_k_rope
 
 
 _attention.defvjp(_forward, _backward)
@@ -92,18 +153,28 @@ def _like(x, shape, dtype=None):
     return jax.ShapeDtypeStruct(shape, dtype or x.dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
 
 
-def _sequence_spec(rows, columns):
-    """One (sequence, head)'s [rows, columns] of a [B, h, rows, columns] array."""
-    return pl.BlockSpec((pl.squeezed, pl.squeezed, rows, columns), lambda b, h: (b, h, 0, 0))
+def _group_spec(rows, lanes):
+    """A group of heads' [rows, lanes] of a [B, rows, h x width] array."""
+    return pl.BlockSpec((pl.squeezed, rows, lanes), lambda b, group: (b, 0, group))
 
 
-def _cost(B, h, T, Q, J, block, dtype, backward):
+def _per_group_spec(rows, columns):
+    """A (sequence, group)'s [rows, columns] of a [B, h / g, rows, columns] array."""
+    return pl.BlockSpec((pl.squeezed, pl.squeezed, rows, columns), lambda b, group: (b, group, 0, 0))
+
+
+def _lse_spec(s):
+    """A group's heads' [g, 1, T] of the log-sum-exps [B, h, 1, T]."""
+    return pl.BlockSpec((pl.squeezed, s.g, 1, s.T), lambda b, group: (b, group, 0, 0))
+
+
+def _cost(s, block, dtype, backward):
     """The kernel's FLOPs (its products over the blocks it visits: on and below the diagonal) and bytes, for
-    XLA's scheduler and hlo.matmul_flops."""
-    n = T // block
-    products = 2 * B * h * n * (n + 1) // 2 * block * block * (Q + J) * (5 if backward else 2) // 2
-    operands = B * h * T * (2 * Q + J) * jnp.dtype(dtype).itemsize
-    return pl.CostEstimate(flops=products, transcendentals=B * h * n * (n + 1) // 2 * block * block,
+    XLA's scheduler and hlo.matmul_flops: the model's, as if each head were alone and q, k joined."""
+    n, Q = s.T // block, s.K + s.R
+    products = 2 * s.B * s.h * n * (n + 1) // 2 * block * block * (Q + s.J) * (5 if backward else 2) // 2
+    operands = s.B * s.h * s.T * (2 * Q + s.J) * jnp.dtype(dtype).itemsize
+    return pl.CostEstimate(flops=products, transcendentals=s.B * s.h * n * (n + 1) // 2 * block * block,
                            bytes_accessed=int(operands * (2 if backward else 1.5)))
 
 
@@ -118,59 +189,120 @@ def _causal(scores, queries_on_columns):
     return jnp.where(row <= column if queries_on_columns else column <= row, scores, -jnp.inf)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, *, block, scale):
-    nt = (((1,), (1,)), ((), ()))                          # a @ b.T
+def _own(x, a, width, lanes):
+    """Head a's part of a group's x [n, g x width]: its lanes where it fills whole tiles, else x with every other
+    head's lanes zeroed (a product with it then sees head a alone)."""
+    if width % lanes == 0:
+        return x[:, a * width:(a + 1) * width]
+    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.where((lane >= a * width) & (lane < (a + 1) * width), x, jnp.zeros_like(x))
+
+
+def _beside(x, a, width, lanes):
+    """The other operand of a product with _own(., a, ...): head a's lanes where it fills whole tiles, else all."""
+    return x[:, a * width:(a + 1) * width] if width % lanes == 0 else x
+
+
+def _store(ref, rows, per_head, width, lanes):
+    """Each head's [n, width] (or, below a tile, its [n, g x width] zero but in its own lanes) into ref's rows."""
+    if width % lanes == 0:
+        for a, x in enumerate(per_head):
+            ref[rows, a * width:(a + 1) * width] = x.astype(ref.dtype)
+    else:
+        ref[rows, :] = functools.reduce(operator.add, per_head).astype(ref.dtype)
+
+
+def _add(total, x):
+    return x if total is None else total + x
+
+
+def _scores(q, qr, k, kr, a, K, R, lanes, keys_on_rows=False):
+    """Head a's q.k [queries, keys] in fp32, the content part's product plus the rotary part's (keys_on_rows:
+    k.q [keys, queries], the backward's)."""
+    parts = [(_own(q, a, K, lanes), _beside(k, a, K, lanes))] + ([(_own(qr, a, R, lanes), kr)] if R else [])
+    return functools.reduce(operator.add, (lax.dot_general(*(part[::-1] if keys_on_rows else part), NT,
+                                                           preferred_element_type=jnp.float32) for part in parts))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, block, scale, g, widths, lanes):
+    K, J, R = widths
+    qr_ref, kr_ref, out_ref, lse_ref = refs if R else (None, None, *refs)
     for i in range(q_ref.shape[0] // block):
         rows = slice(i * block, (i + 1) * block)
-        q = q_ref[rows, :]
-        m = l = acc = None
-        for j in range(i + 1):                        # key block 0 first: every row has a finite score
-            keys = slice(j * block, (j + 1) * block)
-            s = lax.dot_general(q, k_ref[keys, :], nt, preferred_element_type=jnp.float32) * scale
-            s = _causal(s, queries_on_columns=False) if i == j else s
-            m_new = jnp.max(s, axis=1, keepdims=True) if m is None else jnp.maximum(
-                m, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.exp(s - m_new)
-            pv = jnp.dot(p.astype(v_ref.dtype), v_ref[keys, :], preferred_element_type=jnp.float32)
-            if m is None:
-                l, acc = jnp.sum(p, axis=1, keepdims=True), pv
-            else:
-                rescale = jnp.exp(m - m_new)
-                l, acc = rescale * l + jnp.sum(p, axis=1, keepdims=True), rescale * acc + pv
-            m = m_new
-        out_ref[rows, :] = (acc / l).astype(out_ref.dtype)
-        lse_ref[:, rows] = _as_row(m + jnp.log(l))
+        q, qr = q_ref[rows, :], None if R == 0 else qr_ref[rows, :]
+        outs = []
+        for a in range(g):
+            m = l = acc = None
+            for j in range(i + 1):                        # key block 0 first: every row has a finite score
+                keys = slice(j * block, (j + 1) * block)
+                s = _scores(q, qr, k_ref[keys, :], None if R == 0 else kr_ref[keys, :], a, K, R, lanes) * scale
+                s = _causal(s, queries_on_columns=False) if i == j else s
+                m_new = jnp.max(s, axis=1, keepdims=True) if m is None else jnp.maximum(
+                    m, jnp.max(s, axis=1, keepdims=True))
+                p = jnp.exp(s - m_new)
+                pv = jnp.dot(p.astype(v_ref.dtype), _beside(v_ref[keys, :], a, J, lanes),
+                             preferred_element_type=jnp.float32)
+                if m is None:
+                    l, acc = jnp.sum(p, axis=1, keepdims=True), pv
+                else:
+                    rescale = jnp.exp(m - m_new)
+                    l, acc = rescale * l + jnp.sum(p, axis=1, keepdims=True), rescale * acc + pv
+                m = m_new
+            # below a tile, acc's other lanes hold the other heads' values weighted by this head's softmax
+            outs.append(acc / l if J % lanes == 0 else _own(acc / l, a, J, lanes))
+            lse_ref[a, :, rows] = _as_row(m + jnp.log(l))
+        _store(out_ref, rows, outs, J, lanes)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, out_ref, dout_ref, lse_ref, dqT_ref, dk_ref, dv_ref, dqT_sum, *,
-                     block, scale):
+def _backward_kernel(q_ref, k_ref, v_ref, out_ref, dout_ref, lse_ref, *refs, block, scale, g, widths, lanes):
     """Keys on the rows, queries on the columns (sT = k q.T), so that every product but kT's is one the MXU
-    takes as it is; dq comes out transposed, [Q, T], its sums over the key blocks in dqT_sum."""
+    takes as it is; dq comes out transposed, [g K, T], its sums over the key blocks in VMEM scratch."""
+    K, J, R = widths
+    if R:
+        qr_ref, kr_ref, dqT_ref, dk_ref, dv_ref, dqrT_ref, dkr_ref, dqT_sum, dqrT_sum = refs
+    else:
+        dqT_ref, dk_ref, dv_ref, dqT_sum = refs
     n = q_ref.shape[0] // block
-    nt = (((1,), (1,)), ((), ()))                          # a @ b.T
     dtype = q_ref.dtype
     dqT_sum[...] = jnp.zeros_like(dqT_sum)
-    # softmax's backward: ds = p (dp - delta), delta a query's sum of dout . out, as a row like lse
-    deltas = [_as_row(jnp.sum(dout_ref[i * block:(i + 1) * block, :].astype(jnp.float32) *
-                              out_ref[i * block:(i + 1) * block, :].astype(jnp.float32), axis=1, keepdims=True))
-              for i in range(n)]
+    if R:
+        dqrT_sum[...] = jnp.zeros_like(dqrT_sum)
+
+    # softmax's backward: ds = p (dp - delta), delta a query's sum of dout . out over its head, a row like lse
+    def deltas(i):
+        rows = slice(i * block, (i + 1) * block)
+        product = dout_ref[rows, :].astype(jnp.float32) * out_ref[rows, :].astype(jnp.float32)
+        return [_as_row(jnp.sum(_own(product, a, J, lanes), axis=1, keepdims=True)) for a in range(g)]
+    delta = [deltas(i) for i in range(n)]
     for j in range(n):                                # a key block's dk, dv from the query blocks that see it
         keys = slice(j * block, (j + 1) * block)
         k, v = k_ref[keys, :], v_ref[keys, :]
+        kr = None if R == 0 else kr_ref[keys, :]
         kT = jnp.transpose(k)
-        dk = dv = None
+        krT = None if R == 0 else jnp.transpose(kr)[:R]         # a repeated key's first copy
+        dk, dv, dkr = [None] * g, [None] * g, None
         for i in range(j, n):
             queries = slice(i * block, (i + 1) * block)
             q, dout = q_ref[queries, :], dout_ref[queries, :]
-            sT = lax.dot_general(k, q, nt, preferred_element_type=jnp.float32) * scale
-            sT = _causal(sT, queries_on_columns=True) if i == j else sT
-            pT = jnp.exp(sT - lse_ref[:, queries])
-            dpT = lax.dot_general(v, dout, nt, preferred_element_type=jnp.float32)
-            dsT = (pT * (dpT - deltas[i]) * scale).astype(dtype)
-            dv_i = jnp.dot(pT.astype(dtype), dout, preferred_element_type=jnp.float32)
-            dk_i = jnp.dot(dsT, q, preferred_element_type=jnp.float32)
-            dv, dk = (dv_i, dk_i) if dv is None else (dv + dv_i, dk + dk_i)
-            dqT_sum[:, queries] += jnp.dot(kT, dsT, preferred_element_type=jnp.float32)
-        dk_ref[keys, :] = dk.astype(dk_ref.dtype)
-        dv_ref[keys, :] = dv.astype(dv_ref.dtype)
+            qr = None if R == 0 else qr_ref[queries, :]
+            for a in range(g):
+                sT = _scores(q, qr, k, kr, a, K, R, lanes, keys_on_rows=True)
+                sT = _causal(sT * scale, queries_on_columns=True) if i == j else sT * scale
+                pT = jnp.exp(sT - lse_ref[a, :, queries])
+                dpT = lax.dot_general(_beside(v, a, J, lanes), _own(dout, a, J, lanes), NT,
+                                      preferred_element_type=jnp.float32)
+                dsT = (pT * (dpT - delta[i][a]) * scale).astype(dtype)
+                dv[a] = _add(dv[a], jnp.dot(pT.astype(dtype), _own(dout, a, J, lanes), preferred_element_type=jnp.float32))
+                dk[a] = _add(dk[a], jnp.dot(dsT, _own(q, a, K, lanes), preferred_element_type=jnp.float32))
+                dqT_sum[a * K:(a + 1) * K, queries] += jnp.dot(kT[a * K:(a + 1) * K], dsT,
+                                                               preferred_element_type=jnp.float32)
+                if R:
+                    dkr = _add(dkr, jnp.dot(dsT, _own(qr, a, R, lanes), preferred_element_type=jnp.float32))
+                    dqrT_sum[a * R:(a + 1) * R, queries] += jnp.dot(krT, dsT, preferred_element_type=jnp.float32)
+        _store(dk_ref, keys, dk, K, lanes)
+        _store(dv_ref, keys, dv, J, lanes)
+        if R:
+            dkr_ref[keys, :] = dkr
     dqT_ref[...] = dqT_sum[...].astype(dqT_ref.dtype)
+    if R:
+        dqrT_ref[...] = dqrT_sum[...].astype(dqrT_ref.dtype)

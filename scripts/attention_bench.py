@@ -21,15 +21,22 @@ from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash  # n
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # noqa: E402
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask  # noqa: E402
 
+import model  # noqa: E402
 from engine import attention_kernels, tpu_attention  # noqa: E402
 
 
+def joined(attention):
+    """attention(q, k, v) of q and k joined with decoupled RoPE's parts, as the engine joins them for every path
+    but the MLA kernel, which reads the parts as they are."""
+    return lambda q, k, v, *rotary: attention(*model.decoupled_rope_qk(q, k, rotary or None, q.dtype), v)
+
+
 def xla_chunks(n):
-    return lambda q, k, v: attention_kernels.xla_attention(q, k, v, None, jnp.bfloat16, n)
+    return joined(lambda q, k, v: attention_kernels.xla_attention(q, k, v, None, jnp.bfloat16, n))
 
 
 def mla_kernel(block, interpret):
-    return lambda q, k, v: tpu_attention.attention(q, k, v, block, interpret)
+    return lambda q, k, v, *rotary: tpu_attention.attention(q, k, v, *rotary, block=block, interpret=interpret)
 
 
 def splash_variant(block, compute, fused, interpret):
@@ -70,21 +77,22 @@ def variants(interpret):
     out |= {f"mla_kernel_{block}": mla_kernel(block, interpret) for block in (512, 256, 128)}
     for block, compute, fused in [(512, 512, True), (512, 256, True), (1024, 512, True), (512, 512, False),
                                   (256, 256, True), (1024, 1024, True)]:
-        out[f"splash_{block}_{compute}{'_fused' if fused else ''}"] = splash_variant(block, compute, fused, interpret)
+        out[f"splash_{block}_{compute}{'_fused' if fused else ''}"] = joined(splash_variant(block, compute, fused,
+                                                                                         interpret))
     for block_q, block_k in [(512, 512), (1024, 512), (256, 256)]:
-        out[f"pallas_flash_{block_q}_{block_k}"] = pallas_flash_variant(block_q, block_k, interpret)
+        out[f"pallas_flash_{block_q}_{block_k}"] = joined(pallas_flash_variant(block_q, block_k, interpret))
     return out
 
 
-def time_variant(attention, q, k, v, w, reps):
+def time_variant(attention, operands, w, reps):
     """Median seconds of forward + backward (the gradients of sum(out * w)) and the outputs, compiled once."""
-    step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * w),
-                                      argnums=(0, 1, 2)))
-    out = jax.block_until_ready(step(q, k, v))
+    step = jax.jit(jax.value_and_grad(lambda *operands: jnp.sum(attention(*operands).astype(jnp.float32) * w),
+                                      argnums=tuple(range(len(operands)))))
+    out = jax.block_until_ready(step(*operands))
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(step(q, k, v))
+        jax.block_until_ready(step(*operands))
         times.append(time.perf_counter() - t)
     return statistics.median(times), out
 
@@ -101,16 +109,18 @@ def main():
     chosen = variants(interpret)
     if args.only:
         chosen = {name: chosen[name] for name in args.only.split(",")}
-    for Q, J in [(192, 64), (64, 64)]:
-        keys = jax.random.split(jax.random.key(0), 4)
-        B, T, h = args.batch, args.T, args.heads
-        q, k = (jax.random.normal(key, (B, T, h, Q), jnp.bfloat16) for key in keys[:2])
-        v, w = (jax.random.normal(key, (B, T, h, J), jnp.bfloat16) for key in keys[2:])
+    for K, R, J in [(64, 128, 64), (64, 0, 64)]:             # MLA's RoPE layers (q.k 192), its NoPE ones
+        keys = jax.random.split(jax.random.key(0), 6)
+        B, T, h, Q = args.batch, args.T, args.heads, K + R
+        q, k = (jax.random.normal(key, (B, T, h, K), jnp.bfloat16) for key in keys[:2])
+        v, w = (jax.random.normal(key, (B, T, h, J), jnp.bfloat16) for key in keys[2:4])
+        rotary = (jax.random.normal(keys[4], (B, T, h, R), jnp.bfloat16),
+                  jax.random.normal(keys[5], (B, T, R), jnp.bfloat16)) if R else ()
         flops = 3 * 2 * B * h * T * T * (Q + J) / 2     # causal half of the forward's two products, backward twice that
         baseline, reference = None, None
         for name, attention in chosen.items():
             try:
-                seconds, out = time_variant(attention, q, k, v, w, args.reps)
+                seconds, out = time_variant(attention, (q, k, v, *rotary), w, args.reps)
             except Exception as error:  # noqa: BLE001 - a kernel that refuses these shapes is a result
                 print(json.dumps({"widths": f"{Q}/{J}", "variant": name, "error": str(error).splitlines()[0][:300]}),
                       flush=True)

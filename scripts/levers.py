@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import bench  # noqa: E402
 import engine  # noqa: E402
 import hardware  # noqa: E402
+import model  # noqa: E402
 import multihost  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
@@ -59,7 +60,8 @@ def cross_entropy_chunks_of(tokens):
 def attention_in(chunks):
     @dataclasses.dataclass(frozen=True)
     class AttentionInChunks(engine.Fast):
-        def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
+        def attention(self, q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype):
+            q_BThQ, k_BShQ = model.decoupled_rope_qk(q_BThK, k_BShK, rotary, dtype)
             return attention_kernels.xla_attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype, chunks)
     AttentionInChunks.__doc__ = (f"XLA's causal attention in up to {chunks} query chunks (the engine's where no "
                                  f"kernel runs: {attention_kernels.CAUSAL_QUERY_CHUNKS})")
@@ -69,10 +71,11 @@ def attention_in(chunks):
 def attention_kernel(block=None, keep_outputs=False, narrow_block=None):
     @dataclasses.dataclass(frozen=True)
     class AttentionKernel(engine.Fast):
-        def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
-            narrow = narrow_block if q_BThQ.shape[-1] <= 64 else None
-            kernel = functools.partial(tpu_attention.attention, block=narrow or block)
-            operands = (a.astype(dtype) for a in (q_BThQ, k_BShQ, v_BShJ))
+        def attention(self, q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype):
+            narrow = narrow_block if rotary is None else None          # the NoPE layers
+            kernel = lambda q, k, v, *rotary: attention_kernels.tpu_kernel_attention(
+                q, k, v, rotary or None, dtype, block=narrow or block)
+            operands = (q_BThK, k_BShK, v_BShJ, *(rotary or ()))
             return attention_kernels.keep_kernel_outputs(kernel, *operands) if keep_outputs else kernel(*operands)
     AttentionKernel.__doc__ = (f"The TPU attention kernel in blocks of {block or 'the engine'}'s side (the engine's: the "
                                f"largest of {tpu_attention.BLOCK_SIZES} dividing T)" +

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import model  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
 from bench import build_step  # noqa: E402
@@ -75,25 +76,29 @@ def fp32():
 
 def attention():
     """The largest error against fp32 (its share of the fp32 value's largest) of the output and the gradients of
-    q, k, v of sum(attention * w), for the kernel (engine/tpu_attention.py) and XLA's path, both in bf16, at the
-    one-chip preset's sequences (8 of 1,024), 12 heads and MLA's widths (q.k 192 with RoPE, 64 without; v 64)."""
-    def run(attention, dtype, q, k, v, w):
-        out, vjp = jax.vjp(lambda *qkv: attention(*qkv).astype(jnp.float32), *(x.astype(dtype) for x in (q, k, v)))
+    q, k, v (and RoPE's q and key) of sum(attention * w), for the kernel (engine/tpu_attention.py: the parts as
+    they are) and XLA's path (q and k joined), both in bf16, at the one-chip preset's sequences (8 of 1,024), 12
+    heads and MLA's widths (content 64 and RoPE 128, or none; v 64)."""
+    def run(attention, dtype, w, *operands):
+        out, vjp = jax.vjp(lambda *args: attention(*args).astype(jnp.float32), *(x.astype(dtype) for x in operands))
         return [out, *(g.astype(jnp.float32) for g in vjp(w))]
-    errors = {}
-    for Q, J in ((192, 64), (64, 64)):
-        keys = jax.random.split(jax.random.key(0), 4)
-        q, k = (jax.random.normal(key, (8, 1024, 12, Q), jnp.float32) for key in keys[:2])
-        v, w = (jax.random.normal(key, (8, 1024, 12, J), jnp.float32) for key in keys[2:])
 
+    def xla(dtype):
+        return lambda q, k, v, *rotary: attention_kernels.xla_attention(
+            *model.decoupled_rope_qk(q, k, rotary or None, dtype), v, None, dtype)
+    errors = {}
+    for K, R, J in ((64, 128, 64), (64, 0, 64)):
+        keys = jax.random.split(jax.random.key(0), 6)
+        q, k = (jax.random.normal(key, (8, 1024, 12, K), jnp.float32) for key in keys[:2])
+        v, w = (jax.random.normal(key, (8, 1024, 12, J), jnp.float32) for key in keys[2:4])
+        rotary = (jax.random.normal(keys[4], (8, 1024, 12, R)), jax.random.normal(keys[5], (8, 1024, R))) if R else ()
         # the operands are arguments: closed over, they are constants the compiler folds for minutes
         with jax.default_matmul_precision("highest"):
-            fp32 = jax.jit(functools.partial(
-                run, lambda *qkv: attention_kernels.xla_attention(*qkv, None, jnp.float32), jnp.float32))(q, k, v, w)
-        for name, attention in (("kernel", tpu_attention.attention),
-                                ("xla", lambda *qkv: attention_kernels.xla_attention(*qkv, None, jnp.bfloat16))):
-            got = jax.jit(functools.partial(run, attention, jnp.bfloat16))(q, k, v, w)
-            errors[f"{name} {Q}/{J}"] = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, fp32)]
+            fp32 = jax.jit(functools.partial(run, xla(jnp.float32), jnp.float32))(w, q, k, v, *rotary)
+        for name, attention in (("kernel", tpu_attention.attention), ("xla", xla(jnp.bfloat16))):
+            got = jax.jit(functools.partial(run, attention, jnp.bfloat16))(w, q, k, v, *rotary)
+            errors[f"{name} {K + R}/{J}"] = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+                                             for a, b in zip(got, fp32)]
     return {"check": "attention", "platform": jax.default_backend(), "errors": errors}
 
 

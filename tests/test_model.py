@@ -210,7 +210,7 @@ def test_causal_attention_in_query_chunks_equals_one_masked_softmax(T):
     """attend runs a causal attention in chunks of queries (T = 256: 2, T = 1024: 8), each against the
     keys up to its end; in fp32 its values and gradients equal one masked softmax over all T x T."""
     q, k, v = (jax.random.normal(jax.random.key(i), (2, T, 3, 24 if i < 2 else 16)) for i in range(3))
-    chunked = lambda q, k, v: attention_kernels.attention(q, k, v, None, jnp.float32, None)
+    chunked = lambda q, k, v: attention_kernels.attention(q, k, v, None, None, jnp.float32, None)
     whole = lambda q, k, v: model.masked_attention(q, k, v, jnp.tril(jnp.ones((T, T), bool)), jnp.float32, products.mm)
     assert attention_kernels.CAUSAL_MIN_CHUNK * 2 <= T          # more than one chunk
     # jitted: run op by op, the gradients compiled each of their dozens of operations apart (17 s of the test)

@@ -24,48 +24,66 @@ from engine import attention_kernels, products, tpu_attention
 from model_util import CFG, KEY, batch, rel_err, sharded_value_and_grad, with_model
 
 
-def causal_reference(q_BThQ, k_BShQ, v_BShJ):
-    T = q_BThQ.shape[1]
-    return model.masked_attention(q_BThQ, k_BShQ, v_BShJ, jnp.tril(jnp.ones((T, T), bool)), q_BThQ.dtype, products.mm)
+def causal_reference(q_BThK, k_BShK, v_BShJ, q_rope_BThR=None, k_rope_BSR=None):
+    """model.masked_attention, causal, of q and k joined with RoPE's parts as the reference engine joins them."""
+    T = q_BThK.shape[1]
+    rotary = None if q_rope_BThR is None else (q_rope_BThR, k_rope_BSR)
+    q_BThQ, k_BShQ = model.decoupled_rope_qk(q_BThK, k_BShK, rotary, q_BThK.dtype)
+    return model.masked_attention(q_BThQ, k_BShQ, v_BShJ, jnp.tril(jnp.ones((T, T), bool)), q_BThK.dtype, products.mm)
 
 
-def operands(B, T, h, Q, J, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q, k = (jax.random.normal(key, (B, T, h, Q), jnp.float32) for key in keys[:2])
-    v, w = (jax.random.normal(key, (B, T, h, J), jnp.float32) for key in keys[2:])
-    return q, k, v, w
+def operands(B, T, h, K, J, R, seed=0):
+    """q, k, v, the rotary q and the one rotary key (() without RoPE), and the output's cotangent w."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q, k = (jax.random.normal(key, (B, T, h, K), jnp.float32) for key in keys[:2])
+    v, w = (jax.random.normal(key, (B, T, h, J), jnp.float32) for key in keys[2:4])
+    rotary = () if R == 0 else (jax.random.normal(keys[4], (B, T, h, R)), jax.random.normal(keys[5], (B, T, R)))
+    return (q, k, v, *rotary), w
 
 
-def value_and_grads(attention, q, k, v, w):
-    """The output and the gradients of q, k, v of sum(attention(q, k, v) * w)."""
-    out, vjp = jax.vjp(attention, q, k, v)
+def value_and_grads(attention, args, w):
+    """The output and the gradients of each argument of sum(attention(*args) * w)."""
+    out, vjp = jax.vjp(attention, *args)
     return (out, *vjp(w))
 
 
-@pytest.mark.parametrize("T,block,Q,J", [(256, 128, 48, 16), (384, 128, 24, 8), (64, 16, 12, 4)])
-def test_the_kernel_equals_one_masked_softmax_in_fp32(T, block, Q, J):
-    """Blocks of 2, 3 and 4 a sequence (the diagonal's masked, the ones above it skipped)."""
-    q, k, v, w = operands(2, T, 3, Q, J)
+NAMES = ("out", "dq", "dk", "dv", "dq_rope", "dk_rope")
+
+
+# MLA's widths, scaled to tiles of 8 lanes (the chip's 128): K, J, R of 4, 4, 8 are 64, 64, 128 (the one-chip
+# preset's: 2 heads a step, content and values a head's half of a tile, the rotary query a tile of its own);
+# R 4 is 64 (the rotary key repeated to meet the 2 heads' lanes); R 0 NoPE; 8s a head a step, no lanes shared.
+@pytest.mark.parametrize("T,block,K,J,R", [(256, 128, 4, 4, 8), (384, 128, 8, 8, 4), (64, 16, 4, 4, 0),
+                                           (64, 16, 8, 8, 8)])
+def test_the_kernel_equals_one_masked_softmax_in_fp32(T, block, K, J, R):
+    """Blocks of 2, 3 and 4 a sequence (the diagonal's masked, the ones above it skipped), 4 heads."""
+    args, w = operands(2, T, 4, K, J, R)
     with jax.default_matmul_precision("highest"):
-        kernel = functools.partial(tpu_attention.attention, block=block, interpret=pltpu.InterpretParams())
+        kernel = functools.partial(tpu_attention.attention, block=block, interpret=pltpu.InterpretParams(), lanes=8)
         # jitted: run op by op, the reference's gradient compiled each of its operations apart
-        got, want = (jax.jit(functools.partial(value_and_grads, f))(q, k, v, w) for f in (kernel, causal_reference))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        got, want = (jax.jit(functools.partial(value_and_grads, f))(args, w) for f in (kernel, causal_reference))
+    assert len(got) == len(want) == (6 if R else 4)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
         assert rel_err(a, b) < 1e-5, name
 
 
 def test_the_kernel_runs_inside_a_shard_map_over_heads_and_sequences():
-    """Each device its sequences' heads (dp x tp 2 x 4 of the 8 devices), the outputs varying as q does."""
+    """Each device its sequences' heads (dp x tp 2 x 4 of the 8 devices, 2 heads each), the outputs varying as q
+    does; the one rotary key, whole on every tp rank, gets its gradient summed over them (`tpu_kernel_attention`)."""
     mesh = jax.make_mesh((2, 4), ("dp", "tp"))
-    spec = PartitionSpec("dp", None, "tp", None)
-    q, k, v, w = operands(4, 128, 8, 24, 8, seed=1)
-    kernel = jax.shard_map(functools.partial(tpu_attention.attention, block=64, interpret=pltpu.InterpretParams()), mesh=mesh,
-                           in_specs=(spec,) * 3, out_specs=spec)
-    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, w)]
+    heads, key = PartitionSpec("dp", None, "tp", None), PartitionSpec("dp", None, None)
+    (q, k, v, q_rope, k_rope), w = operands(4, 128, 8, 4, 4, 8, seed=1)
+    kernel = functools.partial(attention_kernels.tpu_kernel_attention, dtype=jnp.float32, block=64,
+                               interpret=pltpu.InterpretParams(), lanes=8)
+    sharded = jax.shard_map(lambda q, k, v, qr, kr: kernel(q, k, v, (qr, kr)), mesh=mesh,
+                            in_specs=(heads,) * 4 + (key,), out_specs=heads)
+    args = (q, k, v, q_rope, k_rope)
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(args, (heads,) * 4 + (key,))]
     with jax.default_matmul_precision("highest"):
-        got = jax.jit(lambda *a: value_and_grads(kernel, *a))(*placed)
-        want = jax.jit(functools.partial(value_and_grads, causal_reference))(q, k, v, w)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        got = jax.jit(lambda args, w: value_and_grads(sharded, args, w))(placed, w)
+        want = jax.jit(functools.partial(value_and_grads, causal_reference))(args, w)
+    for name, a, b in zip(NAMES, got, want):
         assert rel_err(a, b) < 1e-5, name
 
 
@@ -73,10 +91,11 @@ def test_the_kernel_runs_inside_a_shard_map_over_heads_and_sequences():
 class InterpretedKernel(engine.Fast):
     """The fast engine with the TPU kernel at its attention seam as a TPU's runs it (bf16 there), in fp32 here."""
 
-    def attention(self, q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype):
+    def attention(self, q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype):
         if mask_TS is not None:
-            return super().attention(q_BThQ, k_BShQ, v_BShJ, mask_TS, dtype)
-        return tpu_attention.attention(q_BThQ, k_BShQ, v_BShJ, block=8, interpret=pltpu.InterpretParams())
+            return super().attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype)
+        return attention_kernels.tpu_kernel_attention(q_BThK, k_BShK, v_BShJ, rotary, dtype, block=8,
+                                                      interpret=pltpu.InterpretParams(), lanes=8)
 
 
 def test_the_model_with_the_kernel_gives_the_xla_paths_loss_and_gradients(monkeypatch):
@@ -103,41 +122,52 @@ def test_the_model_with_the_kernel_gives_the_xla_paths_loss_and_gradients(monkey
 def test_the_fast_engine_runs_the_kernel_only_on_a_tpu_in_bf16():
     """The attention seam's choice, read from the traced program: a TPU's bf16 causal attention is the
     kernel (a pallas_call), its fp32 one and every other platform's are not; the CPU's program is
-    unchanged (tests/test_golden_program.py)."""
-    q, k, v, _ = operands(1, 256, 2, 24, 8)
+    unchanged (tests/test_golden_program.py). It takes heads whose parts fill whole tiles of lanes, alone or
+    in groups that divide the heads (the one-chip preset's 12 of 64, 64 and 128 in pairs; moe10B's 128, 128
+    and 64 in pairs), and sequences of whole blocks up to MAX_T."""
+    (q, k, v, q_rope, k_rope), _ = operands(1, 256, 2, 64, 64, 128)
 
     def traced(platform, dtype):
-        f = lambda q, k, v: attention_kernels.attention(q, k, v, None, dtype, platform)
-        return str(jax.make_jaxpr(f)(*(x.astype(dtype) for x in (q, k, v))))
+        f = lambda q, k, v, qr, kr: attention_kernels.attention(q, k, v, (qr, kr), None, dtype, platform)
+        return str(jax.make_jaxpr(f)(*(x.astype(dtype) for x in (q, k, v, q_rope, k_rope))))
     assert "pallas_call" in traced("tpu", jnp.bfloat16)
     for platform, dtype in (("tpu", jnp.float32), ("cpu", jnp.bfloat16), (None, jnp.bfloat16)):
         assert "pallas_call" not in traced(platform, dtype), (platform, dtype)
-    assert tpu_attention.takes(1024) and not tpu_attention.takes(tpu_attention.MAX_T * 2)
-    assert not tpu_attention.takes(100)             # no block divides it: XLA's path
+    assert tpu_attention.heads_per_step(12, 64, 64, 128) == 2 and tpu_attention.heads_per_step(8, 128, 128, 64) == 2
+    assert tpu_attention.heads_per_step(4, 128, 128, 0) == 1
+    assert tpu_attention.takes(1024, 12, 64, 64, 0) and not tpu_attention.takes(tpu_attention.MAX_T * 2, 12, 64, 64, 0)
+    assert not tpu_attention.takes(100, 12, 64, 64, 0)         # no block divides it: XLA's path
+    assert not tpu_attention.takes(1024, 3, 64, 64, 128)       # 3 heads of 64 fill no whole tiles
+    assert not tpu_attention.takes(1024, 4, 48, 64, 0)         # 48 lanes: neither whole tiles nor a share of one
 
 
 @pytest.mark.parametrize("policy", sorted(engine.REMAT_POLICIES))
 def test_the_layers_remat_runs_the_kernels_forward_again(policy):
     """No remat policy keeps the kernel's outputs (the layer scans' stacking of them cost more than its forward
     run again): the gradient of a rematted layer holds three kernels, the forward, its replay and the backward."""
-    q, k, v, w = (x.astype(jnp.bfloat16) for x in operands(1, 256, 2, 24, 8))
-    layer = lambda q, k, v: jnp.sum(engine.Fast("tpu").attention(q, k, v, None, jnp.bfloat16) * w)
-    grad = jax.grad(jax.checkpoint(layer, policy=engine.REMAT_POLICIES[policy]), argnums=(0, 1, 2))
-    assert str(jax.make_jaxpr(grad)(q, k, v)).count("pallas_call[") == 3
+    args, w = operands(1, 256, 2, 64, 64, 128)
+    args, w = [x.astype(jnp.bfloat16) for x in args], w.astype(jnp.bfloat16)
+    layer = lambda q, k, v, qr, kr: jnp.sum(engine.Fast("tpu").attention(q, k, v, (qr, kr), None, jnp.bfloat16) * w)
+    grad = jax.grad(jax.checkpoint(layer, policy=engine.REMAT_POLICIES[policy]), argnums=(0, 1, 2, 3, 4))
+    assert str(jax.make_jaxpr(grad)(*args)).count("pallas_call[") == 3
 
 
-def test_the_kernels_products_count_in_a_tpu_programs_matmul_flops():
-    """Compiled for a v5e here (libtpu's compiler), the kernel's products are counted (hlo.matmul_flops reads the
-    FLOPs it declares: its block pairs on and below the diagonal), the forward's and the backward's apart."""
+@pytest.mark.parametrize("R", [128, 0])
+def test_the_kernels_products_count_in_a_tpu_programs_matmul_flops(R):
+    """Compiled for a v5e here (libtpu's compiler, Mosaic's lowering of the kernel included), the kernel's products
+    are counted (hlo.matmul_flops reads the FLOPs it declares: its block pairs on and below the diagonal, each head
+    as if alone, q and k joined), the forward's and the backward's apart; with RoPE and without."""
     pytest.importorskip("libtpu", reason="pip install -r requirements-tpu.txt")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
     from planning import measure
     device = measure.topology_devices(hardware.tpu_slice("v5e-1"))[0]
-    B, T, h, Q, J, block = 1, 256, 2, 192, 64, 128
-    q = jax.ShapeDtypeStruct((B, T, h, Q), jnp.bfloat16, sharding=SingleDeviceSharding(device))
-    v = jax.ShapeDtypeStruct((B, T, h, J), jnp.bfloat16, sharding=SingleDeviceSharding(device))
-    loss = lambda q, k, v: jnp.sum(tpu_attention.attention(q, k, v, block).astype(jnp.float32))
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, v).lower(lowering_platforms=("tpu",)).compile()
+    B, T, h, K, J, block = 1, 256, 2, 64, 64, 128
+    on_chip = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(device))
+    args = [on_chip(B, T, h, K), on_chip(B, T, h, K), on_chip(B, T, h, J)] + ([on_chip(B, T, h, R), on_chip(B, T, R)]
+                                                                              if R else [])
+    loss = lambda *args: jnp.sum(tpu_attention.attention(*args, block=block).astype(jnp.float32))
+    compiled = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(
+        lowering_platforms=("tpu",)).compile()
     flops = hlo.matmul_flops(compiled.as_text())
-    forward = 2 * B * h * 3 * block * block * (Q + J)           # T / block = 2: three block pairs
+    forward = 2 * B * h * 3 * block * block * (K + R + J)          # T / block = 2: three block pairs
     assert (flops["forward"], flops["backward"], flops["total"]) == (forward, 2.5 * forward, 3.5 * forward), flops
