@@ -9,9 +9,10 @@ what a reader steps through in a debugger and the oracle the tests hold the fast
   mm(spec, a, b, dtype)      jnp.einsum, operands rounded to dtype,     products.mm: a custom VJP whose backward
                              products in fp32                           products are bf16 x bf16 -> fp32 too; on
                                                                         a TPU behind optimization barriers
-  attention(q, k, v, rotary, model.masked_attention, a causal mask        attention_kernels.attention: cuDNN's
-                                                                        fused kernel on a GPU, tpu_attention's
-                                                                        Pallas kernel on a TPU, else causal chunks
+  attention(q, k, v,         model.masked_attention of q, k joined     attention_kernels.attention: cuDNN's
+    rotary, mask)            with RoPE's parts, a causal mask           fused kernel on a GPU, tpu_attention's
+                                                                        Pallas kernel (the parts apart) on a
+                                                                        TPU, else causal chunks
   routed_experts(...)        expert_kernels.experts_in_buffers (over    the same, or --moe_impl ragged
                              dp with --expert_parallel)                 (grouped matmuls)
   cross_entropy_sum(...)     loss.plain_cross_entropy_sum               chunked_loss.chunked_cross_entropy_sum
