@@ -1,5 +1,5 @@
 """The hardware the project knows: TPU slices and H200 targets for --compile_for (chips, hosts, HBM, the
-topology libtpu's compiler takes), each device kind's datasheet bf16 peak, and MFU of it.
+topology libtpu's compiler takes), each device kind's datasheet bf16 peak, and MFU of it, and a TPU core's VMEM.
 """
 import math
 import re
@@ -98,12 +98,24 @@ PEAK_BF16_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12, "T
                    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
 
 
+# Each TensorCore's VMEM (jax's pallas tpu_info): what a Pallas kernel's blocks must fit in.
+VMEM_BYTES = {"TPU v4": 16 * 2**20, "TPU v5 lite": 128 * 2**20, "TPU v5": 64 * 2**20, "TPU v6 lite": 128 * 2**20}
+
+
+def _of_kind(table, device_kind):
+    """table's value for the longest prefix of device_kind it holds, or None (a CPU, an unknown chip)."""
+    return next((value for prefix, value in sorted(table.items(), key=lambda kv: -len(kv[0]))
+                 if device_kind.startswith(prefix)), None)
+
+
 def peak_flops(device_kind):
     """The bf16 dense peak of a device kind, or None when unknown (a CPU)."""
-    for prefix, peak in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
-        if device_kind.startswith(prefix):
-            return peak
-    return None
+    return _of_kind(PEAK_BF16_FLOPS, device_kind)
+
+
+def vmem_bytes(device_kind):
+    """A TPU core's VMEM, or None when unknown."""
+    return _of_kind(VMEM_BYTES, device_kind)
 
 
 MFU_FORMULA = ("MFU = tokens/s x model FLOPs per token / (devices x the datasheet's dense bf16 FLOP/s: "

@@ -49,22 +49,22 @@ def loss_and_metrics(params, x_BT, y_BT, key, cfg, mesh, n_micro, train=True):
     rows = by_replica(mesh)
     x_BT, y_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, rows)) for a in (x_BT, y_BT))
     metric_specs = {"ce": WHOLE, "balance": WHOLE, "tokens_per_expert": WHOLE, "drop_rate": WHOLE}
-    platform = mesh.devices.flat[0].platform          # for the mesh's devices, whatever this process runs on
-    loss = partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train, platform=platform)
+    device = mesh.devices.flat[0]          # the engine is the mesh's devices', whatever this process runs on
+    loss = partial(_pipeline_loss, cfg=cfg, n_micro=n_micro, train=train, device=device)
     sharded = jax.shard_map(loss, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), rows,
                                                        rows, WHOLE),
                             out_specs=(WHOLE, metric_specs), check_vma=True)
     return sharded(params, x_BT, y_BT, key)
 
 
-def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
+def _pipeline_loss(params, x_bT, y_bT, key, cfg, n_micro, train, device):
     """On one device with its shards (`_pipeline_outputs`): the loss and metrics of the global batch."""
     if lax.axis_size("slice") > 1:
         # Every slice holds the same params: cast once, here, to vary over "slice", so that the gradient's one
         # all-reduce over DCN is this cast's transpose, on the fp32 shards [.., D/dp, ..], once a micro-step
         # (JAX would otherwise sum over slices at each use of a weight, every tick).
         params = jax.tree.map(lambda a: lax.pcast(a, "slice", to="varying"), params)
-    out = _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform)
+    out = _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, device)
     h_NTD, targets_NT = _last_stage_share(out)
     ce_sum = lax.psum(out.axes.engine.cross_entropy_sum(out.table_vD, h_NTD, targets_NT, cfg, out.axes),
                       (*replica_axes(), "pp"))
@@ -81,8 +81,8 @@ def continuation_scores(params, x_BT, y_BT, mask_BT, cfg, mesh, n_micro, window)
     params = Layout(cfg.pipeline_repeats).store(params)
     rows = by_replica(mesh)
     x_BT, y_BT, mask_BT = (lax.with_sharding_constraint(a, NamedSharding(mesh, rows)) for a in (x_BT, y_BT, mask_BT))
-    platform = mesh.devices.flat[0].platform
-    scores = partial(_pipeline_continuation_scores, cfg=cfg, n_micro=n_micro, platform=platform, window=window)
+    scores = partial(_pipeline_continuation_scores, cfg=cfg, n_micro=n_micro, device=mesh.devices.flat[0],
+                     window=window)
     sharded = jax.shard_map(scores, mesh=mesh, in_specs=(sharding.param_specs(params, cfg.expert_parallel), rows,
                                                          rows, rows),
                             out_specs=(rows, rows), check_vma=True)
@@ -100,11 +100,11 @@ def one_device_token_scores(params, x_BT, y_BT, cfg):
     return axes.engine.token_scores(table_vD, h_BTD, y_BT, cfg, axes)
 
 
-def _pipeline_continuation_scores(params, x_bT, y_bT, mask_bT, cfg, n_micro, platform, window):
+def _pipeline_continuation_scores(params, x_bT, y_bT, mask_bT, cfg, n_micro, device, window):
     """On one device: this dp replica's per-row summed cross-entropy and greedy flags [b]. Each stage scores
     its share of the outputs (`_last_stage_share`), M/pp micro-batches in order, at t = window of the T positions
     a row, [N, T, D] -> [N, t, D]; an all-gather over pp puts the rows together: [M/pp b/M] -> [b]."""
-    out = _pipeline_outputs(params, x_bT, y_bT, jax.random.key(0), cfg, n_micro, False, platform)
+    out = _pipeline_outputs(params, x_bT, y_bT, jax.random.key(0), cfg, n_micro, False, device)
     h_NTD, targets_NT = _last_stage_share(out)
     M, T, n_stages = out.y_MbT.shape[0], out.y_MbT.shape[-1], lax.axis_size("pp")
     mask_NT = lax.dynamic_slice_in_dim(mask_bT.reshape(M, -1, T), lax.axis_index("pp") * (M // n_stages),
@@ -131,13 +131,13 @@ class _Outputs(NamedTuple):
     axes: Axes
 
 
-def _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, platform):
+def _pipeline_outputs(params, x_bT, y_bT, key, cfg, n_micro, train, device):
     """On one device with its shards: x_bT is this dp replica's b = B/dp sequences (the same on its pp and tp
     ranks); params["blocks"] this stage's P groups of G blocks (P = cfg.pipeline_repeats, G = blocks/(pp P),
     `sharding.Layout`), group r being blocks [(r pp + s) G, (r pp + s + 1) G) of stage s; GPipe is P = 1.
     The schedule (`schedule`) runs P M + pp - 1 ticks, each stage one item a tick: the bubble is
     (pp - 1)/(P M + pp - 1)."""
-    axes = Axes("dp", "pp", "tp", expert_parallel=cfg.expert_parallel, engine=engine_for(cfg, platform))
+    axes = Axes("dp", "pp", "tp", expert_parallel=cfg.expert_parallel, engine=engine_for(cfg, device))
     P = cfg.pipeline_repeats
     n_stages, stage = lax.axis_size("pp"), lax.axis_index("pp")
     # Normalised on entry: the stage's blocks as [P, G, ...] whatever P (GPipe stores them as [G, ...]).

@@ -76,6 +76,7 @@ class Reference:
     """--engine reference: every seam the guide's plain math, no custom VJP (but over gloo, fsdp.plain_gather's)
     and no named remat."""
     platform: str | None = None      # the mesh's ("cpu", "gpu", "tpu"; None: portable code)
+    device_kind: str = ""            # the mesh's ("TPU v5 lite", ...): what its kernels may hold in VMEM
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -135,7 +136,8 @@ class Fast(Reference):
         return lax.optimization_barrier(out) if self.platform == "tpu" else out
 
     def attention(self, q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype):
-        return attention_kernels.attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype, self.platform)
+        return attention_kernels.attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype, self.platform,
+                                           self.device_kind)
 
     def routed_experts(self, w, x_BTD, experts_BTk, slot_BTk, C, cfg, axes):
         """--moe_impl ragged's grouped matmuls are tokamax's kernel on a GPU (expert_kernels.triton_grouped)."""
@@ -183,6 +185,6 @@ def matmul_precision(model_dtype):
     return jax.default_matmul_precision("highest" if jnp.dtype(model_dtype) == jnp.float32 else None)
 
 
-def engine_for(cfg, platform=None):
-    """The engine --engine names, for devices of `platform` (the mesh's; None: portable code)."""
-    return ENGINES[cfg.engine](platform)
+def engine_for(cfg, device=None):
+    """The engine --engine names, for devices like `device` (the mesh's; None: portable code)."""
+    return ENGINES[cfg.engine]() if device is None else ENGINES[cfg.engine](device.platform, device.device_kind)

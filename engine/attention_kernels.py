@@ -2,7 +2,7 @@
 `model.masked_attention`, softmax(q.k / sqrt(Q)) v under a mask, which is what --engine reference runs.
 
 Fast: on a GPU in bf16 with a head width cuDNN takes, cuDNN's fused kernel (`cudnn_attention`); on a TPU
-in bf16, a causal one of up to engine.tpu_attention.MAX_T tokens, our Pallas kernel (`tpu_attention`);
+in bf16, a causal one as long as the chip's VMEM holds (tpu_attention.longest_T), our Pallas kernel (`tpu_attention`);
 elsewhere masked_attention itself, a causal one a chunk of queries at a time so that the blocks above the
 diagonal are never computed.
 """
@@ -15,6 +15,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from engine import products, tpu_attention
+import hardware
 from collectives import vary_like
 from model import decoupled_rope_qk, masked_attention
 from multihost import log
@@ -26,14 +27,16 @@ CAUSAL_QUERY_CHUNKS, CAUSAL_MIN_CHUNK = 8, 128
 KERNEL_OUTPUTS = "kernel_outputs"     # the name the remat policies keep a fused kernel's outputs by
 
 
-def attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype, platform, query_chunks=CAUSAL_QUERY_CHUNKS):
+def attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype, platform, device_kind="",
+              query_chunks=CAUSAL_QUERY_CHUNKS):
     """softmax(q.k / sqrt(Q)) v with an fp32 softmax, returned in dtype, q and k joined with decoupled RoPE's
     parts (rotary: model.decoupled_rope_qk's); causal (mask_TS None: query t sees keys <= t) or under mask_TS.
-    query_chunks: xla_attention's, where no kernel runs."""
+    device_kind: the chip's (its VMEM bounds the TPU kernel's sequences); query_chunks: xla_attention's, where no
+    kernel runs."""
     _, T, h, K = q_BThK.shape
     R = 0 if rotary is None else rotary[0].shape[-1]
     if (platform == "tpu" and dtype == jnp.bfloat16 and mask_TS is None
-            and tpu_attention.takes(T, h, K, v_BShJ.shape[-1], R)):
+            and tpu_attention.takes(T, h, K, v_BShJ.shape[-1], R, hardware.vmem_bytes(device_kind))):
         return tpu_kernel_attention(q_BThK, k_BShK, v_BShJ, rotary, dtype)
     q_BThQ, k_BShQ = decoupled_rope_qk(q_BThK, k_BShK, rotary, dtype)
     Q = q_BThQ.shape[-1]

@@ -8,7 +8,7 @@ turned heads-first around it: a grid step takes g heads, the fewest whose parts 
 lanes (2 at widths of 64). Inside, a head's part of a tile is its lanes: sliced where a head fills whole
 tiles, else the other heads' lanes zeroed in one operand, which the MXU's 128-deep products cost the same.
 
-One grid step holds whole sequences of its heads in VMEM (about 4 MB at T 1024 in the backward) and walks
+One grid step holds whole sequences of its heads in VMEM (LONGEST_T says how long, by the core's VMEM) and walks
 their causal blocks, block x block at a time, with the loops unrolled at trace time: the blocks above the
 diagonal are never visited and only the diagonal's are masked. The forward is flash attention's online
 softmax (the scores never leave VMEM) and keeps each row's log-sum-exp; the backward recomputes each block's
@@ -27,8 +27,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 BLOCK_SIZES = (512, 256, 128)        # a block is the largest of these that divides T
-MAX_T = 4096                          # above this a sequence's dq sums and operands crowd VMEM: XLA's path
 VMEM_LIMIT_BYTES = 64 * 2**20
+# The longest sequence whose blocks (a grid step holds its heads' whole sequences) a core's VMEM holds, as
+# libtpu's compiler found at the edges (tests/test_tpu_attention.py): a v4's 16 MiB T 1024, 64 MiB (a v5p's; a
+# v5e's and v6e's 128 under VMEM_LIMIT_BYTES) T 3072. Longer: XLA's path. A chip not known: the smallest.
+LONGEST_T = ((64 * 2**20, 3072), (0, 1024))
 LANES = 128                           # a vector register's lanes: a block's last dim is a multiple of them
 NT = (((1,), (1,)), ((), ()))         # dot_general's a @ b.T
 
@@ -42,10 +45,15 @@ def heads_per_step(h, K, J, R, lanes=LANES):
     return next((g for g in range(1, h + 1) if h % g == 0 and all(g * w % lanes == 0 for w in (K, J, R))), None)
 
 
-def takes(T, h, K, J, R):
-    """Whether the kernel runs a causal attention of T queries and h heads of these widths (else the caller
-    keeps XLA's path)."""
-    return T <= MAX_T and T % BLOCK_SIZES[-1] == 0 and heads_per_step(h, K, J, R) is not None
+def longest_T(vmem_bytes):
+    """The longest sequence the kernel takes on a core of vmem_bytes of VMEM (None: not known)."""
+    return next(T for size, T in LONGEST_T if (vmem_bytes or 0) >= size)
+
+
+def takes(T, h, K, J, R, vmem_bytes=None):
+    """Whether the kernel runs a causal attention of T queries and h heads of these widths on a core of
+    vmem_bytes of VMEM (else the caller keeps XLA's path)."""
+    return T <= longest_T(vmem_bytes) and T % BLOCK_SIZES[-1] == 0 and heads_per_step(h, K, J, R) is not None
 
 
 def attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR=None, k_rope_BSR=None, block=None, interpret=False,

@@ -124,18 +124,25 @@ def test_the_fast_engine_runs_the_kernel_only_on_a_tpu_in_bf16():
     kernel (a pallas_call), its fp32 one and every other platform's are not; the CPU's program is
     unchanged (tests/test_golden_program.py). It takes heads whose parts fill whole tiles of lanes, alone or
     in groups that divide the heads (the one-chip preset's 12 of 64, 64 and 128 in pairs; moe10B's 128, 128
-    and 64 in pairs), and sequences of whole blocks up to MAX_T."""
+    and 64 in pairs), and sequences of whole blocks as long as the chip's VMEM holds (a chip not known: a v4's)."""
     (q, k, v, q_rope, k_rope), _ = operands(1, 256, 2, 64, 64, 128)
 
     def traced(platform, dtype):
         f = lambda q, k, v, qr, kr: attention_kernels.attention(q, k, v, (qr, kr), None, dtype, platform)
         return str(jax.make_jaxpr(f)(*(x.astype(dtype) for x in (q, k, v, q_rope, k_rope))))
     assert "pallas_call" in traced("tpu", jnp.bfloat16)
+    long = [x.astype(jnp.bfloat16) for x in operands(1, 2048, 2, 64, 64, 128)[0]]
+    by_chip = lambda kind: str(jax.make_jaxpr(lambda *a: engine.Fast("tpu", kind).attention(*a[:3], a[3:], None,
+                                                                                             jnp.bfloat16))(*long))
+    assert "pallas_call" in by_chip("TPU v5 lite") and "pallas_call" not in by_chip("TPU v4")
     for platform, dtype in (("tpu", jnp.float32), ("cpu", jnp.bfloat16), (None, jnp.bfloat16)):
         assert "pallas_call" not in traced(platform, dtype), (platform, dtype)
     assert tpu_attention.heads_per_step(12, 64, 64, 128) == 2 and tpu_attention.heads_per_step(8, 128, 128, 64) == 2
     assert tpu_attention.heads_per_step(4, 128, 128, 0) == 1
-    assert tpu_attention.takes(1024, 12, 64, 64, 0) and not tpu_attention.takes(tpu_attention.MAX_T * 2, 12, 64, 64, 0)
+    v4, v5e = (hardware.vmem_bytes(kind) for kind in ("TPU v4", "TPU v5 lite"))
+    assert tpu_attention.takes(1024, 12, 64, 64, 0, v4) and not tpu_attention.takes(1152, 12, 64, 64, 0, v4)
+    assert tpu_attention.takes(3072, 12, 64, 64, 0, v5e) and not tpu_attention.takes(3200, 12, 64, 64, 0, v5e)
+    assert tpu_attention.takes(1024, 12, 64, 64, 0) and not tpu_attention.takes(2048, 12, 64, 64, 0)   # not known
     assert not tpu_attention.takes(100, 12, 64, 64, 0)         # no block divides it: XLA's path
     assert not tpu_attention.takes(1024, 3, 64, 64, 128)       # 3 heads of 64 fill no whole tiles
     assert not tpu_attention.takes(1024, 4, 48, 64, 0)         # 48 lanes: neither whole tiles nor a share of one
@@ -150,6 +157,25 @@ def test_the_layers_remat_runs_the_kernels_forward_again(policy):
     layer = lambda q, k, v, qr, kr: jnp.sum(engine.Fast("tpu").attention(q, k, v, (qr, kr), None, jnp.bfloat16) * w)
     grad = jax.grad(jax.checkpoint(layer, policy=engine.REMAT_POLICIES[policy]), argnums=(0, 1, 2, 3, 4))
     assert str(jax.make_jaxpr(grad)(*args)).count("pallas_call[") == 3
+
+
+@pytest.mark.parametrize("slice_name,kind", [("v4-8", "TPU v4"),
+                                             pytest.param("v5e-1", "TPU v5 lite", marks=pytest.mark.slow("~50 s"))])
+def test_the_kernel_compiles_for_the_longest_sequence_a_chip_takes(slice_name, kind):
+    """libtpu's compiler (Mosaic's lowering, VMEM's plan) builds the kernel's forward and backward for a chip at the
+    longest T it takes there, RoPE's parts and without; one block longer and the kernel leaves it to XLA."""
+    pytest.importorskip("libtpu", reason="pip install -r requirements-tpu.txt")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
+    from planning import measure
+    device = measure.topology_devices(hardware.tpu_slice(slice_name))[0]
+    assert device.device_kind == kind
+    T = tpu_attention.longest_T(hardware.vmem_bytes(kind))
+    assert not tpu_attention.takes(T + tpu_attention.BLOCK_SIZES[-1], 12, 64, 64, 128, hardware.vmem_bytes(kind))
+    on_chip = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(device))
+    for R in (128, 0):
+        args = [on_chip(1, T, 12, 64)] * 3 + ([on_chip(1, T, 12, R), on_chip(1, T, R)] if R else [])
+        loss = lambda *args: jnp.sum(tpu_attention.attention(*args).astype(jnp.float32))
+        jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(lowering_platforms=("tpu",)).compile()
 
 
 @pytest.mark.parametrize("R", [128, 0])
