@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from run_util import unoptimized
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL_SSH = os.path.join(ROOT, "tests", "launch_local_ssh.sh")
 SCRIPTS = ["setup_tpu.sh", "launcher.sh", "run.sh", "debug_tpu.sh"]
@@ -30,11 +32,15 @@ def launch_env(tmp_path, **extra):
 
 # The runs the launch rehearsals start (a hang, a preemption, a stop agreed across hosts): two processes of
 # one CPU device each on a (2, 1, 1) mesh, so that dp's collectives cross the processes over gloo, with the
-# smallest config that trains on the bundled corpus; the same programs in each, compiled once a session
-# (conftest's launch_cache). ONE_DEVICE: their environment's part (launch_env gives 4 devices each).
+# smallest config that trains on the bundled corpus. ONE_DEVICE: their environment's part (launch_env gives 4
+# devices each), with XLA at -O0 (run_util.unoptimized): conftest's launch_cache gives process 0 the programs
+# an earlier run compiled, but never process 1 (jax writes the persistent cache from process 0 only, and on CPU
+# each process' key holds its own topology), so every session waits for process 1's cold compile of the
+# training step, seconds at -O0 where -O2 takes 30-50; their few steps run slower, which costs less
+# (test_hang 121 -> 95 s, the supervisor's preemption 105 -> 88 s, the stop agreement 104 -> 69 s).
 SMALL = ["--preset", "tiny", "--n_device_axis", "2", "1", "1", "--T", "32", "--train_batch_size", "2",
          "--val_batch_size", "4", "--eval_steps", "1", "--max_tokens", "0", "--eval_tasks", ""]
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+ONE_DEVICE = unoptimized({"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (CI installs it)")
 
