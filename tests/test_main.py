@@ -24,7 +24,7 @@ import pytest
 from ceiling import CEILING_S
 from launch_util import free_port
 from run_util import (MESH1, MESH8, N, REPO, SPAN, TINY_FLAGS, assert_final_line_compares_with_the_unigram_entropy,
-                      checkpoints, last_step, records, run, start, wait_for, wait_for_step)
+                      checkpoints, last_step, records, run, start, unoptimized, wait_for, wait_for_step)
 
 PHASES = ("startup", "compile", "train", "eval", "checkpoint", "tasks", "sample")
 
@@ -196,8 +196,12 @@ SLICES = "--n_device_axis 4 1 2 --n_slices 2 --train_batch_size 2 --val_batch_si
 
 
 def run_two_slices(cpu_env, out, *args, steps=N):
-    """main.py as two processes, each a "slice" (process i holds slice i's devices), to their end."""
-    env = dict(cpu_env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
+    """main.py as two processes, each a "slice" (process i holds slice i's devices), to their end. XLA at -O0
+    (run_util.unoptimized): process 1 never reads the persistent cache (launch_util.ONE_DEVICE says why), so each
+    start waited on its cold -O2 compile, and process 0, its programs read back, on it in gloo's 30-s first
+    exchange; the losses keep their ulp (9.0e-8 at most at -O0 too)."""
+    env = dict(cpu_env, **unoptimized(cpu_env), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+               JAX_NUM_PROCESSES="2")
     cmd = [sys.executable, os.path.join(REPO, "main.py"), *TINY_FLAGS, "--output_dir", str(out), "--name", "run",
            "--training_steps", str(steps), *SLICES, *args]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
