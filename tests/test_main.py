@@ -381,6 +381,7 @@ def test_a_model_without_shared_experts_or_dense_layers_saves_resumes_exactly_an
     own, not empty weights, which Orbax refuses to save; either alone used to end its run at the first
     checkpoint."""
     flags = ["--n_shared", "0", "--layers_per_block", "1"]
+    cpu_env = cpu_env | unoptimized(cpu_env)            # a model of this test's own, a few steps a run
     run(cpu_env, tmp_path / "straight", *MESH1, *flags, steps=4)
     run(cpu_env, tmp_path / "resumed", *MESH1, *flags, steps=2)
     proc = run(cpu_env, tmp_path / "resumed", *MESH1, *flags, steps=4)
