@@ -14,6 +14,7 @@ import pytest
 import bench
 
 from ceiling import CEILING_S
+from run_util import unoptimized
 from small_configs import SMALL_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +41,11 @@ def trace_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(trace_dir):
-    """Both bench.py runs, started together (each is mostly a single-threaded compile)."""
+    """Both bench.py runs, started together (each is mostly a single-threaded compile), XLA at -O0: no other
+    test compiles their programs, and a few steps never earn -O2's compile back (run_util.unoptimized)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONUNBUFFERED="1")
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               **unoptimized({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))
     start = lambda args: subprocess.Popen([sys.executable, os.path.join(REPO, "bench.py"), *SMALL, *args], cwd=REPO,
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = {"run": start(RUN + ["--profile", trace_dir, "--dump_hlo", os.path.join(trace_dir, "step.hlo.txt")]),
@@ -182,8 +185,8 @@ def test_levers_are_timed_against_the_baseline_in_one_process(cpu_env):
     script = os.path.join(REPO, "scripts", "levers.py")
     flags = [a for a in SMALL if a not in ("--preset", "tiny")] + ["--n_device_axis", "1", "1", "1", "--train_batch_size", "2"]
     proc = subprocess.run([sys.executable, script, "--preset", "tiny", *flags, "--levers", "unrolled_layers",
-                           "--steps", "1", "--warmup", "1"], cwd=REPO, env=cpu_env, capture_output=True, text=True,
-                          timeout=CEILING_S)
+                           "--steps", "1", "--warmup", "1"], cwd=REPO, env=cpu_env | unoptimized(cpu_env),
+                          capture_output=True, text=True, timeout=CEILING_S)        # -O0: programs of its own
     assert proc.returncode == 0, proc.stderr[-3000:]
     baseline, lever = [json.loads(line) for line in proc.stdout.splitlines()]
     assert (baseline["lever"], lever["lever"]) == ("baseline", "unrolled_layers")
