@@ -21,7 +21,7 @@ from ceiling import CEILING_S
 from evals import scoring, tasks
 from evals.harness import HarnessTask
 from evals.tasks import TaskError
-from run_util import REPO, TINY_FLAGS, mount
+from run_util import REPO, TINY_FLAGS, mount, unoptimized
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -r requirements-eval.txt")
 
@@ -172,9 +172,12 @@ def test_a_task_file_the_harness_cannot_build_is_one_line_naming_it_and_the_caus
 
 
 def main_py(cpu_env, out, *args, env=None):
+    """main.py on (1,1,1) with 4 sequences a step, at XLA -O0: this module's programs alone, a few steps each
+    (run_util.unoptimized)."""
     return subprocess.run([sys.executable, "main.py", *TINY_FLAGS, "--n_device_axis", "1", "1", "1",
                            "--train_batch_size", "4", "--output_dir", str(out), "--name", "run", *args],
-                          env={**cpu_env, **(env or {})}, capture_output=True, text=True, timeout=CEILING_S)
+                          env={**cpu_env, **unoptimized(cpu_env), **(env or {})}, capture_output=True, text=True,
+                          timeout=CEILING_S)
 
 
 def one_error(proc):
@@ -412,8 +415,8 @@ def test_a_task_that_fails_mid_run_is_one_warning_after_the_checkpoint_and_the_r
     proc = subprocess.run([sys.executable, "main.py", *TINY_FLAGS, "--eval_tasks",
                            "tests/harness_tasks/fails_when_scored.yaml,kjv_endings", "--eval_tasks_limit", "3",
                            "--training_steps", "2", "--n_device_axis", "1", "1", "1", "--train_batch_size", "4",
-                           "--output_dir", str(tmp_path), "--name", "run"], env=cpu_env, capture_output=True,
-                          text=True, timeout=CEILING_S)
+                           "--output_dir", str(tmp_path), "--name", "run"], env=cpu_env | unoptimized(cpu_env),
+                          capture_output=True, text=True, timeout=CEILING_S)       # main_py's programs
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "WARNING: scoring" in line]
     assert warnings == ["WARNING: scoring --eval_tasks fails_when_scored at step 2 failed (RuntimeError: this task's "
