@@ -2,9 +2,9 @@
 `model.masked_attention`, softmax(q.k / sqrt(Q)) v under a mask, which is what --engine reference runs.
 
 Fast: on a GPU in bf16 with a head width cuDNN takes, cuDNN's fused kernel (`cudnn_attention`); on a TPU
-in bf16, a causal one as long as the chip's VMEM holds (tpu_attention.longest_T), our Pallas kernel (`tpu_attention`);
-elsewhere masked_attention itself, a causal one a chunk of queries at a time so that the blocks above the
-diagonal are never computed.
+in bf16, a causal one as long as the chip's VMEM holds (tpu_attention.longest_T), our Pallas kernel
+(`tpu_attention`); elsewhere masked_attention itself, a causal one a chunk of queries at a time so that the
+blocks above the diagonal are never computed.
 """
 import math
 from functools import cache, partial
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from engine import products, tpu_attention
 import hardware
 from collectives import vary_like
+from engine import products, tpu_attention
 from model import decoupled_rope_qk, masked_attention
 from multihost import log
 

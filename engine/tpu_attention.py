@@ -94,7 +94,8 @@ class _Shape:
         """The group's rotary queries and the sequence's one rotary key (every group reads it whole)."""
         if self.R == 0:
             return []
-        return [_group_spec(self.T, self.g * self.R), pl.BlockSpec((pl.squeezed, self.T, self.Rk), lambda b, _: (b, 0, 0))]
+        whole_key = pl.BlockSpec((pl.squeezed, self.T, self.Rk), lambda b, group: (b, 0, 0))
+        return [_group_spec(self.T, self.g * self.R), whole_key]
 
 
 def _flat(x_BThX):
@@ -300,7 +301,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, out_ref, dout_ref, lse_ref, *refs, blo
                 dpT = lax.dot_general(_beside(v, a, J, lanes), _own(dout, a, J, lanes), NT,
                                       preferred_element_type=jnp.float32)
                 dsT = (pT * (dpT - delta[i][a]) * scale).astype(dtype)
-                dv[a] = _add(dv[a], jnp.dot(pT.astype(dtype), _own(dout, a, J, lanes), preferred_element_type=jnp.float32))
+                dv[a] = _add(dv[a], jnp.dot(pT.astype(dtype), _own(dout, a, J, lanes),
+                                            preferred_element_type=jnp.float32))
                 dk[a] = _add(dk[a], jnp.dot(dsT, _own(q, a, K, lanes), preferred_element_type=jnp.float32))
                 dqT_sum[a * K:(a + 1) * K, queries] += jnp.dot(kT[a * K:(a + 1) * K], dsT,
                                                                preferred_element_type=jnp.float32)

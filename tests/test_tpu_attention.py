@@ -1,8 +1,10 @@
-"""The TPU's attention kernel (engine/tpu_attention.py) computes model.masked_attention's causal attention:
-in fp32, run here by Pallas' interpret mode, its output and the gradients of q, k and v equal the one
-masked softmax's at MLA's head widths (q.k wider than v) and several blocks a sequence; inside a shard_map
-over heads; and in the whole model, behind the attention seam, on a mesh with pp and tp, where it gives the XLA path's loss and every gradient. Compiled for a TPU by libtpu here, its
-products count in the program's matmul FLOPs. On the chip: tests/test_tpu.py."""
+"""The TPU's attention kernel (engine/tpu_attention.py) computes model.masked_attention's causal attention of
+q and k joined with decoupled RoPE's parts: in fp32, run here by Pallas' interpret mode, its output and the
+gradients of q, k, v and both rotary parts equal the one masked softmax's at MLA's layouts (heads sharing a
+tile of lanes or not, with RoPE or without) and several blocks a sequence; inside a shard_map over heads; and
+in the whole model, behind the attention seam, on a mesh with pp and tp, where it gives the XLA path's loss
+and every gradient. Compiled for a TPU by libtpu here, it fits each chip's VMEM at the longest sequence it
+takes there and its products count in the program's matmul FLOPs. On the chip: tests/test_tpu.py."""
 import dataclasses
 import functools
 import os
@@ -175,7 +177,8 @@ def test_the_kernel_compiles_for_the_longest_sequence_a_chip_takes(slice_name, k
     for R in (128, 0):
         args = [on_chip(1, T, 12, 64)] * 3 + ([on_chip(1, T, 12, R), on_chip(1, T, R)] if R else [])
         loss = lambda *args: jnp.sum(tpu_attention.attention(*args).astype(jnp.float32))
-        jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(lowering_platforms=("tpu",)).compile()
+        grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+        grad.trace(*args).lower(lowering_platforms=("tpu",)).compile()
 
 
 @pytest.mark.parametrize("R", [128, 0])
