@@ -22,6 +22,7 @@ import convert
 from convert_util import HF, ROOT, random_tensors
 from data import hf_tokenizer
 import hf_files
+from ceiling import CEILING_S
 from run_util import mount, unoptimized
 
 HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")
@@ -407,7 +408,8 @@ def test_imported_run_fine_tunes_on_another_mesh(exported, cpu_env):
            "--training_steps", "2", "--checkpoint_steps", "2", "--eval_steps", "1", "--max_tokens", "0",
            "--eval_tasks", "", "--n_device_axis", "1", "1", "2", "--cpu_devices", "2"]
     # XLA at -O0: a model and mesh of this test's own, 2 steps
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env | unoptimized(cpu_env), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env | unoptimized(cpu_env), capture_output=True, text=True,
+                          timeout=CEILING_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {work}/back/checkpoints/0: step 0" in proc.stdout
     assert "final: val cross-entropy" in proc.stdout and "note:" not in proc.stdout
