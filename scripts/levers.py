@@ -14,6 +14,7 @@ for its platform, proven equal to --engine reference (tests/test_engine.py).
     python scripts/levers.py --preset tiny --n_device_axis 1 1 1 --levers unrolled_layers --steps 2   # on a CPU
 """
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -36,6 +37,8 @@ import multihost  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
 from engine import attention_kernels, expert_kernels, products, tpu_attention  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.extend.random import threefry_2x32  # noqa: E402
 from planning.measure import compiled_or_shortfall, planned_gib  # noqa: E402
 
 
@@ -112,7 +115,29 @@ class KeepFfnHidden(engine.Fast):
         return engine.Fast("gpu").layer_remat(cfg)[0], super().layer_remat(cfg)[1]
 
 
-# name: (flags on top of the run's, engine class or None)
+def dropout_from_whole_threefry_words(x_BTD, rate, key, seq_ids_B):
+    """model.dropout with both 32-bit halves of each threefry hash used (jax.random.bits keeps one word of a
+    hash's two, bits1 ^ bits2): 4 elements' 16 bits a hash, half the hashes; other bits, the same mask's law."""
+    def one(x_TD, seq):
+        (T, D), cut = x_TD.shape, round(rate * 2**16)
+        pair, n = jax.random.key_data(jax.random.fold_in(key, seq)), (D + 1) // 2
+        words = threefry_2x32(pair, lax.iota(jnp.uint32, T * n)).reshape(T, n)
+        bits_TD = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)[:, :D]
+        return x_TD / (1 - cut / 2**16) * (bits_TD >= cut)
+    return jax.vmap(one)(x_BTD, seq_ids_B)
+
+
+@contextlib.contextmanager
+def dropout_swapped(dropout):
+    """model.dropout is `dropout` while the lever's step is built."""
+    plain, model.dropout = model.dropout, dropout
+    try:
+        yield
+    finally:
+        model.dropout = plain
+
+
+# name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
     **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096, 8192)},
@@ -133,6 +158,7 @@ LEVERS = {
     "batch_16_in_2_grad_steps": (("--grad_step", "2"), None),     # 8 sequences twice, one optimizer pass
     "batch_16_ce_chunks_of_8192_tokens": (("--train_batch_size", "16"), cross_entropy_chunks_of(8192)),
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
+    "dropout_whole_threefry_words": ((), None, functools.partial(dropout_swapped, dropout_from_whole_threefry_words)),
 }
 
 
@@ -152,7 +178,7 @@ def parse_args(argv):
 
 def lever_config(name, args, flags):
     """The run's config with lever `name` (or none: "baseline") applied."""
-    lever_flags, engine_class = LEVERS.get(name, ((), None))
+    lever_flags, engine_class, *_ = LEVERS.get(name, ((), None))
     cfg = utils.config_from_args(["--preset", args.preset, *flags, *lever_flags])
     if engine_class is None:
         return cfg
@@ -187,7 +213,9 @@ def main(argv=None):
     utils.validate(configs["baseline"], jax.device_count())
     rows = []
     for name, cfg in configs.items():
-        row = measure(name, cfg, args)
+        context = LEVERS[name][2] if len(LEVERS.get(name, ())) > 2 else contextlib.nullcontext
+        with context():
+            row = measure(name, cfg, args)
         baseline = rows[0] if rows else row
         if "step_ms" in row and "step_ms" in baseline:
             row["speedup"] = baseline["step_ms"] / row["step_ms"]
