@@ -2,13 +2,14 @@
 ratios of one run are what to trust): `python scripts/levers.py [--preset moe1B-v5e-1] [--levers A,B,...]
 [--steps 8] [--warmup 2] [main.py flags ...]`.
 
-A lever is one choice changed: a setting (flags on top of the run's) or one seam of engine.Fast done another
-way (a subclass of it, registered in engine.ENGINES under the lever's name for this process). Each is
-compiled and timed as bench.py times a step (bench.build_step, bench.time_steps), one JSON line as it is done,
-then a table: step time, its ratio to the baseline's (above 1: faster), MFU of the datasheet peak and the
-compiler's plan. A lever the compiler refuses (out of memory) says so and the others go on. A lever changes
-the program, not the math (but no_dropout, which prices dropout's random bits); one kept moves into the engine
-for its platform, proven equal to --engine reference (tests/test_engine.py).
+A lever is one choice changed: a setting (flags on top of the run's), one seam of engine.Fast done another
+way (a subclass of it, registered in engine.ENGINES under the lever's name for this process), or a function of
+the core swapped while the lever's step is built (a context). Each is compiled and timed as bench.py times a
+step (bench.build_step, bench.time_steps), one JSON line as it is done, then a table: step time, its ratio to
+the baseline's (above 1: faster), MFU of the datasheet peak and the compiler's plan. A lever the compiler
+refuses (out of memory) says so and the others go on. A lever changes the program, not the math (but
+no_dropout, which prices dropout's random bits, and the dropout levers, which draw other bits); one kept moves
+into the engine for its platform, proven equal to --engine reference (tests/test_engine.py).
 
     python scripts/levers.py --levers unrolled_layers,ce_chunks_of_4096_tokens,attention_in_2_chunks   # one TPU v5e
     python scripts/levers.py --preset tiny --n_device_axis 1 1 1 --levers unrolled_layers --steps 2   # on a CPU
