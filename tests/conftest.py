@@ -32,6 +32,8 @@ import tempfile
 
 import pytest
 
+from xla_cpu import UNOPTIMIZED
+
 os.environ["JAX_PLATFORMS"] = "cpu"
 # One persistent XLA compilation cache for the session, in this process, in its subprocesses (cpu_env) and in the
 # pytest-xdist workers, which inherit it from the process that made it (pytest's own, which imports this file
@@ -46,12 +48,13 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"])
-# XLA at -O0 in this process only: the in-process tests mostly compile, which -O0 does a third faster, while its
-# programs run slower, which would cost the main.py subprocesses more than it saves, and --compile_for must plan
-# what a pod runs. XLA reads its flags once, when its first backend starts, so the environment subprocesses
-# inherit is put back right after (docs/performance-log.md#2026-12-03-suite-time).
+# XLA at -O0 with its elemental fusion emitters (xla_cpu.UNOPTIMIZED) in this process only: the in-process tests
+# mostly compile, which that does 2-3x faster, while its programs run slower, which would cost the main.py
+# subprocesses' shared programs more than it saves, and --compile_for must plan what a pod runs. XLA reads its
+# flags once, when its first backend starts, so the environment subprocesses inherit is put back right after
+# (docs/performance-log.md#2026-12-03-suite-time).
 SUBPROCESS_XLA_FLAGS = os.environ["XLA_FLAGS"]
-os.environ["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS + " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{SUBPROCESS_XLA_FLAGS} {UNOPTIMIZED}"
 import jax
 jax.devices()
 os.environ["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS

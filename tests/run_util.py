@@ -13,6 +13,7 @@ import pytest
 
 from ceiling import CEILING_S
 from small_configs import SMALL_FLAGS
+from xla_cpu import UNOPTIMIZED
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_FLAGS = SMALL_FLAGS + ("--vocab_size 100277 --micro_batch_size 2 --model_dtype float32 --val_batch_size 2 "
@@ -27,11 +28,12 @@ SPAN = r"\d+(\.\d)? (s|min|h)"      # a span of time in a log line (metrics.dura
 
 
 def unoptimized(env):
-    """env's XLA flags with XLA at -O0, for a run of a program no other test compiles: a cold compile of the
-    training step takes seconds at -O0 where -O2 takes minutes (loaded), and a run of a few steps never earns -O2's
-    compile back (docs/performance-log.md#2026-12-07-suite-time). Programs the suite shares stay at -O2: the
-    persistent cache holds them once, and -O0 runs their many steps slower."""
-    return {"XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()}
+    """env's XLA flags with XLA at -O0 and its elemental fusion emitters (xla_cpu.UNOPTIMIZED), for a run of a
+    program no other test compiles: a cold compile of the training step takes seconds that way where -O2 takes
+    minutes (loaded), and a run of a few steps never earns -O2's compile back
+    (docs/performance-log.md#2026-12-07-suite-time). Programs the suite shares stay at -O2: the persistent cache
+    holds them once, and -O0 runs their many steps slower."""
+    return {"XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {UNOPTIMIZED}".strip()}
 
 
 def run(cpu_env, out, *args, steps=N, extra_env=None, expect=0, timeout=CEILING_S):
