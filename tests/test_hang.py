@@ -19,9 +19,12 @@ from run_util import SPAN
 pytestmark = needs_tmux
 
 SMALL = [*launch_util.SMALL, "--training_steps", "100000", "--checkpoint_steps", "5"]
-# Long enough for the first interval's eval compile and save beside the rest of the suite on two cores (15 s
-# was not, once: the watchdog counts that compile as no progress), short enough to wait for after a SIGSTOP.
-TIMEOUT_S = 30
+# The watchdog's clock starts at the first step, after every program is compiled (main.compile_programs: the
+# eval step and the sampler too), so it sees steps, interval evaluations and saves alone: 1.4 s the longest gap
+# of a run alone. 10 s is 7 x that, for the rest of the suite beside it on two cores (30 s was set when the first
+# interval's eval compile fell inside the clock; 15 s failed once then); every second of it is waited for after
+# the SIGSTOP.
+TIMEOUT_S = 10
 
 
 def processes():
@@ -37,7 +40,9 @@ def test_a_stopped_host_is_named_after_the_others_watchdog_ends_them(tmux_env, l
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.1\n")
     where = ["--hosts", hosts, "--log-dir", tmp_path / "host-logs"]
-    env = dict(tmux_env, **launch_util.ONE_DEVICE, LAUNCHER_HANG_GRACE_S="6", RUN_STACKS_WAIT_S="3")
+    # LAUNCHER_HANG_GRACE_S: how long the launcher waits, after host 0's watchdog, for host 1's own, which a
+    # stopped process never runs: all waited for
+    env = dict(tmux_env, **launch_util.ONE_DEVICE, LAUNCHER_HANG_GRACE_S="2", RUN_STACKS_WAIT_S="3")
     cmd = [os.path.join(ROOT, "launcher.sh"), *map(str, where), "--name", "hang", "--coordinator",
            f"127.0.0.1:{free_port()}", "--python", sys.executable, "--local-logs", str(tmp_path / "logs"), "--wait",
            *launch_cache, "--", *SMALL, "--hang_timeout", str(TIMEOUT_S), "--output_dir", str(tmp_path / "runs")]
