@@ -109,9 +109,12 @@ def test_stop_on_one_host_is_agreed_without_a_per_step_sync(tmux_env, launch_cac
     the stop flag every step, which waits for the device and undoes the one-step-ahead dispatch)."""
     where = ["--hosts", two_hosts, "--log-dir", tmp_path / "host-logs"]
     count = tmp_path / "count-{pid}.json"
+    # Checks every 10 s after the probe at step 5: the SIGTERM, 10 s after the first step, is agreed at the check
+    # after it, about step 15 at a step a second (3 syncs); a step of 2.5 s (a loaded machine) leaves 4 steps a
+    # check. (20 s made the run wait twice as long for that check.)
     p = sh("launcher.sh", *where, "--name", "agree", "--coordinator", f"127.0.0.1:{free_port()}",
            "--python", sys.executable, "--main", "tests/launch_count_allgather.py",
-           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=20",
+           "--local-logs", tmp_path / "local-logs", "--env", "JAXFORMER_STOP_CHECK_S=10",
            "--env", f"COUNT_OUT={count}", *launch_cache,
            "--", *SMALL, "--training_steps", "100000", "--checkpoint_steps", "1000",
            "--output_dir", tmp_path / "runs", "--name", "agree", env=dict(tmux_env, **ONE_DEVICE), timeout=CEILING_S)
