@@ -27,6 +27,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -35,6 +36,9 @@ import pytest
 from xla_cpu import UNOPTIMIZED
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Ctrl-C heard, in this process and the ones it starts, as in a terminal's foreground: a suite started in the
+# background (nohup, `&`) inherits SIGINT ignored, which main.py rightly keeps, and its Ctrl-C test would hang.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # One persistent XLA compilation cache for the session, in this process, in its subprocesses (cpu_env) and in the
 # pytest-xdist workers, which inherit it from the process that made it (pytest's own, which imports this file
 # before it starts them): a program compiled once (a trainer built again, main.py started again, on either
