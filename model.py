@@ -16,7 +16,7 @@ from flax import nnx
 from jax import lax
 
 from collectives import axis_index, psum, tp_sum, vary_like
-from stacking import keys_of, remat_call, scan_stacked, stacked, variable
+from stacking import LayerLoop, keys_of, remat_call, scan_stacked, stacked, variable
 
 NORM_EPS = 1e-6
 # the logical names of the stacking axes: the blocks, a block's dense layers, the dense layers before the blocks
@@ -380,22 +380,22 @@ class Block(nnx.Module):
         n_dense, keys = self.cfg.layers_per_block - 1, ctx["layer_keys"]
         moe = lambda layer, x_BTD, cache_l: layer(x_BTD, positions_T, axes, ctx | {"key": keys[n_dense]}, cache_l)
         # Each layer rematerialised on its own (the block as one would replay its whole inner scan): what each keeps
-        policy, unroll = axes.engine.layer_remat(self.cfg)     # and whether the dense layers' scan is unrolled
+        loop = axes.engine.layer_loop(self.cfg, ctx["train"])     # and how the dense layers are run
         cache, new_cache = cache or {}, {}
         if self.dense is not None:
             x_BTD, new_cache["dense"] = run_dense(self.dense, DENSE_LAYERS, x_BTD, positions_T, axes, ctx, keys[:n_dense],
-                                                  cache.get("dense"), policy, unroll)
-        x_BTD, stats, new_cache["moe"] = remat_call(self.moe, moe, x_BTD, cache.get("moe"), policy)
+                                                  cache.get("dense"), loop)
+        x_BTD, stats, new_cache["moe"] = remat_call(self.moe, moe, x_BTD, cache.get("moe"), loop.policy)
         return x_BTD, stats, new_cache if cache else None
 
 
-def run_dense(stack, axis, x_BTD, positions_T, axes, ctx, keys, cache, policy, unroll):
-    """The dense layers of `stack` (stacked on `axis`) in turn, under a scan, layer i dropping out with keys[i]."""
+def run_dense(stack, axis, x_BTD, positions_T, axes, ctx, keys, cache, loop):
+    """The dense layers of `stack` (stacked on `axis`) in turn, as `loop` says, layer i dropping out with keys[i]."""
     def dense(layer, x_BTD, inputs):
         key, cache_l = inputs
         x_BTD, _, cache_l = layer(x_BTD, positions_T, axes, ctx | {"key": key}, cache_l)
         return x_BTD, cache_l
-    return scan_stacked(stack, axis, dense, x_BTD, (keys, cache), policy, unroll=unroll)
+    return scan_stacked(stack, axis, dense, x_BTD, (keys, cache), loop)
 
 
 class Transformer(nnx.Module):
@@ -418,14 +418,13 @@ class Transformer(nnx.Module):
 
     def run_prologue(self, x_BTD, positions_T, axes, ctx, cache=None):
         """The dense layers before the blocks; layer i drops out with fold_in(fold_in(key, blocks), i), no block's."""
-        policy, unroll = axes.engine.layer_remat(self.cfg)
         keys = keys_of(jax.random.fold_in(ctx["key"], self.cfg.blocks), self.cfg.first_k_dense)
         return run_dense(axes.engine.read_weights(self.prologue, self.cfg), PROLOGUE, x_BTD, positions_T, axes, ctx,
-                         keys, cache, policy, unroll)
+                         keys, cache, axes.engine.layer_loop(self.cfg, ctx["train"]))
 
     def run_blocks(self, x_BTD, positions_T, axes, ctx, first_block=0, caches=None):
-        """The blocks this device holds in a scan (compile time independent of depth), their weights in their read
-        dtypes. Returns x, the MoE stats stacked over blocks and the new caches (None without a cache)."""
+        """The blocks this device holds, scanned (compile time independent of depth) or apart as the layers are, in
+        their weights' read dtypes. Returns x, the MoE stats stacked over blocks and the new caches (None: no cache)."""
         def block(block, x_BTD, inputs):
             layer_keys, cache = inputs
             x_BTD, stats, cache = block(x_BTD, positions_T, axes, ctx | {"layer_keys": layer_keys}, cache)
@@ -434,8 +433,9 @@ class Transformer(nnx.Module):
         n_blocks = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
         # Layer i of block j drops out with fold_in(fold_in(key, j), i), drawn outside the scan and the remat.
         keys = jax.vmap(partial(keys_of, n=self.cfg.layers_per_block))(keys_of(ctx["key"], n_blocks, first_block))
+        apart = axes.engine.layer_loop(self.cfg, ctx["train"]).apart
         x_BTD, (stats, caches) = scan_stacked(axes.engine.read_weights(self.blocks, self.cfg), LAYERS, block, x_BTD,
-                                              (keys, caches))
+                                              (keys, caches), LayerLoop(apart=apart))
         return x_BTD, stats, caches
 
     def __call__(self, ids_BT, axes, positions_T=None, caches=None, ctx=None):

@@ -1,7 +1,8 @@
 """nnx plumbing for model.py: weights declared with their logical axes (`variable`), layers stacked on a
-leading axis (`stacked`) and run one at a time under lax.scan (`scan_stacked`), each optionally
-rematerialised (`remat_call` for a single one)."""
+leading axis (`stacked`) and run one at a time under lax.scan or a Python loop (`scan_stacked`, as a LayerLoop
+says), each optionally rematerialised (`remat_call` for a single one)."""
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +27,33 @@ def stacked(make, n, axis, rngs):
     return make_stacked(rngs)
 
 
-def scan_stacked(stack, axis, body, carry, xs, policy=None, unroll=1):
-    """lax.scan of body(layer, carry, x) over the layers of `stack` (made by `stacked`) and xs: each step
-    rebuilds one layer with nnx.merge from its slice of the stacked state. policy: rematerialise each step
-    (jax.checkpoint); unroll: lax.scan's."""
+class LayerLoop(NamedTuple):
+    """How scan_stacked runs a stack: each step's remat policy (jax.checkpoint's; None: none), lax.scan's unroll,
+    and apart: a Python loop instead of the scan, each step traced on its own, so that what the backward reads
+    of a step stays that step's arrays (a scan stacks them, and a scan around it stacks the stacks again)."""
+    policy: Any = None
+    unroll: int | bool = 1
+    apart: bool = False
+
+
+def scan_stacked(stack, axis, body, carry, xs, loop=LayerLoop()):
+    """body(layer, carry, x) over the layers of `stack` (made by `stacked`) and xs in turn, as lax.scan returns
+    (carry, the ys stacked): each step rebuilds one layer with nnx.merge from its slice of the stacked state."""
     graphdef, state = nnx.split(stack)
 
     def step(carry, inputs):
         layer_state, x = inputs
         layer = nnx.merge(graphdef, nnx.spmd.remove_axis(layer_state, 0, {nnx.PARTITION_NAME: axis}))
         return body(layer, carry, x)
-    if policy is not None:
-        step = jax.checkpoint(step, policy=policy)
-    return lax.scan(step, carry, (state, xs), unroll=unroll)
+    if loop.policy is not None:
+        step = jax.checkpoint(step, policy=loop.policy)
+    if not loop.apart:
+        return lax.scan(step, carry, (state, xs), unroll=loop.unroll)
+    ys = []
+    for i in range(jax.tree.leaves(state)[0].shape[0]):
+        carry, y = step(carry, jax.tree.map(lambda a: a[i], (state, xs)))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
 def remat_call(module, body, x, extra, policy=None):

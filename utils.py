@@ -295,11 +295,12 @@ PRESETS["moe10B"] = dataclasses.replace(
     run=dataclasses.replace(PRESETS["moe1B"].run, name="moe10B", train_batch_size=16))
 # One TPU chip of 16 GiB (a v5e-1 VM: README's "One TPU VM"): the moe1B preset's layers at half its depth (4 blocks
 # of 6), 8 sequences a step (docs/training.md). The guide's learning rates on a one-chip schedule of 20,000 steps;
-# the bundled corpus is for trying it, --data_dir for training. --remat full, not auto's dots: on a v5e the
-# layer scans' stacking of the kept products took longer than computing them again (1.074x the step, 4 GiB
-# less: docs/performance-log.md#2026-12-06-tpu-levers).
+# the bundled corpus is for trying it, --data_dir for training. --remat none: the chip holds every layer's
+# activations (14.1 GiB planned), which the engine then keeps where the forward wrote them, its layers traced
+# apart (engine.Fast.layer_loop): 1.128x the step of --remat full, itself faster than auto's dots, whose kept
+# products the layer scans stack (docs/performance-log.md#2026-12-07-tpu-layers-apart).
 PRESETS["moe1B-v5e-1"] = dataclasses.replace(
-    PRESETS["moe1B"], model=dataclasses.replace(PRESETS["moe1B"].model, blocks=4, remat="full"),
+    PRESETS["moe1B"], model=dataclasses.replace(PRESETS["moe1B"].model, blocks=4, remat="none"),
     optim=dataclasses.replace(PRESETS["moe1B"].optim, warmup_steps=200, end_steps=20_000, training_steps=20_000),
     run=dataclasses.replace(PRESETS["moe1B"].run, name="moe1B-v5e-1", n_device_axis=(1, 1, 1), train_batch_size=8,
                             val_batch_size=8, micro_batch_size=1, stop_at_val_loss=0.0))

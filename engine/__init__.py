@@ -18,7 +18,8 @@ what a reader steps through in a debugger and the oracle the tests hold the fast
   cross_entropy_sum(...)     loss.plain_cross_entropy_sum               chunked_loss.chunked_cross_entropy_sum
   token_scores(...)          loss.plain_token_scores                    chunked_loss.chunked_token_scores
   keep(x, name),             nothing named; --remat's plain jax         named values kept (all-reduced branches,
-  layer_remat(cfg)           policies                                   kernel and expert outputs); per platform
+  layer_loop(cfg, train)     policies, the layers scanned               kernel and expert outputs); per platform;
+                                                                        with no remat on a TPU, layers traced apart
   gathered, gather_stage,    fsdp.py, the fp32 shards gathered          fsdp.py, gathered in the matmul dtype
   read_weights
 Both engines give the same numbers in fp32 (tests/test_engine.py); in bf16 the fast one is no further from
@@ -35,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 import loss
 from engine import attention_kernels, chunked_loss, expert_kernels, fsdp, products
 from model import BRANCH_SUM, EXPERT_OUTPUTS, FFN_HIDDEN, decoupled_rope_qk, masked_attention
+from stacking import LayerLoop
 
 # What a fast engine's layer remat keeps besides what its policy keeps: each branch's tp all-reduce, a fused
 # kernel's outputs and the routed experts' outputs.
@@ -47,6 +49,9 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS
 # products lose speed, above it memory grows for none; a GPU runs the same kernels a chunk whatever its
 # size, so fewer, larger chunks launch fewer. A TPU keeps the CPU's: its plan is set by HBM.
 CPU_CHUNK_TOKENS, GPU_CHUNK_TOKENS = 128, 8192
+# The most layers a TPU's training step traces apart (Fast.layer_loop): its compile grows with each layer traced
+# (the one-chip preset's 24 take 3 minutes on a v5e's host, 1 scanned); a deeper model's stay scanned.
+MAX_LAYERS_APART = 32
 # The named scope each seam's operations run under (their op_name in the compiled program): bench.py --profile
 # sums a step's kernel time by them.
 SEAM_SCOPES = {"mm": "products", "attention": "attention", "routed_experts": "experts",
@@ -108,10 +113,10 @@ class Reference:
     def keep(self, x, name):
         return x
 
-    def layer_remat(self, cfg):
-        """(each layer's remat policy or None, the dense layers' scan unroll)."""
+    def layer_loop(self, cfg, train):
+        """How the core runs its stacks of layers (stacking.LayerLoop): each layer's remat policy, the scans."""
         plain = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-        return plain.get(cfg.remat, jax.checkpoint_policies.nothing_saveable), 1
+        return LayerLoop(plain.get(cfg.remat, jax.checkpoint_policies.nothing_saveable))
 
     def gathered(self, param, axes, dtype):
         return fsdp.gathered(param, axes, dtype, fsdp.plain_gather)
@@ -156,17 +161,23 @@ class Fast(Reference):
     def keep(self, x, name):
         return checkpoint_name(x, name)
 
-    def layer_remat(self, cfg):
+    def layer_loop(self, cfg, train):
         """--remat auto: dots on a TPU, whose step is bound by matmul FLOPs; on a GPU, whose step is bound
         by memory traffic, full and each dense FFN's up-projection, whose replay costs more than keeping
         it; full on a CPU. On a GPU the dense layers' scan is unrolled: as a loop inside the blocks' scan
         it stacked each layer's residuals twice and launched thousands of slicing kernels a step (a TPU
-        keeps the loop, which compiles faster): docs/performance-log.md#2026-12-01-h200-estimate-issue-27."""
+        keeps the loop, which compiles faster): docs/performance-log.md#2026-12-01-h200-estimate-issue-27.
+        A TPU's training step with --remat none traces its layers apart (Python loops; up to MAX_LAYERS_APART):
+        the scans would stack every residual the backward reads and copy each block's stacks again; apart, one
+        v5e ran the one-chip preset 1.128x faster than scanned with full remat, its compile 54 -> 183 s
+        (docs/performance-log.md#2026-12-07-tpu-layers-apart)."""
         unroll = self.platform == "gpu"
         if cfg.remat == "auto" and self.platform == "gpu":
-            return jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT, FFN_HIDDEN), unroll
+            return LayerLoop(jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT, FFN_HIDDEN), unroll)
         remat = ("dots" if self.platform == "tpu" else "full") if cfg.remat == "auto" else cfg.remat
-        return (None if remat == "none" else REMAT_POLICIES[remat]), unroll
+        layers = cfg.blocks * cfg.layers_per_block + cfg.first_k_dense
+        apart = train and remat == "none" and self.platform == "tpu" and layers <= MAX_LAYERS_APART
+        return LayerLoop(None if remat == "none" else REMAT_POLICIES[remat], unroll, apart)
 
     def gathered(self, param, axes, dtype):
         return fsdp.gathered(param, axes, dtype)

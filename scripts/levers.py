@@ -48,8 +48,8 @@ from planning.measure import compiled_or_shortfall, planned_gib  # noqa: E402
 class UnrolledLayers(engine.Fast):
     """Each block's dense layers unrolled (a GPU's choice) rather than a loop that stacks their saved products."""
 
-    def layer_remat(self, cfg):
-        return super().layer_remat(cfg)[0], True
+    def layer_loop(self, cfg, train):
+        return super().layer_loop(cfg, train)._replace(unroll=True)
 
 
 def cross_entropy_chunks_of(tokens):
@@ -113,8 +113,18 @@ class KeepFfnHidden(engine.Fast):
     """--remat auto as on a GPU: every layer recomputed but each dense FFN's up-projection, kept (a TPU keeps
     every product without batch dimensions, and the layer loops stack them)."""
 
-    def layer_remat(self, cfg):
-        return engine.Fast("gpu").layer_remat(cfg)[0], super().layer_remat(cfg)[1]
+    def layer_loop(self, cfg, train):
+        return super().layer_loop(cfg, train)._replace(policy=engine.Fast("gpu").layer_loop(cfg, train).policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayersApart(engine.Fast):
+    """The training step's blocks and their dense layers traced apart (Python loops) whatever --remat (the
+    engine's with --remat none on a TPU), not scanned: what the backward reads of a layer stays its own arrays,
+    where the scans stack it and the blocks' scan copies each block's stacks again."""
+
+    def layer_loop(self, cfg, train):
+        return super().layer_loop(cfg, train)._replace(apart=train)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,32 +178,6 @@ def ce_exponentials_behind_barrier():
         chunked_loss._chunk_ce = plain
 
 
-@contextlib.contextmanager
-def layers_in_python_loops():
-    """The blocks and each block's dense layers run by Python loops, not lax.scan: each layer traced on its own
-    (rematerialised as in the scan), so what the backward needs of a layer stays that layer's own arrays. A scan
-    stacks them, and the blocks' scan copies each block's stacks into its own again (the 2026-12-07 profile of
-    --remat dots: 20 ms of the step in those copies, 3 ms under full)."""
-    plain = model.scan_stacked
-
-    def python_loop(stack, axis, body, carry, xs, policy=None, unroll=1):
-        graphdef, state = nnx.split(stack)
-
-        def step(carry, layer_state, x):
-            return body(nnx.merge(graphdef, nnx.spmd.remove_axis(layer_state, 0, {nnx.PARTITION_NAME: axis})), carry, x)
-        step = step if policy is None else jax.checkpoint(step, policy=policy)
-        ys = []
-        for i in range(jax.tree.leaves(state)[0].shape[0]):
-            carry, y = step(carry, *jax.tree.map(lambda a: a[i], (state, xs)))
-            ys.append(y)
-        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
-    model.scan_stacked = python_loop
-    try:
-        yield
-    finally:
-        model.scan_stacked = plain
-
-
 # name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
@@ -218,9 +202,7 @@ LEVERS = {
     "ce_exponentials_behind_barrier": ((), None, ce_exponentials_behind_barrier),
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
     "dropout_whole_threefry_words": ((), None, functools.partial(dropout_swapped, dropout_from_whole_threefry_words)),
-    **{f"layers_in_python_loops_remat_{remat}": (("--remat", remat), None, layers_in_python_loops)
-       for remat in ("full", "dots", "none")},
-    "layers_in_python_loops_attention_outputs_kept": ((), attention_kernel(keep_outputs=True), layers_in_python_loops),
+    **{f"layers_apart_remat_{remat}": (("--remat", remat), LayersApart) for remat in ("full", "dots")},
 }
 
 

@@ -2,6 +2,8 @@
 at every seam) gives the fast engine's loss, metrics and every gradient on each mesh, expert parallelism and
 the circular pipeline included. tests/test_model.py holds the fast engine on every mesh to its one-device
 run; this holds the reference engine on the meshes to that same run, so each engine equals the other."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -54,6 +56,53 @@ def test_the_reference_engine_equals_the_fast_one_in_fp32(fast_one_device, shape
     grads = sharding.model_order(grads)
     for (path, g_fast), g in zip(jax.tree_util.tree_leaves_with_path(fast_grads), jax.tree.leaves(grads)):
         assert rel_err(g, g_fast) < 1e-5, jax.tree_util.keystr(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayersApart(engine.Fast):
+    """The fast engine with the training step's layers traced apart on any platform, as a TPU's are with --remat
+    none (its kernels cannot run here)."""
+
+    def layer_loop(self, cfg, train):
+        return super().layer_loop(cfg, train)._replace(apart=train)
+
+
+@pytest.mark.parametrize("shape,n_micro,changes", [((1, 1, 1), 2, {}), ((2, 2, 2), 4, EP | CIRCULAR)])
+def test_layers_traced_apart_give_the_scans_loss_and_gradients(monkeypatch, shape, n_micro, changes):
+    """Python loops over the blocks and their dense layers, each layer traced on its own, in place of the scans:
+    in fp32 the scanned step's loss and metrics bit for bit and every gradient to rounding, on one device and
+    through the circular pipeline with expert parallelism."""
+    monkeypatch.setitem(engine.ENGINES, "apart", LayersApart)
+    params = sharding.init_params(CFG, KEY)
+    mesh = sharding.make_mesh(shape)
+
+    def run(engine_name):
+        cfg = with_model(CFG, engine=engine_name, **changes)
+        stored = sharding.Layout(cfg.pipeline_repeats).store(params)
+        placed = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
+        return jax.device_get(sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(placed, *batch()))
+    (loss, metrics), grads = run("apart")
+    (scan_loss, scan_metrics), scan_grads = run("fast")
+    np.testing.assert_array_equal(loss, scan_loss)
+    for name in ("ce", "balance", "drop_rate", "tokens_per_expert"):
+        np.testing.assert_array_equal(metrics[name], scan_metrics[name], err_msg=name)
+    for (path, g_scan), g in zip(jax.tree_util.tree_leaves_with_path(scan_grads), jax.tree.leaves(grads)):
+        assert rel_err(g, g_scan) < 1e-6, jax.tree_util.keystr(path)      # 3.2e-7 at most: sums in another order
+
+
+def test_a_tpu_traces_the_layers_apart_when_its_training_step_keeps_every_activation():
+    """--remat none on a TPU: the training step's layers traced apart (a scan would stack every residual); with any
+    remat, out of training (nothing kept for a backward), past engine.MAX_LAYERS_APART layers (each compiles on
+    its own) or on another platform or engine, scanned."""
+    none = with_model(CFG, remat="none")
+    assert engine.Fast("tpu").layer_loop(none, True).apart
+    deep = with_model(CFG, remat="none", blocks=engine.MAX_LAYERS_APART // CFG.layers_per_block + 1)
+    assert not engine.Fast("tpu").layer_loop(deep, True).apart
+    assert not engine.Fast("tpu").layer_loop(none, False).apart
+    assert not any(engine.Fast("tpu").layer_loop(with_model(CFG, remat=r), True).apart for r in ("full", "dots"))
+    assert not any(engine.Fast(platform).layer_loop(none, True).apart for platform in ("cpu", "gpu", None))
+    assert not engine.Reference("tpu").layer_loop(none, True).apart
+    assert engine.Fast("tpu").layer_loop(none, True).policy is None
 
 
 def test_the_reference_engine_runs_none_of_the_fast_ones_kernels():

@@ -350,8 +350,9 @@ def test_a_plan_is_what_the_compilers_buffer_assignment_places_in_hbm(tmp_path):
     [report] = [f for f in os.listdir(tmp_path) if "jit_train_step" in f and f.endswith("memory-usage-report.txt")]
     in_hbm = int(re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", (tmp_path / report).read_text())[1])
     memory = compiled.memory_analysis()
-    # the heap's peak, a little under the block of temporaries that holds it (and the code, the chip's too)
-    assert 0.97 <= measure.planned_gib(memory, "tpu") * 2**30 / (in_hbm + memory.generated_code_size_in_bytes) <= 1.0
+    # the heap's peak, a little under the block of temporaries that holds it (and the code, the chip's too): at most
+    # 3% under for this program scanned, 4.3% with its layers traced apart (engine.Fast.layer_loop), 4.7% at full remat
+    assert 0.95 <= measure.planned_gib(memory, "tpu") * 2**30 / (in_hbm + memory.generated_code_size_in_bytes) <= 1.0
     assert memory.argument_size_in_bytes + memory.temp_size_in_bytes > 1.02 * in_hbm, "the sum would do as well"
 
 
