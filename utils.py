@@ -296,9 +296,9 @@ PRESETS["moe10B"] = dataclasses.replace(
 # One TPU chip of 16 GiB (a v5e-1 VM: README's "One TPU VM"): the moe1B preset's layers at half its depth (4 blocks
 # of 6), 8 sequences a step (docs/training.md). The guide's learning rates on a one-chip schedule of 20,000 steps;
 # the bundled corpus is for trying it, --data_dir for training. --remat none: the chip holds every layer's
-# activations (14.1 GiB planned), which the engine then keeps where the forward wrote them, its layers traced
-# apart (engine.Fast.layer_loop): 1.128x the step of --remat full, itself faster than auto's dots, whose kept
-# products the layer scans stack (docs/performance-log.md#2026-12-07-tpu-layers-apart).
+# activations, which the engine then keeps where the forward wrote them, its layers traced apart
+# (engine.Fast.layer_loop): nothing replayed and nothing stacked, where full replays every layer and auto's dots
+# has the layer scans stack the kept products (docs/performance-log.md#2026-12-07-tpu-layers-apart).
 PRESETS["moe1B-v5e-1"] = dataclasses.replace(
     PRESETS["moe1B"], model=dataclasses.replace(PRESETS["moe1B"].model, blocks=4, remat="none"),
     optim=dataclasses.replace(PRESETS["moe1B"].optim, warmup_steps=200, end_steps=20_000, training_steps=20_000),

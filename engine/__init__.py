@@ -49,8 +49,8 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.save_only_these_names(*_ALWAYS
 # products lose speed, above it memory grows for none; a GPU runs the same kernels a chunk whatever its
 # size, so fewer, larger chunks launch fewer. A TPU keeps the CPU's: its plan is set by HBM.
 CPU_CHUNK_TOKENS, GPU_CHUNK_TOKENS = 128, 8192
-# The most layers a TPU's training step traces apart (Fast.layer_loop): its compile grows with each layer traced
-# (the one-chip preset's 24 take 3 minutes on a v5e's host, 1 scanned); a deeper model's stay scanned.
+# The most layers a TPU's training step traces apart (Fast.layer_loop): its compile grows with each layer traced,
+# where a scan's does not, so a deeper model's stay scanned (docs/performance-log.md#2026-12-07-tpu-layers-apart).
 MAX_LAYERS_APART = 32
 # The named scope each seam's operations run under (their op_name in the compiled program): bench.py --profile
 # sums a step's kernel time by them.
@@ -168,15 +168,13 @@ class Fast(Reference):
         it stacked each layer's residuals twice and launched thousands of slicing kernels a step (a TPU
         keeps the loop, which compiles faster): docs/performance-log.md#2026-12-01-h200-estimate-issue-27.
         A TPU's training step with --remat none traces its layers apart (Python loops; up to MAX_LAYERS_APART):
-        the scans would stack every residual the backward reads and copy each block's stacks again; apart, one
-        v5e ran the one-chip preset 1.128x faster than scanned with full remat, its compile 54 -> 183 s
-        (docs/performance-log.md#2026-12-07-tpu-layers-apart)."""
+        the scans would stack every residual the backward reads and copy each block's stacks again; apart, each
+        stays where its layer wrote it (docs/performance-log.md#2026-12-07-tpu-layers-apart)."""
         unroll = self.platform == "gpu"
         if cfg.remat == "auto" and self.platform == "gpu":
             return LayerLoop(jax.checkpoint_policies.save_only_these_names(*_ALWAYS_KEPT, FFN_HIDDEN), unroll)
         remat = ("dots" if self.platform == "tpu" else "full") if cfg.remat == "auto" else cfg.remat
-        layers = cfg.blocks * cfg.layers_per_block + cfg.first_k_dense
-        apart = train and remat == "none" and self.platform == "tpu" and layers <= MAX_LAYERS_APART
+        apart = train and remat == "none" and self.platform == "tpu" and cfg.n_layers <= MAX_LAYERS_APART
         return LayerLoop(None if remat == "none" else REMAT_POLICIES[remat], unroll, apart)
 
     def gathered(self, param, axes, dtype):
