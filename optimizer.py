@@ -1,12 +1,15 @@
 """The optimizer: global-norm clipping, AdamW with the tied table's own epsilon, the learning-rate
 schedule, and `skip_spikes`, which can turn a step with a spiking gradient norm into a no-op. The update
-runs outside shard_map on the sharded state (trainer.py): the clipping norm is over all shards."""
+runs outside shard_map on the sharded state (trainer.py): the clipping norm is over all shards. Where the
+engine has a kernel for it (a TPU's), `in_one_pass` computes the params and moments again, a leaf a pass."""
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 import sharding
 
@@ -89,3 +92,51 @@ def skip_spikes(inner, factor):
         return updates, SpikeState(norms, ratio, state.skipped + skip.astype(jnp.int32), new_inner)
 
     return optax.GradientTransformation(init, update)
+
+
+def in_one_pass(kept, old_state, grads, grad_norm, finite, oc, kernel, mesh, specs):
+    """kept (trainer.train_step's new state, guarded) with its params and Adam's moments computed again by `kernel`
+    (the engine's optimizer_kernel), each leaf in one pass on each device's shard: `adamw_elements`, the chain's
+    arithmetic and the guard's, element by element, from the same scalars. What the chain computed of them is then
+    unread, and XLA drops it."""
+    adam, lr_count = old_state["opt_state"].inner[1][0], old_state["opt_state"].inner[1][2].count
+    count = optax.safe_increment(adam.count)
+    skip = kept["opt_state"].skipped > old_state["opt_state"].skipped
+    scalars_S = jnp.stack([-1 * lr_schedule(oc)(lr_count), 1 - oc.b1 ** count, 1 - oc.b2 ** count, grad_norm,
+                           grad_norm < oc.grad_clip_norm, skip, finite]).astype(jnp.float32)
+    decay, table = sharding.decay_mask(grads), sharding.table_mask(grads)
+
+    def leaf(p, m, v, g, spec, decays, is_table):
+        elements = functools.partial(adamw_elements, oc, oc.embed_eps if is_table else ADAM_EPS, decays)
+        # each device's shards alone, no collective: unchecked, as Pallas' interpreter (the CPU tests') indexes the
+        # scalars by a grid index that varies over no mesh axis
+        return jax.shard_map(lambda s, *arrays: kernel(elements, s, arrays, 3), mesh=mesh, check_vma=False,
+                             in_specs=(P(), spec, spec, spec, spec), out_specs=(spec, spec, spec))(scalars_S, p, m, v, g)
+
+    params = old_state["params"]
+    updated = jax.tree.map(leaf, params, adam.mu, adam.nu, grads, specs, decay, table)
+    tree = jax.tree.structure(params)
+    params, mu, nu = (jax.tree.unflatten(tree, [leaf[i] for leaf in tree.flatten_up_to(updated)]) for i in range(3))
+    spike = kept["opt_state"]
+    adam_chain = spike.inner[1]
+    inner = (spike.inner[0], (adam_chain[0]._replace(mu=mu, nu=nu), *adam_chain[1:]))
+    return kept | {"params": params, "opt_state": spike._replace(inner=inner)}
+
+
+def adamw_elements(oc, eps, decays, scalars_S, p, m, v, g):
+    """One element's update of a leaf (p, its moments m and v, its gradient g) as the optimizer's chain and the
+    training step's guard compute it, operation for operation: clipped, Adam's moments and bias corrections, eps,
+    decoupled weight decay (`decays`: the leaf is in the decay mask), the learning rate, a skipped spike, a
+    non-finite step. scalars_S: in_one_pass's [step size (-lr), 1 - b1^t, 1 - b2^t, grad norm, norm < clip,
+    skip, finite]. -> (p, m, v)."""
+    step_size, bias1, bias2, norm, unclipped, skip, finite = (scalars_S[i] for i in range(7))
+    g = jnp.where(unclipped > 0, g, (g / norm) * oc.grad_clip_norm)
+    m_new = (1 - oc.b1) * g + oc.b1 * m
+    v_new = (1 - oc.b2) * (g ** 2) + oc.b2 * v
+    u = (m_new / bias1) / (jnp.sqrt(v_new / bias2) + eps)
+    if decays and oc.weight_decay != 0.0:             # optax.add_decayed_weights skips a zero
+        u = u + oc.weight_decay * p
+    u = jnp.where(skip > 0, jnp.zeros_like(u), step_size * u)
+    keep = finite > 0
+    return (jnp.where(keep, p + u, p), jnp.where(keep, jnp.where(skip > 0, m, m_new), m),
+            jnp.where(keep, jnp.where(skip > 0, v, v_new), v))

@@ -15,8 +15,8 @@ import pipeline
 import sharding
 import utils
 from collectives import data_axes
-from engine import matmul_precision
-from optimizer import lr_schedule, make_optimizer
+from engine import engine_for, matmul_precision
+from optimizer import in_one_pass, lr_schedule, make_optimizer
 
 
 class Trainer(NamedTuple):
@@ -137,6 +137,10 @@ def train_step(state, batch, *, cfg, mesh, optimizer):
         metrics["nonfinite"] = ~finite
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
                             {name: state[name] for name in updated})
+        kernel = engine_for(cfg.model, mesh.devices.flat[0]).optimizer_kernel()
+        if kernel is not None:
+            kept = in_one_pass(kept, state, grads, metrics["grad_norm"], finite, cfg.optim, kernel, mesh,
+                               sharding.param_specs(state["params"], cfg.model.expert_parallel))
     return kept | {"key": jax.random.key_data(key)}, metrics
 
 

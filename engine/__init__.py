@@ -22,6 +22,8 @@ what a reader steps through in a debugger and the oracle the tests hold the fast
                                                                         with no remat on a TPU, layers traced apart
   gathered, gather_stage,    fsdp.py, the fp32 shards gathered          fsdp.py, gathered in the matmul dtype
   read_weights
+  optimizer_kernel()         None: the optimizer's update as optax      on a TPU tpu_update's Pallas kernel: a
+                             writes it and XLA fuses it                 leaf's update in one pass, in place
 Both engines give the same numbers in fp32 (tests/test_engine.py); in bf16 the fast one is no further from
 fp32 than the reference (bench.py --grad_error --engine).
 """
@@ -34,7 +36,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import loss
-from engine import attention_kernels, chunked_loss, expert_kernels, fsdp, products
+from engine import attention_kernels, chunked_loss, expert_kernels, fsdp, products, tpu_update
 from model import BRANCH_SUM, EXPERT_OUTPUTS, FFN_HIDDEN, decoupled_rope_qk, masked_attention
 from stacking import LayerLoop
 
@@ -127,6 +129,11 @@ class Reference:
     def read_weights(self, stack, cfg):
         return fsdp.read_dtypes(stack, cfg)
 
+    def optimizer_kernel(self):
+        """What computes the optimizer's update element by element, a leaf at a time (tpu_update.update_in_place's
+        signature: optimizer.in_one_pass), or None: the update as optax's chain writes it, which XLA fuses."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class Fast(Reference):
@@ -182,6 +189,11 @@ class Fast(Reference):
 
     def gather_stage(self, layers, part, names, cfg, axes, lead=0):
         return fsdp.gather_stage(layers, part, names, cfg, axes, lead)
+
+    def optimizer_kernel(self):
+        """On a TPU one Pallas pass a leaf, its outputs written over params and moments: XLA made two or three of
+        the chain's (docs/performance-log.md#2026-12-07-tpu-adamw-one-pass)."""
+        return tpu_update.update_in_place if self.platform == "tpu" else None
 
 
 ENGINES = {"fast": Fast, "reference": Reference}

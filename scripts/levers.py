@@ -139,6 +139,15 @@ class WeightsCastOnceAStep(engine.Fast):
         return nnx.merge(graphdef, jax.tree.map(lax.optimization_barrier, state))
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerInXla(engine.Fast):
+    """The optimizer's update as optax's chain writes it, fused by XLA (the engine's elsewhere than on a TPU),
+    rather than tpu_update's kernel, a leaf a pass."""
+
+    def optimizer_kernel(self):
+        return None
+
+
 def dropout_from_whole_threefry_words(x_BTD, rate, key, seq_ids_B):
     """model.dropout with both 32-bit halves of each threefry hash used (jax.random.bits keeps one word of a
     hash's two, bits1 ^ bits2): 4 elements' 16 bits a hash, half the hashes; other bits, the same mask's law."""
@@ -181,6 +190,7 @@ def ce_exponentials_behind_barrier():
 # name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
+    "optimizer_in_xla": ((), OptimizerInXla),
     "weights_cast_once_a_step": ((), WeightsCastOnceAStep),
     **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096, 8192)},
     **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4, 8)},

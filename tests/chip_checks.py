@@ -5,11 +5,13 @@ the test process stays on the CPU). Every result is one JSON line on stdout.
 
 A CHECK is `fp32` (the tiny preset's first three steps in fp32: loss, grad norm), `attention` (the TPU attention
 kernel's and XLA's bf16 attention against fp32, at the one-chip preset's shapes), `grouped` (the grouped
-matmuls of --moe_impl ragged, lax's and megablox's, against fp32 products) or a memory case (MODEL's flags +
+matmuls of --moe_impl ragged, lax's and megablox's, against fp32 products), `optimizer` (the one-pass update
+against optax's chain) or a memory case (MODEL's flags +
 CASE's: the compiler's verdict and plan, measure.planned_gib, and what the device held after three steps: its buffers,
 bytes_in_use, and the program's reserved temporaries, bytes_reserved). One process runs them all: each start and
 shutdown of a TPU runtime costs tens of seconds.
 """
+import dataclasses
 import functools
 import gc
 import json
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import engine  # noqa: E402
 import model  # noqa: E402
 import sharding  # noqa: E402
 import utils  # noqa: E402
@@ -75,6 +78,25 @@ def fp32():
     return {"platform": jax.default_backend(), "steps": steps}
 
 
+def optimizer():
+    """The largest difference (its share of the leaf's largest value) of each state leaf after the tiny preset's first
+    step in fp32, the update by engine/tpu_update.py's kernel (the fast engine's on a TPU) against optax's chain."""
+    @dataclasses.dataclass(frozen=True)
+    class Chain(engine.Fast):
+        def optimizer_kernel(self):
+            return None
+    engine.ENGINES["chain"] = Chain
+    cfg = utils.config_from_args(["--preset", "tiny", "--model_dtype", "float32", "--n_device_axis", "1", "1", "1"])
+    states = []
+    for name in ("fast", "chain"):
+        step, fresh_state, make_batch, _ = build_step(utils.override(cfg, engine=name), sharding.run_mesh(cfg.run))
+        states.append(jax.device_get(step(fresh_state(0), make_batch(100))[0]))
+    share = lambda a, b: float(abs(a - b).max() / max(abs(b).max(), 1e-30)) if a.dtype.kind == "f" else float((a != b).any())
+    return {"check": "optimizer", "platform": jax.default_backend(),
+            "shares": {jax.tree_util.keystr(path): share(a, b) for (path, a), b in
+                       zip(jax.tree_util.tree_leaves_with_path(states[0]), jax.tree.leaves(states[1]))}}
+
+
 def attention():
     """The largest error against fp32 (its share of the fp32 value's largest) of the output and the gradients of
     q, k, v (and RoPE's q and key) of sum(attention * w), for the kernel (engine/tpu_attention.py: the parts as
@@ -127,7 +149,7 @@ def grouped():
     return {"check": "grouped", "platform": jax.default_backend(), "errors": errors}
 
 
-CHECKS = {"fp32": fp32, "attention": attention, "grouped": grouped}
+CHECKS = {"fp32": fp32, "attention": attention, "grouped": grouped, "optimizer": optimizer}
 
 if __name__ == "__main__":
     jnp.zeros(()).block_until_ready()        # the device is opened before anything is timed or measured

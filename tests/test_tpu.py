@@ -56,7 +56,7 @@ def results(proc):
 def chip(tpu_env, cpu_env):
     """{memory case or "fp32": chip_checks' result, "cpu_fp32": the CPU's}: the chip's checks in one process (its
     runtime started once), the CPU's fp32 beside it."""
-    on_chip, on_cpu = checks(tpu_env, *FITS, *REFUSED, "fp32", "attention", "grouped"), checks(cpu_env, "fp32")
+    on_chip, on_cpu = checks(tpu_env, *FITS, *REFUSED, "fp32", "attention", "grouped", "optimizer"), checks(cpu_env, "fp32")
     chip_results, cpu_results = results(on_chip), results(on_cpu)
     return {r.get("case", r.get("check", "fp32")): r for r in chip_results} | {"cpu_fp32": cpu_results[0]}
 
@@ -98,6 +98,14 @@ def test_the_grouped_matmuls_are_fp32_sums_of_bf16_products(chip):
     result = chip["grouped"]
     assert result["platform"] == "tpu"
     assert all(error <= 1e-4 for error in result["errors"].values()), result["errors"]
+
+
+def test_the_one_pass_update_is_the_chains_on_the_chip(chip):
+    """engine/tpu_update.py's kernel on the chip, the tiny preset's first step in fp32: every leaf of the state as
+    optax's chain, fused by XLA, leaves it, to the rounding of the chip's division and square root."""
+    result = chip["optimizer"]
+    assert result["platform"] == "tpu"
+    assert max(result["shares"].values()) <= 1e-5, result["shares"]
 
 
 ONE_LINE = re.compile(r"error: out of memory: the train step needs [\d.]+ GiB a device, the TPU v5 lite devices have "
