@@ -99,6 +99,7 @@ def in_one_pass(kept, old_state, grads, grad_norm, finite, oc, kernel, mesh, spe
     (the engine's optimizer_kernel), each leaf in one pass on each device's shard: `adamw_elements`, the chain's
     arithmetic and the guard's, element by element, from the same scalars. What the chain computed of them is then
     unread, and XLA drops it."""
+    # make_optimizer's state: SpikeState(inner=(clipping's, (Adam's, weight decay's, the schedule's)))
     adam, lr_count = old_state["opt_state"].inner[1][0], old_state["opt_state"].inner[1][2].count
     count = optax.safe_increment(adam.count)
     skip = kept["opt_state"].skipped > old_state["opt_state"].skipped
@@ -116,7 +117,7 @@ def in_one_pass(kept, old_state, grads, grad_norm, finite, oc, kernel, mesh, spe
     params = old_state["params"]
     updated = jax.tree.map(leaf, params, adam.mu, adam.nu, grads, specs, decay, table)
     tree = jax.tree.structure(params)
-    params, mu, nu = (jax.tree.unflatten(tree, [leaf[i] for leaf in tree.flatten_up_to(updated)]) for i in range(3))
+    params, mu, nu = (jax.tree.unflatten(tree, [outs[i] for outs in tree.flatten_up_to(updated)]) for i in range(3))
     spike = kept["opt_state"]
     adam_chain = spike.inner[1]
     inner = (spike.inner[0], (adam_chain[0]._replace(mu=mu, nu=nu), *adam_chain[1:]))
