@@ -347,11 +347,12 @@ def run_benchmark(args, cfg, argv):
     n_mesh = cfg.run.dims.n_devices
     mesh = sharding.run_mesh(cfg.run)
     device_kind = jax.devices()[0].device_kind
-    step, make_state, make_batch, abstract_args = build_step(cfg, mesh)
-
-    t = time.perf_counter()
     say = lambda line: print(line, file=sys.stderr, flush=True)     # stdout: the JSON line alone
-    compiled = fit.compile_step(step, abstract_args(), cfg, mesh, argv, say, "python bench.py")
+    t = time.perf_counter()
+    cfg, plan = fit.settle_auto_remat(cfg, mesh, say)                # main.py's choice, with the step it compiled
+    step, make_state, make_batch, abstract_args = build_step(cfg, mesh)
+    compiled = plan.trainer.step if plan else fit.compile_step(step, abstract_args(), cfg, mesh, argv, say,
+                                                                "python bench.py")
     compile_s = time.perf_counter() - t
     if args.dump_hlo:
         with open(args.dump_hlo, "w") as f:

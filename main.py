@@ -111,10 +111,12 @@ def check_data_source(cfg):
 
 
 def open_run(cfg, mesh):
-    """Take the run directory, print the run's header, load the data, restore or start the state; with --fit
-    first the setting that fits the devices (fit.fit_to_devices), which the run's config then holds."""
-    trainer = None
-    if cfg.run.fit:
+    """Take the run directory, print the run's header, load the data, restore or start the state; first --remat
+    auto settled for the devices (fit.settle_auto_remat) and with --fit the setting that fits them
+    (fit.fit_to_devices), which the run's config then holds."""
+    cfg, plan = fit.settle_auto_remat(cfg, mesh, log)      # a step it compiles is the run's: it fits, --fit has no work
+    trainer = plan and plan.trainer
+    if cfg.run.fit and trainer is None:
         # the state alone first, from shapes (seconds): no setting --fit compiles makes it smaller
         fit.check_fits(cfg, build_trainer(cfg, mesh), state_only=True)
         cfg, trainer = fit.fit_to_devices(cfg, mesh, log)       # with the train step it compiled, if it did

@@ -169,7 +169,8 @@ class Fast(Reference):
         return checkpoint_name(x, name)
 
     def layer_loop(self, cfg, train):
-        """--remat auto: dots on a TPU, whose step is bound by matmul FLOPs; on a GPU, whose step is bound
+        """--remat auto: dots on a TPU, whose step is bound by matmul FLOPs (none where it fits and the layers trace
+        apart: planning.fit.settle_auto_remat settles that before a run builds its step); on a GPU, whose step is bound
         by memory traffic, full and each dense FFN's up-projection, whose replay costs more than keeping
         it; full on a CPU. On a GPU the dense layers' scan is unrolled: as a loop inside the blocks' scan
         it stacked each layer's residuals twice and launched thousands of slicing kernels a step (a TPU

@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 # seven arrays (four read, three written) stay within the 16 MiB of VMEM a kernel may use by default (a v4's all).
 BLOCK_ELEMENTS = 2**17
 SUBLANES = 16                 # rows of a block, unless it holds the whole: a multiple of bf16's packed tile
+LANES = 128                   # VMEM holds a row in whole tiles of 128 lanes, however few it has
 
 
 def update_in_place(fn, scalars_S, arrays, n_out, interpret=False):
@@ -29,7 +30,8 @@ def update_in_place(fn, scalars_S, arrays, n_out, interpret=False):
     shape = arrays[0].shape
     arrays = [a.reshape(1, -1) if a.ndim == 1 else a for a in arrays]
     lead, (rows, lanes) = arrays[0].shape[:-2], arrays[0].shape[-2:]
-    block_rows = rows if rows * lanes <= BLOCK_ELEMENTS else max(SUBLANES, BLOCK_ELEMENTS // lanes // SUBLANES * SUBLANES)
+    held = -(-lanes // LANES) * LANES                 # a row's elements in VMEM
+    block_rows = rows if rows * held <= BLOCK_ELEMENTS else max(SUBLANES, BLOCK_ELEMENTS // held // SUBLANES * SUBLANES)
     spec = pl.BlockSpec((pl.squeezed,) * len(lead) + (block_rows, lanes), lambda *ix: (*ix, 0))
     outs = pl.pallas_call(
         functools.partial(_kernel, fn, n_out),

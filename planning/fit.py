@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 import hardware
 import sharding
 import utils
+from engine import engine_for
 from planning import measure, tradeoffs
 from rundir import RunRefused
 from trainer import abstract_step_args, build_trainer
@@ -53,12 +54,8 @@ def fit_to_devices(cfg, mesh, say=print):
     have, the setting of fewest compiled FLOPs that fits (planning/tradeoffs.py); returns the config to run and
     its Trainer with the step compiled (None where nothing was), and says which. Every process measures against the least
     memory any process's devices have, so all choose alike."""
-    memory = device_memory(mesh)
-    budget = np.float64(-1.0 if memory is None else memory.gib_each)
-    if jax.process_count() > 1:
-        budgets = np.asarray(multihost_utils.process_allgather(budget))
-        budget = np.float64(-1.0) if (budgets < 0).any() else budgets.min()
-    if budget < 0:
+    budget = shared_budget_gib(mesh)
+    if budget is None:
         say("--fit: this runtime does not say its devices' memory; the run goes as given")
         return cfg, None
     as_given = measure.train_plan(cfg, mesh)
@@ -74,6 +71,41 @@ def fit_to_devices(cfg, mesh, say=print):
     say(f"--fit: running with {tradeoffs.flags(chosen.changes)} ({chosen.gib:.2f} GiB a device, FLOPs "
         f"{chosen.flops_ratio:.2f}x the model's)")
     return chosen.cfg, chosen.trainer
+
+
+def shared_budget_gib(mesh):
+    """GiB a device of the mesh has, the least any process's devices have (so that all processes choose alike);
+    None where a runtime does not say."""
+    memory = device_memory(mesh)
+    budget = np.float64(-1.0 if memory is None else memory.gib_each)
+    if jax.process_count() > 1:
+        budgets = np.asarray(multihost_utils.process_allgather(budget))
+        budget = np.float64(-1.0) if (budgets < 0).any() else budgets.min()
+    return None if budget < 0 else float(budget)
+
+
+def settle_auto_remat(cfg, mesh, say=print, budget_gib=None):
+    """(cfg with --remat auto settled for the mesh's devices, its StepPlan where one was compiled, else None). Where
+    the fast engine would trace a training step's layers apart with nothing recomputed (engine.Fast.layer_loop: a
+    TPU, up to engine.MAX_LAYERS_APART layers), auto is --remat none if that step's plan fits budget_gib a device
+    (None: what the devices have, shared_budget_gib): every activation kept, nothing replayed (one v5e: 1.24x dots'
+    step, docs/performance-log.md#2026-12-07-tpu-layers-apart); else, and on every other platform or model, the
+    engine's auto as given (dots on a TPU)."""
+    if cfg.model.remat != "auto":
+        return cfg, None
+    keep_all = utils.override(cfg, remat="none")
+    if not engine_for(keep_all.model, mesh.devices.flat[0]).layer_loop(keep_all.model, True).apart:
+        return cfg, None
+    budget_gib = shared_budget_gib(mesh) if budget_gib is None else budget_gib
+    if budget_gib is None:
+        return cfg, None
+    plan = measure.train_plan(keep_all, mesh)
+    if plan.trainer is not None and plan.gib <= budget_gib:
+        say(f"--remat auto: none (every activation kept), the train step planning {plan.gib:.2f} of {budget_gib:.2f} "
+            f"GiB a device")
+        return keep_all, plan
+    say(f"--remat auto: dots (none, every activation kept, would need {plan.gib:.2f} GiB a device of {budget_gib:.2f})")
+    return cfg, None
 
 
 def compile_train_step(cfg, trainer, argv, say=print, program="python main.py"):

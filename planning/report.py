@@ -30,7 +30,7 @@ import hardware
 import hlo
 import sharding
 import utils
-from planning import measure, step_time, tradeoffs
+from planning import fit, measure, step_time, tradeoffs
 from trainer import abstract_step_args, build_trainer
 
 PIP_COMMAND = "pip install -r requirements-tpu.txt"
@@ -70,6 +70,8 @@ def compile_for(cfg, argv=()):
         measure.compile_only_cuda()
     else:
         measure.compile_only_libtpu(target)
+    cfg, _ = fit.settle_auto_remat(cfg, measure.target_mesh(cfg, target), lambda line: print(line, flush=True),
+                                   target.hbm_bytes / GiB)            # as a run on the target settles it
     return rehearse(cfg, target, argv)
 
 

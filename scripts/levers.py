@@ -198,7 +198,7 @@ LEVERS = {
     "attention_kernel_blocks_of_256_for_nope": ((), attention_kernel(narrow_block=256)),
     "attention_kernel_outputs_kept": ((), attention_kernel(keep_outputs=True)),
     "remat_full": (("--remat", "full"), None),
-    "remat_auto": (("--remat", "auto"), None),         # dots on a TPU: the one-chip table's dots rows (performance.md)
+    "remat_auto": (("--remat", "auto"), None),         # dots here (not settled as main.py settles it): the dots rows
     "remat_dots": (("--remat", "dots"), None),
     "remat_keep_ffn_hidden": ((), KeepFfnHidden),
     "products_fused": ((), ProductsFused),

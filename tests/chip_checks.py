@@ -39,13 +39,13 @@ MODEL = ("--model_dimension 768 --n_head 12 --blocks 4 --layers_per_block 6 --T 
 # docs/performance-log.md#2026-12-06-tpu-memory-plans): the GiB it held running each that fits (its buffers and
 # the program's reserved temporaries, after three steps), and the GiB its compiler said each it refused needs
 V5E_HELD = {"--train_batch_size 16 --micro_batch_size 1 --remat full": 11.64,
-            "--train_batch_size 8 --micro_batch_size 1 --remat auto": 13.95,
-            "--train_batch_size 8 --micro_batch_size 1 --remat auto --moe_impl ragged --capacity_factor 0": 13.62,
+            "--train_batch_size 8 --micro_batch_size 1 --remat dots": 13.95,
+            "--train_batch_size 8 --micro_batch_size 1 --remat dots --moe_impl ragged --capacity_factor 0": 13.62,
             "--train_batch_size 24 --micro_batch_size 1 --remat full": 12.83}
 # (--remat none at 8 sequences left this list when a TPU's layers came to be traced apart: it fits now;
 # docs/performance-log.md#2026-12-07-tpu-layers-apart)
-V5E_REFUSED = {"--train_batch_size 8 --micro_batch_size 2 --remat auto": 16.51,
-               "--train_batch_size 12 --micro_batch_size 1 --remat auto": 16.40}
+V5E_REFUSED = {"--train_batch_size 8 --micro_batch_size 2 --remat dots": 16.51,
+               "--train_batch_size 12 --micro_batch_size 1 --remat dots": 16.40}
 PLAN_TOLERANCE = 0.15       # a plan that fits is within this share of what the chip holds
 
 

@@ -16,6 +16,7 @@ import jax
 import psutil
 import pytest
 
+import hardware
 import sharding
 import utils
 from ceiling import CEILING_S
@@ -104,3 +105,20 @@ def test_a_step_the_devices_cannot_hold_is_one_line_naming_the_cheapest_setting_
                      r"of available host memory \([\d.]+ GiB short\); it fits with (--.+) \([\d.]+ GiB, FLOPs [\d.]+x "
                      r"the model's\): (python main.py .+)", line)
     assert m and float(m[1]) == round(needed, 2) and m[3].endswith(" " + m[2]), line
+
+
+def test_remat_auto_keeps_every_activation_on_a_tpu_where_that_fits():
+    """--remat auto for a v5e (libtpu's compiler, here on the CPU): none, the layers traced apart with nothing
+    recomputed, where that step's plan fits the budget (the config then says none, its step compiled, as a run trains
+    with it), else auto as given (dots); on the CPU auto as given, nothing compiled."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")          # other test processes may hold libtpu
+    cfg = utils.config_from_args([*SMALL_FLAGS, "--remat", "auto", "--n_device_axis", "1", "1", "1",
+                                  "--train_batch_size", "4", "--micro_batch_size", "1"])
+    mesh, said = measure.target_mesh(cfg, hardware.tpu_slice("v5e-1")), []
+    settled, plan = fit.settle_auto_remat(cfg, mesh, said.append, budget_gib=15.75)
+    assert settled.model.remat == "none" and isinstance(plan.trainer.step, jax.stages.Compiled), said
+    assert said == [f"--remat auto: none (every activation kept), the train step planning {plan.gib:.2f} of 15.75 "
+                    "GiB a device"]
+    assert fit.settle_auto_remat(cfg, mesh, said.append, budget_gib=plan.gib / 2) == (cfg, None)
+    assert said[-1].startswith("--remat auto: dots (none, every activation kept, would need"), said
+    assert fit.settle_auto_remat(cfg, sharding.make_mesh((1, 1, 1)), said.append) == (cfg, None) and len(said) == 2
