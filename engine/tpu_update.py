@@ -30,17 +30,18 @@ def update_in_place(fn, scalars_S, arrays, n_out, interpret=False):
     shape = arrays[0].shape
     arrays = [a.reshape(1, -1) if a.ndim == 1 else a for a in arrays]
     lead, (rows, lanes) = arrays[0].shape[:-2], arrays[0].shape[-2:]
-    held = -(-lanes // LANES) * LANES                 # a row's elements in VMEM
-    block_rows = rows if rows * held <= BLOCK_ELEMENTS else max(SUBLANES, BLOCK_ELEMENTS // held // SUBLANES * SUBLANES)
-    spec = pl.BlockSpec((pl.squeezed,) * len(lead) + (block_rows, lanes), lambda *ix: (*ix, 0))
+    block_lanes = lanes if lanes * SUBLANES <= BLOCK_ELEMENTS else BLOCK_ELEMENTS // SUBLANES    # a multiple of 128
+    held = -(-block_lanes // LANES) * LANES           # a block row's elements in VMEM
+    block_rows = rows if rows * held <= BLOCK_ELEMENTS else BLOCK_ELEMENTS // held // SUBLANES * SUBLANES
+    spec = pl.BlockSpec((pl.squeezed,) * len(lead) + (block_rows, block_lanes), lambda *ix: ix)
     outs = pl.pallas_call(
         functools.partial(_kernel, fn, n_out),
-        grid=(*lead, pl.cdiv(rows, block_rows)),
+        grid=(*lead, pl.cdiv(rows, block_rows), pl.cdiv(lanes, block_lanes)),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [spec] * len(arrays),
         out_specs=[spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=jax.typeof(a).manual_axis_type) for a in arrays[:n_out]],
         input_output_aliases={1 + i: i for i in range(n_out)},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * (len(lead) + 1),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * (len(lead) + 2),
                                              allow_input_fusion=[False] + [True] * len(arrays)),
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
                                       bytes_accessed=sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays)

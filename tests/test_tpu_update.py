@@ -5,6 +5,7 @@ in fp32 on one device, clipped or not, and a skipped spike or a non-finite step 
 both. Only a TPU's fast engine runs it. On the chip: tests/test_tpu.py."""
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +13,12 @@ import numpy as np
 import pytest
 
 import engine
+import hardware
 import sharding
 import trainer as trainer_module
 import utils
 from engine import tpu_update
+from planning import measure
 from small_configs import small_model
 from trainer import build_trainer
 
@@ -97,3 +100,30 @@ def test_only_a_tpus_fast_engine_updates_in_one_pass():
     assert engine.Fast("tpu").optimizer_kernel() is tpu_update.update_in_place
     assert engine.Fast("cpu").optimizer_kernel() is None and engine.Fast("gpu").optimizer_kernel() is None
     assert engine.Reference("tpu").optimizer_kernel() is None
+
+
+SHAPES = [(300000,), (5, 7), (4, 768, 16), (2, 3, 1000, 96), (70, 200000)]     # vector, tiny, narrow, stacked, wide
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+def test_the_kernels_blocks_cover_any_leaf(shape):
+    """Every element updated once, whatever the leaf's rank and width: a block holds a whole small leaf, else rows
+    (and, past 8192 lanes, lanes) a grid step; the edges' blocks run past the leaf."""
+    fn = lambda s, p, g: (p * s[0] + g * s[1],)
+    p, g = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(0)))
+    scalars_S = jnp.array([0.5, 2.0], jnp.float32)
+    got = jax.jit(lambda s, p, g: tpu_update.update_in_place(fn, s, (p, g.astype(jnp.bfloat16)), 1,
+                                                              interpret=True))(scalars_S, p, g)
+    np.testing.assert_array_equal(got[0], fn(scalars_S, p, g.astype(jnp.bfloat16).astype(jnp.float32))[0])
+
+
+def test_the_kernel_compiles_for_a_v5e_at_any_leafs_shape():
+    """libtpu's compiler (here on the CPU) takes each of SHAPES within a core's default 16 MiB of VMEM."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")          # other test processes may hold libtpu
+    device = measure.topology_devices(hardware.tpu_slice("v5e-1"))[0]
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    fn = lambda s, p, g: (p * s[0] + g * s[1],)
+    for shape in SHAPES:
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_chip) for dtype in (jnp.float32, jnp.bfloat16)]
+        step = jax.jit(lambda s, p, g: tpu_update.update_in_place(fn, s, (p, g), 1), donate_argnums=1)
+        step.lower(jax.ShapeDtypeStruct((2,), jnp.float32, sharding=on_chip), *args).compile()
