@@ -4,8 +4,9 @@ lower bound; a run that cannot fit is refused in one line); with --fit, from its
 (`fit_to_devices`: when the plan exceeds the devices' memory, the cheapest setting that fits,
 planning/tradeoffs.py); and by the compile of the step the run trains with (`compile_train_step`: the plan
 said on an accelerator, a step too large for the devices one line naming the shortfall and the setting that
-fits). Compiles and plans are planning/measure.py's; `--compile_for` asks the compiled question of a slice
-(planning/report.py)."""
+fits). Before them `settle_auto_remat` settles --remat auto where keeping every activation may fit (a TPU's),
+by compiling that step. Compiles and plans are planning/measure.py's; `--compile_for` asks the compiled question
+of a slice (planning/report.py)."""
 from typing import NamedTuple
 
 import jax
