@@ -98,16 +98,21 @@ def in_one_pass(kept, old_state, grads, grad_norm, finite, oc, kernel, mesh, spe
     """kept (trainer.train_step's new state, guarded) with its params and Adam's moments computed again by `kernel`
     (the engine's optimizer_kernel), each leaf in one pass on each device's shard: `adamw_elements`, the chain's
     arithmetic and the guard's, element by element, from the same scalars. What the chain computed of them is then
-    unread, and XLA drops it."""
+    unread, and XLA drops it. A leaf whose last dimension is split over devices keeps the chain's: for the kernel's
+    row-major operands XLA all-reduced two such leaves' gradients on a v4-64 where it had reduce-scattered them
+    (docs/performance-log.md#2026-12-07-tpu-adamw-one-pass)."""
     # make_optimizer's state: SpikeState(inner=(clipping's, (Adam's, weight decay's, the schedule's)))
     adam, lr_count = old_state["opt_state"].inner[1][0], old_state["opt_state"].inner[1][2].count
-    count = optax.safe_increment(adam.count)
-    skip = kept["opt_state"].skipped > old_state["opt_state"].skipped
+    count, spike = optax.safe_increment(adam.count), kept["opt_state"]
+    skip = spike.skipped > old_state["opt_state"].skipped
     scalars_S = jnp.stack([-1 * lr_schedule(oc)(lr_count), 1 - oc.b1 ** count, 1 - oc.b2 ** count, grad_norm,
                            grad_norm < oc.grad_clip_norm, skip, finite]).astype(jnp.float32)
-    decay, table = sharding.decay_mask(grads), sharding.table_mask(grads)
+    decay, table, chain = sharding.decay_mask(grads), sharding.table_mask(grads), spike.inner[1][0]
 
-    def leaf(p, m, v, g, spec, decays, is_table):
+    def leaf(p, m, v, g, spec, decays, is_table, *chains):
+        last = spec[-1] if len(spec) == p.ndim else None
+        if last is not None and math.prod(mesh.shape[axis] for axis in ((last,) if isinstance(last, str) else last)) > 1:
+            return chains
         elements = functools.partial(adamw_elements, oc, oc.embed_eps if is_table else ADAM_EPS, decays)
         # each device's shards alone, no collective: unchecked, as Pallas' interpreter (the CPU tests') indexes the
         # scalars by a grid index that varies over no mesh axis
@@ -115,12 +120,10 @@ def in_one_pass(kept, old_state, grads, grad_norm, finite, oc, kernel, mesh, spe
                              in_specs=(P(), spec, spec, spec, spec), out_specs=(spec, spec, spec))(scalars_S, p, m, v, g)
 
     params = old_state["params"]
-    updated = jax.tree.map(leaf, params, adam.mu, adam.nu, grads, specs, decay, table)
+    updated = jax.tree.map(leaf, params, adam.mu, adam.nu, grads, specs, decay, table, kept["params"], chain.mu, chain.nu)
     tree = jax.tree.structure(params)
     params, mu, nu = (jax.tree.unflatten(tree, [outs[i] for outs in tree.flatten_up_to(updated)]) for i in range(3))
-    spike = kept["opt_state"]
-    adam_chain = spike.inner[1]
-    inner = (spike.inner[0], (adam_chain[0]._replace(mu=mu, nu=nu), *adam_chain[1:]))
+    inner = (spike.inner[0], (chain._replace(mu=mu, nu=nu), *spike.inner[1][1:]))
     return kept | {"params": params, "opt_state": spike._replace(inner=inner)}
 
 
