@@ -111,16 +111,18 @@ def in_one_pass(kept, old_state, grads, grad_norm, finite, oc, kernel, mesh, spe
 
     def leaf(p, m, v, g, spec, decays, is_table, *chains):
         last = spec[-1] if len(spec) == p.ndim else None
-        if last is not None and math.prod(mesh.shape[axis] for axis in ((last,) if isinstance(last, str) else last)) > 1:
+        last_axes = () if last is None else (last,) if isinstance(last, str) else last
+        if math.prod(mesh.shape[axis] for axis in last_axes) > 1:
             return chains
         elements = functools.partial(adamw_elements, oc, oc.embed_eps if is_table else ADAM_EPS, decays)
         # each device's shards alone, no collective: unchecked, as Pallas' interpreter (the CPU tests') indexes the
         # scalars by a grid index that varies over no mesh axis
         return jax.shard_map(lambda s, *arrays: kernel(elements, s, arrays, 3), mesh=mesh, check_vma=False,
-                             in_specs=(P(), spec, spec, spec, spec), out_specs=(spec, spec, spec))(scalars_S, p, m, v, g)
+                             in_specs=(P(), *[spec] * 4), out_specs=(spec,) * 3)(scalars_S, p, m, v, g)
 
     params = old_state["params"]
-    updated = jax.tree.map(leaf, params, adam.mu, adam.nu, grads, specs, decay, table, kept["params"], chain.mu, chain.nu)
+    updated = jax.tree.map(leaf, params, adam.mu, adam.nu, grads, specs, decay, table,
+                           kept["params"], chain.mu, chain.nu)
     tree = jax.tree.structure(params)
     params, mu, nu = (jax.tree.unflatten(tree, [outs[i] for outs in tree.flatten_up_to(updated)]) for i in range(3))
     inner = (spike.inner[0], (chain._replace(mu=mu, nu=nu), *spike.inner[1][1:]))

@@ -46,8 +46,8 @@ class ModelConfig:
                               "the layers')")
     rope_base: float = flag(10_000.0, "RoPE frequency base")
     remat: str = flag("auto", "what the backward pass recomputes, layer by layer: full (everything), dots (all "
-                              "but the matmul outputs), none, or auto: on a TPU none where that step fits (up to 32 layers, traced "
-                              "apart), else dots; full on a GPU or CPU; "
+                              "but the matmul outputs), none, or auto: on a TPU none where that step fits (its layers "
+                              "traced apart, up to 32), else dots; full on a GPU or CPU; "
                               "under tp full and dots keep each branch's all-reduced output rather than "
                               "all-reduce it again")
     fsdp_gather: str = flag("step", "when each pipeline stage's weights are all-gathered over dp: step (once a step "

@@ -39,7 +39,8 @@ def update_in_place(fn, scalars_S, arrays, n_out, interpret=False):
         grid=(*lead, pl.cdiv(rows, block_rows), pl.cdiv(lanes, block_lanes)),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [spec] * len(arrays),
         out_specs=[spec] * n_out,
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=jax.typeof(a).manual_axis_type) for a in arrays[:n_out]],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=jax.typeof(a).manual_axis_type)
+                   for a in arrays[:n_out]],
         input_output_aliases={1 + i: i for i in range(n_out)},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * (len(lead) + 2),
                                              allow_input_fusion=[False] + [True] * len(arrays)),

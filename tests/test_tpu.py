@@ -56,7 +56,8 @@ def results(proc):
 def chip(tpu_env, cpu_env):
     """{memory case or "fp32": chip_checks' result, "cpu_fp32": the CPU's}: the chip's checks in one process (its
     runtime started once), the CPU's fp32 beside it."""
-    on_chip, on_cpu = checks(tpu_env, *FITS, *REFUSED, "fp32", "attention", "grouped", "optimizer"), checks(cpu_env, "fp32")
+    on_chip = checks(tpu_env, *FITS, *REFUSED, "fp32", "attention", "grouped", "optimizer")
+    on_cpu = checks(cpu_env, "fp32")
     chip_results, cpu_results = results(on_chip), results(on_cpu)
     return {r.get("case", r.get("check", "fp32")): r for r in chip_results} | {"cpu_fp32": cpu_results[0]}
 
