@@ -69,13 +69,18 @@ def psum_scatter(x, axis, dim):
     return lax.dynamic_slice_in_dim(lax.psum(x, axis), lax.axis_index(axis) * n, n, axis=dim)
 
 
+def axis_names(axes):
+    """A PartitionSpec entry or a collective's axes (None, a mesh axis's name or a tuple of names) as a tuple."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def tp_sum(x, tp, dtype):
     """x (a branch's partial output, or an activation's partial gradient) summed over the mesh axes `tp`
     (a name, a tuple of names or None), the all-reduce carried in the matmul dtype as Megatron does: half
     the bytes, and the tp all-reduces are most of a TPU step's collective bytes. SPEC allows it where the
     mesh's error stays within bf16's own (`bench.py --grad_error`); parameter gradients are never summed
     so. With nothing to sum over (tp None or of size 1) nothing is rounded: one device stays exact."""
-    axes = () if tp is None else (tp,) if isinstance(tp, str) else tuple(tp)
+    axes = axis_names(tp)
     if not axes:
         return x
     if math.prod(lax.axis_size(a) for a in axes) == 1:

@@ -12,6 +12,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import sharding
+from collectives import axis_names
 
 ADAM_EPS = 1e-8            # Adam's epsilon for every leaf but the embedding table (optax's default)
 WINDOW = 20                 # grad norms the running median is taken over
@@ -110,9 +111,7 @@ def in_one_pass(kept, old_state, grads, grad_norm, finite, oc, kernel, mesh, spe
     decay, table, chain = sharding.decay_mask(grads), sharding.table_mask(grads), spike.inner[1][0]
 
     def leaf(p, m, v, g, spec, decays, is_table, *chains):
-        last = spec[-1] if len(spec) == p.ndim else None
-        last_axes = () if last is None else (last,) if isinstance(last, str) else last
-        if math.prod(mesh.shape[axis] for axis in last_axes) > 1:
+        if len(spec) == p.ndim and math.prod(mesh.shape[axis] for axis in axis_names(spec[-1])) > 1:
             return chains
         elements = functools.partial(adamw_elements, oc, oc.embed_eps if is_table else ADAM_EPS, decays)
         # each device's shards alone, no collective: unchecked, as Pallas' interpreter (the CPU tests') indexes the

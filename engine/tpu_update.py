@@ -3,7 +3,7 @@ over its first inputs (the optimizer's: params and Adam's moments from them and 
 
 XLA split AdamW's update of a leaf into two or three passes over HBM (one writing the params and the first moment,
 one the second moment, which the first computed again, and a copy of the second moment where the two read it
-across its update in place): 40 bytes an element where one pass moves 26, on a step the update spends ~30 ms of
+across its update in place): 40 bytes an element where one pass moves 26
 (docs/performance-log.md#2026-12-07-tpu-adamw-one-pass). Here each grid step loads a block of every array,
 computes the update in VMEM and writes the outputs where their inputs were (aliased). Its inputs may come from
 other operations that XLA fuses into the kernel's reads (allow_input_fusion): the gradient of a stack of layers

@@ -89,8 +89,8 @@ def settle_auto_remat(cfg, mesh, say=print, budget_gib=None):
     """(cfg with --remat auto settled for the mesh's devices, its StepPlan where one was compiled, else None). Where
     the fast engine would trace a training step's layers apart with nothing recomputed (engine.Fast.layer_loop: a
     TPU, up to engine.MAX_LAYERS_APART layers), auto is --remat none if that step's plan fits budget_gib a device
-    (None: what the devices have, shared_budget_gib): every activation kept, nothing replayed (one v5e: 1.24x dots'
-    step, docs/performance-log.md#2026-12-07-tpu-layers-apart); else, and on every other platform or model, the
+    (None: what the devices have, shared_budget_gib): every activation kept, nothing replayed, faster than dots'
+    stacked products (docs/performance-log.md#2026-12-07-tpu-layers-apart); else, and on every other platform or model, the
     engine's auto as given (dots on a TPU)."""
     if cfg.model.remat != "auto":
         return cfg, None
