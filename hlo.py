@@ -200,11 +200,12 @@ def _matmul(rhs, defined):
 def _pallas_kernel(rhs, defined):
     """(FLOPs, "lhs x rhs" dtypes) a TPU Pallas kernel declares in its cost estimate (engine/tpu_attention.py's
     attention: its products'), or None for any other instruction."""
-    flops = re.search(r'custom_call_target="tpu_custom_call".*"cost_estimate":\{"flops":"(\d+)"', rhs)
+    # the cost estimate's keys in either order: the chip's compiler writes them sorted, libtpu's AOT flops first
+    flops = re.search(r'custom_call_target="tpu_custom_call".*"cost_estimate":\{[^}]*"flops":"(\d+)"', rhs)
     if not flops:
         return None
-    operands = re.search(r"custom-call\(([^)]*)\)", rhs)
-    names = [o.strip().split(" ")[-1].lstrip("%") for o in operands.group(1).split(",")][:2] if operands else []
+    # its first two operands by name (the chip's compiler types them inline too, layouts and all)
+    names = re.findall(r"%([\w.\-]+)", rhs.partition("custom-call(")[2])[:2]
     typed = [_SHAPE.match(defined.get(n, "").strip()) for n in names]
     return float(flops.group(1)), " x ".join(t.group(1) if t else "?" for t in typed)
 

@@ -200,3 +200,16 @@ def test_the_kernels_products_count_in_a_tpu_programs_matmul_flops(R):
     flops = hlo.matmul_flops(compiled.as_text())
     forward = 2 * B * h * 3 * block * block * (K + R + J)          # T / block = 2: three block pairs
     assert (flops["forward"], flops["backward"], flops["total"]) == (forward, 2.5 * forward, 3.5 * forward), flops
+
+
+def test_a_kernels_declared_flops_are_read_whatever_the_order_of_its_cost_estimates_keys():
+    """libtpu's ahead-of-time compile writes a Pallas kernel's cost estimate with its FLOPs first and its operands by
+    name, the chip's own compile the estimate's keys sorted (bytes_accessed first) and the operands typed inline:
+    hlo.matmul_flops reads both (on the chip it had counted no attention FLOPs)."""
+    defined = {"q": "bf16[8,1024,768]{2,1,0} parameter(0)", "k": "bf16[8,1024,768]{2,1,0} parameter(1)"}
+    for cost in ('{"flops":"96","bytes_accessed":"8","transcendentals":"4"}',
+                 '{"bytes_accessed":"8","flops":"96","remote_bytes_transferred":"0","transcendentals":"4"}'):
+        for operands in ("%q, %k", "bf16[8,1024,768]{2,1,0:T(8,128)(2,1)} %q, bf16[8,1024,768]{2,1,0:T(8,128)(2,1)} %k"):
+            rhs = (f'bf16[8,1024,768]{{2,1,0}} custom-call({operands}), custom_call_target="tpu_custom_call", '
+                   f'backend_config={{"custom_call_config":{{"body":"TUzv","cost_estimate":{cost}}}}}')
+            assert hlo._pallas_kernel(rhs, defined) == (96.0, "bf16 x bf16"), (cost, operands)
