@@ -15,7 +15,8 @@ what a reader steps through in a debugger and the oracle the tests hold the fast
                                                                         TPU, else causal chunks
   routed_experts(...)        expert_kernels.experts_in_buffers (over    the same, or --moe_impl ragged
                              dp with --expert_parallel)                 (grouped matmuls)
-  cross_entropy_sum(...)     loss.plain_cross_entropy_sum               chunked_loss.chunked_cross_entropy_sum
+  cross_entropy_sum(...)     loss.plain_cross_entropy_sum               chunked_loss.chunked_cross_entropy_sum (on
+                                                                        a TPU the sums of exponentials by the MXU)
   token_scores(...)          loss.plain_token_scores                    chunked_loss.chunked_token_scores
   keep(x, name),             nothing named; --remat's plain jax         named values kept (all-reduced branches,
   layer_loop(cfg, train)     policies, the layers scanned               kernel and expert outputs); per platform;
@@ -157,7 +158,9 @@ class Fast(Reference):
         return expert_kernels.MOE_IMPLS[cfg.moe_impl](w, x_BTD, experts_BTk, slot_BTk, C, self.mm, dp, self.platform)
 
     def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
-        return chunked_loss.chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())
+        """On a TPU each token's sum of exponentials comes out of the MXU with the gradient's product."""
+        return chunked_loss.chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens(),
+                                                      sums_by_product=self.platform == "tpu")
 
     def token_scores(self, table_vD, h_BTD, targets_BT, cfg, axes):
         return chunked_loss.chunked_token_scores(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens())

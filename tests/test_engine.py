@@ -10,6 +10,7 @@ import pytest
 
 import engine
 import pipeline
+from engine import chunked_loss
 import sharding
 from model_util import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, batch, one_device_run, rel_err,
                         sharded_value_and_grad, with_model)
@@ -88,6 +89,40 @@ def test_layers_traced_apart_give_the_scans_loss_and_gradients(monkeypatch, shap
         np.testing.assert_array_equal(metrics[name], scan_metrics[name], err_msg=name)
     for (path, g_scan), g in zip(jax.tree_util.tree_leaves_with_path(scan_grads), jax.tree.leaves(grads)):
         assert rel_err(g, g_scan) < 1e-6, jax.tree_util.keystr(path)      # 3.2e-7 at most: sums in another order
+
+
+@dataclasses.dataclass(frozen=True)
+class SumsByProduct(engine.Fast):
+    """The fast engine with a TPU's sums of the output layer's exponentials (from the MXU's product) on any platform."""
+
+    def cross_entropy_sum(self, table_vD, h_BTD, targets_BT, cfg, axes):
+        return chunked_loss.chunked_cross_entropy_sum(table_vD, h_BTD, targets_BT, cfg, axes, self._chunk_tokens(),
+                                                      sums_by_product=True)
+
+
+def run_both(monkeypatch, variant, shape, n_micro):
+    """(the variant engine's (loss, metrics), grads), (the fast engine's) on a mesh of `shape`."""
+    monkeypatch.setitem(engine.ENGINES, "variant", variant)
+    params = sharding.init_params(CFG, KEY)
+    mesh = sharding.make_mesh(shape)
+
+    def run(engine_name):
+        cfg = with_model(CFG, engine=engine_name)
+        placed = jax.device_put(params, sharding.param_shardings(params, mesh, cfg.expert_parallel))
+        return jax.device_get(sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(placed, *batch()))
+    return run("variant"), run("fast")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 2, 4)])
+def test_a_tpus_sums_of_exponentials_from_the_product_give_the_loss_and_gradients(monkeypatch, shape):
+    """Each token's sum of exponentials from the hidden states' gradient product (a column of ones beside the table,
+    a TPU's way), on one device and with the vocabulary split over tp 4: in fp32 the pass's loss and every
+    gradient to rounding (the sums in another order)."""
+    ((loss, metrics), grads), ((plain_loss, plain_metrics), plain_grads) = run_both(monkeypatch, SumsByProduct,
+                                                                                    shape, 2)
+    assert rel_err(loss, plain_loss) < 1e-6 and rel_err(metrics["ce"], plain_metrics["ce"]) < 1e-6
+    for (path, g_plain), g in zip(jax.tree_util.tree_leaves_with_path(plain_grads), jax.tree.leaves(grads)):
+        assert rel_err(g, g_plain) < 1e-6, jax.tree_util.keystr(path)
 
 
 def test_a_tpu_traces_the_layers_apart_when_its_training_step_keeps_every_activation():
