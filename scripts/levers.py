@@ -37,9 +37,8 @@ import hardware  # noqa: E402
 import model  # noqa: E402
 import multihost  # noqa: E402
 import sharding  # noqa: E402
-import stacking  # noqa: E402
 import utils  # noqa: E402
-from engine import attention_kernels, chunked_loss, expert_kernels, fsdp, products, tpu_attention  # noqa: E402
+from engine import attention_kernels, chunked_loss, expert_kernels, products, tpu_attention  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.extend.random import threefry_2x32  # noqa: E402
 from planning.measure import compiled_or_shortfall, planned_gib  # noqa: E402
@@ -197,55 +196,12 @@ def ce_exponentials_behind_barrier():
         chunked_loss._chunk_ce = plain
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightsInFp32(engine.Fast):
-    """The stacks' weights as the step holds them, fp32 (`weights_cast_in_each_layer` casts each layer's)."""
-
-    def read_weights(self, stack, cfg):
-        return stack
-
-
-@contextlib.contextmanager
-def weights_cast_in_each_layer():
-    """Each layer traced apart casts its own fp32 weights to bf16 behind a barrier on its slice (a block's dense
-    layers in their own loop), so that XLA may cast them inside the products that read them, forward and backward
-    (compiled for a v5e, the preset's program has no stack's cast left), rather than each stack once a step into
-    bf16 copies the backward keeps (3.8 ms of casts: docs/performance-log.md#2026-12-07-tpu-ce-sums). Without the
-    barrier XLA moves a slice's cast back onto the whole stack. For bf16 models (the presets levers.py times)."""
-    plain = model.scan_stacked
-
-    def cast_own(path, a):                 # a nested stack's leaves are cast in its own loop
-        name = path[-2].key
-        own = path[0].key != "dense" and sharding.is_matrix(name)
-        return a.astype(jnp.float32 if name in fsdp.FP32_WEIGHTS else jnp.bfloat16) if own else a
-
-    def scan_stacked(stack, axis, body, carry, xs, loop=stacking.LayerLoop()):
-        if not loop.apart:
-            return plain(stack, axis, body, carry, xs, loop)
-        graphdef, state = nnx.split(stack)
-        ys = []
-        for i in range(jax.tree.leaves(state)[0].shape[0]):
-            layer_state = nnx.spmd.remove_axis(jax.tree.map(lambda a: lax.optimization_barrier(a[i]), state), 0,
-                                               {nnx.PARTITION_NAME: axis})
-            graph, own = nnx.split(nnx.merge(graphdef, layer_state))
-            carry, y = body(nnx.merge(graph, jax.tree_util.tree_map_with_path(cast_own, own)), carry,
-                            jax.tree.map(lambda a: a[i], xs))
-            ys.append(y)
-        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
-    model.scan_stacked = scan_stacked
-    try:
-        yield
-    finally:
-        model.scan_stacked = plain
-
-
 # name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
     "optimizer_in_xla": ((), OptimizerInXla),
     "ce_sums_in_a_pass": ((), CrossEntropySumsInAPass),
     "weights_cast_once_a_step": ((), WeightsCastOnceAStep),
-    "weights_cast_in_each_layer": ((), WeightsInFp32, weights_cast_in_each_layer),
     **{f"ce_chunks_of_{n}_tokens": ((), cross_entropy_chunks_of(n)) for n in (2048, 4096, 8192)},
     **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4, 8)},
     **{f"attention_kernel_blocks_of_{n}": ((), attention_kernel(n)) for n in (128, 256, 512)},

@@ -10,8 +10,8 @@ import pytest
 
 import engine
 import pipeline
-from engine import chunked_loss
 import sharding
+from engine import chunked_loss
 from model_util import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, batch, one_device_run, rel_err,
                         sharded_value_and_grad, with_model)
 
@@ -100,26 +100,20 @@ class SumsByProduct(engine.Fast):
                                                       sums_by_product=True)
 
 
-def run_both(monkeypatch, variant, shape, n_micro):
-    """(the variant engine's (loss, metrics), grads), (the fast engine's) on a mesh of `shape`."""
-    monkeypatch.setitem(engine.ENGINES, "variant", variant)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 2, 4)])
+def test_a_tpus_sums_of_exponentials_from_the_product_give_the_loss_and_gradients(monkeypatch, shape):
+    """Each token's sum of exponentials from the hidden states' gradient product (a column of ones beside the table,
+    a TPU's way), on one device and with the vocabulary split over tp 4: in fp32 the pass's loss and every
+    gradient to rounding (the sums in another order)."""
+    monkeypatch.setitem(engine.ENGINES, "sums_by_product", SumsByProduct)
     params = sharding.init_params(CFG, KEY)
     mesh = sharding.make_mesh(shape)
 
     def run(engine_name):
         cfg = with_model(CFG, engine=engine_name)
         placed = jax.device_put(params, sharding.param_shardings(params, mesh, cfg.expert_parallel))
-        return jax.device_get(sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(placed, *batch()))
-    return run("variant"), run("fast")
-
-
-@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 2, 4)])
-def test_a_tpus_sums_of_exponentials_from_the_product_give_the_loss_and_gradients(monkeypatch, shape):
-    """Each token's sum of exponentials from the hidden states' gradient product (a column of ones beside the table,
-    a TPU's way), on one device and with the vocabulary split over tp 4: in fp32 the pass's loss and every
-    gradient to rounding (the sums in another order)."""
-    ((loss, metrics), grads), ((plain_loss, plain_metrics), plain_grads) = run_both(monkeypatch, SumsByProduct,
-                                                                                    shape, 2)
+        return jax.device_get(sharded_value_and_grad(cfg, mesh, 2, ROUTER_BIAS)(placed, *batch()))
+    ((loss, metrics), grads), ((plain_loss, plain_metrics), plain_grads) = run("sums_by_product"), run("fast")
     assert rel_err(loss, plain_loss) < 1e-6 and rel_err(metrics["ce"], plain_metrics["ce"]) < 1e-6
     for (path, g_plain), g in zip(jax.tree_util.tree_leaves_with_path(plain_grads), jax.tree.leaves(grads)):
         assert rel_err(g, g_plain) < 1e-6, jax.tree_util.keystr(path)
