@@ -45,10 +45,13 @@ def update_in_place(fn, scalars_S, arrays, n_out, interpret=False):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * (len(lead) + 2),
                                              allow_input_fusion=[False] + [True] * len(arrays)),
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
-                                      bytes_accessed=sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays)
-                                      + sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays[:n_out])),
+                                      bytes_accessed=_bytes(arrays) + _bytes(arrays[:n_out])),
         interpret=interpret, name="update_in_place")(scalars_S, *arrays)
     return tuple(out.reshape(shape) for out in outs)
+
+
+def _bytes(arrays):
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays)
 
 
 def _kernel(fn, n_out, scalars_ref, *refs):
