@@ -47,7 +47,7 @@ def attention(q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype, platform, device_k
 
 def tpu_kernel_attention(q_BThK, k_BShK, v_BShJ, rotary, dtype, **kernel):
     """tpu_attention's kernel, which reads decoupled RoPE's parts as they are (nothing joined or repeated);
-    kernel: its block, interpret and lanes (the tests'). Its outputs are not kept (unlike cuDNN's): the layer
+    kernel: its block, rows, interpret and lanes (the tests'). Its outputs are not kept (unlike cuDNN's): the layer
     scans' stacking of them cost more than the kernel's forward run again, and a pipeline would keep them for
     every micro-batch (performance-log.md)."""
     q_rope_BThR, k_rope_BSR = (None, None) if rotary is None else (rotary[0].astype(dtype), rotary[1])

@@ -9,12 +9,13 @@ lanes (2 at widths of 64). Inside, a head's part of a tile is its lanes: sliced 
 tiles, else the other heads' lanes zeroed in one operand, which the MXU's 128-deep products cost the same.
 
 One grid step holds whole sequences of its heads in VMEM (LONGEST_T says how long, by the core's VMEM) and walks
-their causal blocks, block x block at a time, with the loops unrolled at trace time: the blocks above the
-diagonal are never visited and only the diagonal's are masked. The forward is flash attention's online
-softmax (the scores never leave VMEM) and keeps each row's log-sum-exp; the backward recomputes each block's
-probabilities from it (FlashAttention-2's). Numerics as model.masked_attention's on the joined q and k:
-scores and softmax in fp32, the products' operands in the input dtype (bf16 on the chip), fp32 sums; the
-block order changes the rounding, not the math.
+their causal pieces, with the loops unrolled at trace time: `rows` queries (the forward's) or keys (the
+backward's) at a time against the other side's up to the diagonal, in pieces of `block`, the last one cut at the
+diagonal. So nothing above the diagonal's squares of rows x rows is visited and only the pieces crossing it are
+masked. The forward is flash attention's online softmax (the scores never leave VMEM) and keeps each row's
+log-sum-exp; the backward recomputes each piece's probabilities from it (FlashAttention-2's). Numerics as
+model.masked_attention's on the joined q and k: scores and softmax in fp32, the products' operands in the input
+dtype (bf16 on the chip), fp32 sums; the block order changes the rounding, not the math.
 """
 import functools
 import math
@@ -27,6 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 BLOCK_SIZES = (512, 256, 128)        # a block is the largest of these that divides T
+# From blocks this long, rows of half a block (the diagonal's squares half as wide): on a v5e 1.011x a step at T 1024
+# (docs/performance-log.md#2026-12-07-tpu-attention-rows); shorter ones not measured.
+HALVED_BLOCK = 512
 VMEM_LIMIT_BYTES = 64 * 2**20
 # The longest sequence whose blocks (a grid step holds its heads' whole sequences) a core's VMEM holds, as
 # libtpu's compiler found at the edges (tests/test_tpu_attention.py): a v4's 16 MiB T 1024, 64 MiB (a v5p's; a
@@ -56,22 +60,25 @@ def takes(T, h, K, J, R, vmem_bytes=None):
     return T <= longest_T(vmem_bytes) and T % BLOCK_SIZES[-1] == 0 and heads_per_step(h, K, J, R) is not None
 
 
-def attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR=None, k_rope_BSR=None, block=None, interpret=False,
+def attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR=None, k_rope_BSR=None, block=None, rows=None, interpret=False,
               lanes=LANES):
     """softmax(q.k / sqrt(K + R)) v, causal (S = T), with q = [q_content; q_rope] and k = [k_content; k_rope]
     (the one rotary key repeated for every head; both rotary parts None without RoPE), returned in q's dtype.
     k_rope_BSR is rounded to q's dtype in here, so that its gradient, the heads' sum, is added up in fp32.
-    block: the square block's side (default: the largest of BLOCK_SIZES dividing T); lanes: the tile width the
-    heads are grouped for (smaller in tests, where the interpreter runs the kernel)."""
+    block: the longest piece of keys (forward) or queries (backward) a product takes (default: the largest of
+    BLOCK_SIZES dividing T); rows: the queries (forward) or keys (backward) a piece holds (default: half a block
+    from HALVED_BLOCK, else the block), a divisor of T; lanes: the tile width the heads are grouped for (smaller in tests, where the interpreter runs
+    the kernel)."""
     T = q_BThK.shape[1]
     block = block or next(b for b in BLOCK_SIZES if T % b == 0)
+    tiling = (block, rows or (block // 2 if block >= HALVED_BLOCK else block))
     k_rope_BSR = None if k_rope_BSR is None else k_rope_BSR.astype(jnp.float32)
-    return _attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes)
+    return _attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, tiling, interpret, lanes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes):
-    return _forward(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes)[0]
+def _attention(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, tiling, interpret, lanes):
+    return _forward(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, tiling, interpret, lanes)[0]
 
 
 class _Shape:
@@ -86,8 +93,8 @@ class _Shape:
         self.Rk = self.R if self.R % lanes == 0 else self.g * self.R
         self.groups = self.h // self.g
 
-    def kernel_args(self, block):
-        return dict(block=block, scale=1 / math.sqrt(self.K + self.R), g=self.g, widths=(self.K, self.J, self.R),
+    def kernel_args(self, tiling):
+        return dict(tiling=tiling, scale=1 / math.sqrt(self.K + self.R), g=self.g, widths=(self.K, self.J, self.R),
                     lanes=self.lanes)
 
     def rope_specs(self):
@@ -103,7 +110,7 @@ def _flat(x_BThX):
     return x_BThX.reshape(*x_BThX.shape[:2], -1)
 
 
-def _forward(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, lanes):
+def _forward(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, tiling, interpret, lanes):
     """(out_BThJ, the residuals: q, k, v, out as given and returned, the rotary parts as the kernel reads them
     (or None), each row's log-sum-exp)."""
     s = _Shape(q_BThK, v_BShJ, q_rope_BThR, lanes)
@@ -112,19 +119,19 @@ def _forward(q_BThK, k_BShK, v_BShJ, q_rope_BThR, k_rope_BSR, block, interpret, 
         k_rope_BSRk = k_rope_BSR.astype(q_BThK.dtype)
         rope = (q_rope_BThR, k_rope_BSRk if s.Rk == s.R else jnp.tile(k_rope_BSRk, (1, 1, s.g)))
     out, lse_Bh1T = pl.pallas_call(
-        functools.partial(_forward_kernel, **s.kernel_args(block)),
+        functools.partial(_forward_kernel, **s.kernel_args(tiling)),
         grid=(s.B, s.groups),
         in_specs=[_group_spec(s.T, s.g * w) for w in (s.K, s.K, s.J)] + s.rope_specs(),
         out_specs=[_group_spec(s.T, s.g * s.J), _lse_spec(s)],
         out_shape=[_like(q_BThK, (s.B, s.T, s.h * s.J)), _like(q_BThK, (s.B, s.h, 1, s.T), jnp.float32)],
-        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(s, block, q_BThK.dtype, backward=False),
+        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(s, tiling, q_BThK.dtype, backward=False),
         interpret=interpret, name="mla_causal_attention")(
             _flat(q_BThK), _flat(k_BShK), _flat(v_BShJ), *(() if rope is None else (_flat(rope[0]), rope[1])))
     out_BThJ = out.reshape(s.B, s.T, s.h, s.J)
     return out_BThJ, (q_BThK, k_BShK, v_BShJ, out_BThJ, rope, lse_Bh1T)
 
 
-def _backward(block, interpret, lanes, residuals, dout_BThJ):
+def _backward(tiling, interpret, lanes, residuals, dout_BThJ):
     q_BThK, k_BShK, v_BShJ, out_BThJ, rope, lse_Bh1T = residuals
     s = _Shape(q_BThK, v_BShJ, None if rope is None else rope[0], lanes)
     # dq's parts come out transposed, [B, h / g, g x width, T]; the rotary key's per group, in fp32
@@ -134,12 +141,13 @@ def _backward(block, interpret, lanes, residuals, dout_BThJ):
     if rope is not None:
         outs += [transposed(s.R), (_per_group_spec(s.T, s.Rk), _like(q_BThK, (s.B, s.groups, s.T, s.Rk), jnp.float32))]
     grads = pl.pallas_call(
-        functools.partial(_backward_kernel, **s.kernel_args(block)),
+        functools.partial(_backward_kernel, **s.kernel_args(tiling)),
         grid=(s.B, s.groups),
         in_specs=[_group_spec(s.T, s.g * w) for w in (s.K, s.K, s.J, s.J, s.J)] + [_lse_spec(s)] + s.rope_specs(),
         out_specs=[spec for spec, _ in outs], out_shape=[shape for _, shape in outs],
-        scratch_shapes=[pltpu.VMEM((s.g * w, s.T), jnp.float32) for w in (s.K, s.R) if w],
-        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(s, block, q_BThK.dtype, backward=True),
+        scratch_shapes=[pltpu.VMEM((s.g, 1, s.T), jnp.float32)] + [pltpu.VMEM((s.g * w, s.T), jnp.float32)
+                                                                  for w in (s.K, s.R) if w],
+        compiler_params=_COMPILER_PARAMS, cost_estimate=_cost(s, tiling, q_BThK.dtype, backward=True),
         interpret=interpret, name="mla_causal_attention_backward")(
             *map(_flat, (q_BThK, k_BShK, v_BShJ, out_BThJ, dout_BThJ)), lse_Bh1T,
             *(() if rope is None else (_flat(rope[0]), rope[1])))
@@ -177,14 +185,24 @@ def _lse_spec(s):
     return pl.BlockSpec((pl.squeezed, s.g, 1, s.T), lambda b, group: (b, group, 0, 0))
 
 
-def _cost(s, block, dtype, backward):
-    """The kernel's FLOPs (its products over the blocks it visits: on and below the diagonal) and bytes, for
-    XLA's scheduler and hlo.matmul_flops: the model's, as if each head were alone and q, k joined."""
-    n, Q = s.T // block, s.K + s.R
-    products = 2 * s.B * s.h * n * (n + 1) // 2 * block * block * (Q + s.J) * (5 if backward else 2) // 2
+def _cost(s, tiling, dtype, backward):
+    """The kernel's FLOPs (its products over the pieces it visits: the rows x rows squares on and below the
+    diagonal, whatever the block) and bytes, for XLA's scheduler and hlo.matmul_flops: the model's, as if each
+    head were alone and q, k joined."""
+    n, rows, Q = s.T // tiling[1], tiling[1], s.K + s.R
+    scores = s.B * s.h * n * (n + 1) // 2 * rows * rows
     operands = s.B * s.h * s.T * (2 * Q + s.J) * jnp.dtype(dtype).itemsize
-    return pl.CostEstimate(flops=products, transcendentals=s.B * s.h * n * (n + 1) // 2 * block * block,
+    return pl.CostEstimate(flops=2 * scores * (Q + s.J) * (5 if backward else 2) // 2, transcendentals=scores,
                            bytes_accessed=int(operands * (2 if backward else 1.5)))
+
+
+def _pieces(T, tiling, keys_on_rows):
+    """The (rows, columns) slices a kernel visits, a row slice at a time: the forward's queries [r0, r1) against
+    keys [0, r1) in pieces of block; the backward's keys [r0, r1) against queries [r0, T)."""
+    block, rows = tiling
+    for r0 in range(0, T, rows):
+        start, stop = (r0, T) if keys_on_rows else (0, r0 + rows)
+        yield slice(r0, r0 + rows), [slice(c, min(c + block, stop)) for c in range(start, stop, block)]
 
 
 def _as_row(column):
@@ -192,9 +210,13 @@ def _as_row(column):
     return jnp.transpose(jnp.broadcast_to(column, (column.shape[0], 128)))[:1]
 
 
-def _causal(scores, queries_on_columns):
-    """A diagonal block's scores with those of keys after their query at -inf."""
+def _causal(scores, rows, columns, queries_on_columns):
+    """A piece's scores (its rows' and columns' slices of the sequence) with those of keys after their query at
+    -inf, where any is."""
+    if (columns.stop - 1 <= rows.start) if not queries_on_columns else (rows.stop - 1 <= columns.start):
+        return scores
     row, column = (lax.broadcasted_iota(jnp.int32, scores.shape, d) for d in (0, 1))
+    row, column = row + rows.start, column + columns.start
     return jnp.where(row <= column if queries_on_columns else column <= row, scores, -jnp.inf)
 
 
@@ -233,19 +255,17 @@ def _scores(q, qr, k, kr, a, K, R, lanes, keys_on_rows=False):
                                                            preferred_element_type=jnp.float32) for part in parts))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, block, scale, g, widths, lanes):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiling, scale, g, widths, lanes):
     K, J, R = widths
     qr_ref, kr_ref, out_ref, lse_ref = refs if R else (None, None, *refs)
-    for i in range(q_ref.shape[0] // block):
-        rows = slice(i * block, (i + 1) * block)
+    for rows, pieces in _pieces(q_ref.shape[0], tiling, keys_on_rows=False):
         q, qr = q_ref[rows, :], None if R == 0 else qr_ref[rows, :]
         outs = []
         for a in range(g):
             m = l = acc = None
-            for j in range(i + 1):                        # key block 0 first: every row has a finite score
-                keys = slice(j * block, (j + 1) * block)
+            for keys in pieces:                           # keys from the first: every row has a finite score
                 s = _scores(q, qr, k_ref[keys, :], None if R == 0 else kr_ref[keys, :], a, K, R, lanes) * scale
-                s = _causal(s, queries_on_columns=False) if i == j else s
+                s = _causal(s, rows, keys, queries_on_columns=False)
                 m_new = jnp.max(s, axis=1, keepdims=True) if m is None else jnp.maximum(
                     m, jnp.max(s, axis=1, keepdims=True))
                 p = jnp.exp(s - m_new)
@@ -263,44 +283,39 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, block, scale, g, widths, lanes):
         _store(out_ref, rows, outs, J, lanes)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, out_ref, dout_ref, lse_ref, *refs, block, scale, g, widths, lanes):
+def _backward_kernel(q_ref, k_ref, v_ref, out_ref, dout_ref, lse_ref, *refs, tiling, scale, g, widths, lanes):
     """Keys on the rows, queries on the columns (sT = k q.T), so that every product but kT's is one the MXU
-    takes as it is; dq comes out transposed, [g K, T], its sums over the key blocks in VMEM scratch."""
+    takes as it is; dq comes out transposed, [g K, T], its sums over the key pieces in VMEM scratch."""
     K, J, R = widths
     if R:
-        qr_ref, kr_ref, dqT_ref, dk_ref, dv_ref, dqrT_ref, dkr_ref, dqT_sum, dqrT_sum = refs
+        qr_ref, kr_ref, dqT_ref, dk_ref, dv_ref, dqrT_ref, dkr_ref, delta_ref, dqT_sum, dqrT_sum = refs
     else:
-        dqT_ref, dk_ref, dv_ref, dqT_sum = refs
-    n = q_ref.shape[0] // block
+        dqT_ref, dk_ref, dv_ref, delta_ref, dqT_sum = refs
     dtype = q_ref.dtype
     dqT_sum[...] = jnp.zeros_like(dqT_sum)
     if R:
         dqrT_sum[...] = jnp.zeros_like(dqrT_sum)
-
-    # softmax's backward: ds = p (dp - delta), delta a query's sum of dout . out over its head, a row like lse
-    def deltas(i):
-        rows = slice(i * block, (i + 1) * block)
-        product = dout_ref[rows, :].astype(jnp.float32) * out_ref[rows, :].astype(jnp.float32)
-        return [_as_row(jnp.sum(_own(product, a, J, lanes), axis=1, keepdims=True)) for a in range(g)]
-    delta = [deltas(i) for i in range(n)]
-    for j in range(n):                                # a key block's dk, dv from the query blocks that see it
-        keys = slice(j * block, (j + 1) * block)
+    # softmax's backward: ds = p (dp - delta), delta a query's sum of dout . out over its head, [g, 1, T] as lse
+    for queries, _ in _pieces(q_ref.shape[0], tiling, keys_on_rows=True):
+        product = dout_ref[queries, :].astype(jnp.float32) * out_ref[queries, :].astype(jnp.float32)
+        for a in range(g):
+            delta_ref[a, :, queries] = _as_row(jnp.sum(_own(product, a, J, lanes), axis=1, keepdims=True))
+    for keys, pieces in _pieces(q_ref.shape[0], tiling, keys_on_rows=True):   # a key slice's dk, dv
         k, v = k_ref[keys, :], v_ref[keys, :]
         kr = None if R == 0 else kr_ref[keys, :]
         kT = jnp.transpose(k)
         krT = None if R == 0 else jnp.transpose(kr)[:R]         # a repeated key's first copy
         dk, dv, dkr = [None] * g, [None] * g, None
-        for i in range(j, n):
-            queries = slice(i * block, (i + 1) * block)
+        for queries in pieces:
             q, dout = q_ref[queries, :], dout_ref[queries, :]
             qr = None if R == 0 else qr_ref[queries, :]
             for a in range(g):
                 sT = _scores(q, qr, k, kr, a, K, R, lanes, keys_on_rows=True)
-                sT = _causal(sT * scale, queries_on_columns=True) if i == j else sT * scale
+                sT = _causal(sT * scale, keys, queries, queries_on_columns=True)
                 pT = jnp.exp(sT - lse_ref[a, :, queries])
                 dpT = lax.dot_general(_beside(v, a, J, lanes), _own(dout, a, J, lanes), NT,
                                       preferred_element_type=jnp.float32)
-                dsT = (pT * (dpT - delta[i][a]) * scale).astype(dtype)
+                dsT = (pT * (dpT - delta_ref[a, :, queries]) * scale).astype(dtype)
                 dv[a] = _add(dv[a], jnp.dot(pT.astype(dtype), _own(dout, a, J, lanes),
                                             preferred_element_type=jnp.float32))
                 dk[a] = _add(dk[a], jnp.dot(dsT, _own(q, a, K, lanes), preferred_element_type=jnp.float32))

@@ -35,8 +35,9 @@ def xla_chunks(n):
     return joined(lambda q, k, v: attention_kernels.xla_attention(q, k, v, None, jnp.bfloat16, n))
 
 
-def mla_kernel(block, interpret):
-    return lambda q, k, v, *rotary: tpu_attention.attention(q, k, v, *rotary, block=block, interpret=interpret)
+def mla_kernel(block, interpret, rows=None):
+    return lambda q, k, v, *rotary: tpu_attention.attention(q, k, v, *rotary, block=block, rows=rows,
+                                                            interpret=interpret)
 
 
 def splash_variant(block, compute, fused, interpret):
@@ -75,6 +76,8 @@ def pallas_flash_variant(block_q, block_k, interpret):
 def variants(interpret):
     out = {f"xla_{n}_chunks": xla_chunks(n) for n in (8, 4)}
     out |= {f"mla_kernel_{block}": mla_kernel(block, interpret) for block in (512, 256, 128)}
+    out |= {f"mla_kernel_{block}_rows_{rows}": mla_kernel(block, interpret, rows)
+            for block, rows in [(512, 256), (512, 128), (1024, 512), (1024, 256), (1024, 128), (256, 128)]}
     for block, compute, fused in [(512, 512, True), (512, 256, True), (1024, 512, True), (512, 512, False),
                                   (256, 256, True), (1024, 1024, True)]:
         out[f"splash_{block}_{compute}{'_fused' if fused else ''}"] = joined(splash_variant(block, compute, fused,

@@ -73,17 +73,18 @@ def attention_in(chunks):
     return AttentionInChunks
 
 
-def attention_kernel(block=None, keep_outputs=False, narrow_block=None):
+def attention_kernel(block=None, keep_outputs=False, narrow_block=None, rows=None):
     @dataclasses.dataclass(frozen=True)
     class AttentionKernel(engine.Fast):
         def attention(self, q_BThK, k_BShK, v_BShJ, rotary, mask_TS, dtype):
             narrow = narrow_block if rotary is None else None          # the NoPE layers
             kernel = lambda q, k, v, *rotary: attention_kernels.tpu_kernel_attention(
-                q, k, v, rotary or None, dtype, block=narrow or block)
+                q, k, v, rotary or None, dtype, block=narrow or block, rows=rows)
             operands = (q_BThK, k_BShK, v_BShJ, *(rotary or ()))
             return attention_kernels.keep_kernel_outputs(kernel, *operands) if keep_outputs else kernel(*operands)
     AttentionKernel.__doc__ = (f"The TPU attention kernel in blocks of {block or 'the engine'}'s side (the engine's: the "
                                f"largest of {tpu_attention.BLOCK_SIZES} dividing T)" +
+                               (f", {rows} rows a piece (the diagonal's squares {rows} wide)" if rows else "") +
                                (", its outputs kept by every remat policy" if keep_outputs else "") +
                                (f", blocks of {narrow_block} for q.k 64 (the NoPE layers)" if narrow_block else ""))
     return AttentionKernel
@@ -206,6 +207,8 @@ LEVERS = {
     **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4, 8)},
     **{f"attention_kernel_blocks_of_{n}": ((), attention_kernel(n)) for n in (128, 256, 512)},
     "attention_kernel_blocks_of_256_for_nope": ((), attention_kernel(narrow_block=256)),
+    **{f"attention_kernel_rows_of_{n}": ((), attention_kernel(rows=n)) for n in (128, 256)},
+    "attention_kernel_blocks_of_1024_rows_of_128": ((), attention_kernel(1024, rows=128)),
     "attention_kernel_outputs_kept": ((), attention_kernel(keep_outputs=True)),
     "remat_full": (("--remat", "full"), None),
     "remat_auto": (("--remat", "auto"), None),         # dots here (not settled as main.py settles it): the dots rows

@@ -55,13 +55,17 @@ NAMES = ("out", "dq", "dk", "dv", "dq_rope", "dk_rope")
 # MLA's widths, scaled to tiles of 8 lanes (the chip's 128): K, J, R of 4, 4, 8 are 64, 64, 128 (the one-chip
 # preset's: 2 heads a step, content and values a head's half of a tile, the rotary query a tile of its own);
 # R 4 is 64 (the rotary key repeated to meet the 2 heads' lanes); R 0 NoPE; 8s a head a step, no lanes shared.
-@pytest.mark.parametrize("T,block,K,J,R", [(256, 128, 4, 4, 8), (384, 128, 8, 8, 4), (64, 16, 4, 4, 0),
-                                           (64, 16, 8, 8, 8)])
-def test_the_kernel_equals_one_masked_softmax_in_fp32(T, block, K, J, R):
-    """Blocks of 2, 3 and 4 a sequence (the diagonal's masked, the ones above it skipped), 4 heads."""
+@pytest.mark.parametrize("T,block,rows,K,J,R", [(256, 128, None, 4, 4, 8), (384, 128, None, 8, 8, 4),
+                                                (64, 16, None, 4, 4, 0), (64, 16, None, 8, 8, 8),
+                                                (256, 128, 64, 4, 4, 8), (192, 128, 64, 8, 8, 0)])
+def test_the_kernel_equals_one_masked_softmax_in_fp32(T, block, rows, K, J, R):
+    """Blocks of 2, 3 and 4 a sequence (the diagonal's masked, the ones above it skipped), 4 heads; rows of half a
+    block: the pieces crossing the diagonal cut there, masked on their last rows x rows (forward) or first
+    (backward), one of T 192 shorter than a block."""
     args, w = operands(2, T, 4, K, J, R)
     with jax.default_matmul_precision("highest"):
-        kernel = functools.partial(tpu_attention.attention, block=block, interpret=pltpu.InterpretParams(), lanes=8)
+        kernel = functools.partial(tpu_attention.attention, block=block, rows=rows, interpret=pltpu.InterpretParams(),
+                                   lanes=8)
         # jitted: run op by op, the reference's gradient compiled each of its operations apart
         got, want = (jax.jit(functools.partial(value_and_grads, f))(args, w) for f in (kernel, causal_reference))
     assert len(got) == len(want) == (6 if R else 4)
@@ -181,24 +185,25 @@ def test_the_kernel_compiles_for_the_longest_sequence_a_chip_takes(slice_name, k
         grad.trace(*args).lower(lowering_platforms=("tpu",)).compile()
 
 
-@pytest.mark.parametrize("R", [128, 0])
-def test_the_kernels_products_count_in_a_tpu_programs_matmul_flops(R):
+@pytest.mark.parametrize("R,block", [(128, 128), (0, 128), (128, 256)])
+def test_the_kernels_products_count_in_a_tpu_programs_matmul_flops(R, block):
     """Compiled for a v5e here (libtpu's compiler, Mosaic's lowering of the kernel included), the kernel's products
-    are counted (hlo.matmul_flops reads the FLOPs it declares: its block pairs on and below the diagonal, each head
-    as if alone, q and k joined), the forward's and the backward's apart; with RoPE and without."""
+    are counted (hlo.matmul_flops reads the FLOPs it declares: its squares of rows x rows on and below the diagonal,
+    each head as if alone, q and k joined), the forward's and the backward's apart; with RoPE and without; in rows
+    of half a block (of 256 here) too."""
     pytest.importorskip("libtpu", reason="pip install -r requirements-tpu.txt")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # other test processes may hold libtpu
     from planning import measure
     device = measure.topology_devices(hardware.tpu_slice("v5e-1"))[0]
-    B, T, h, K, J, block = 1, 256, 2, 64, 64, 128
+    B, T, h, K, J, rows = 1, 256, 2, 64, 64, 128
     on_chip = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(device))
     args = [on_chip(B, T, h, K), on_chip(B, T, h, K), on_chip(B, T, h, J)] + ([on_chip(B, T, h, R), on_chip(B, T, R)]
                                                                               if R else [])
-    loss = lambda *args: jnp.sum(tpu_attention.attention(*args, block=block).astype(jnp.float32))
+    loss = lambda *args: jnp.sum(tpu_attention.attention(*args, block=block, rows=rows).astype(jnp.float32))
     compiled = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(
         lowering_platforms=("tpu",)).compile()
     flops = hlo.matmul_flops(compiled.as_text())
-    forward = 2 * B * h * 3 * block * block * (K + R + J)          # T / block = 2: three block pairs
+    forward = 2 * B * h * 3 * rows * rows * (K + R + J)            # T / rows = 2: three squares
     assert (flops["forward"], flops["backward"], flops["total"]) == (forward, 2.5 * forward, 3.5 * forward), flops
 
 
