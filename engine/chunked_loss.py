@@ -138,9 +138,7 @@ def _ce_fwd(dtype, axes, sums_by_product, table_vD, h_XND, local_targets_XN, n_r
     table_r = table_vD.astype(dtype)
     table_ones_vE = (jnp.concatenate([table_r, jnp.ones((table_r.shape[0], 1), dtype)], axis=1)
                      if sums_by_product else None)
-    # with sums_by_product (a TPU's) the hidden states are rounded once, before the loop: rounded inside it, XLA:TPU
-    # gave the logits' product the fp32 chunk, an fp32 x bf16 product
-    h_r_XND = h_XND.astype(dtype) if sums_by_product else None
+    h_r_XND = _rounded_before_the_loop(h_XND, dtype) if sums_by_product else None
 
     def one(d_table_vD, chunk):
         h_ND, h_r, y_N = chunk
@@ -158,6 +156,13 @@ def _ce_fwd(dtype, axes, sums_by_product, table_vD, h_XND, local_targets_XN, n_r
     d_table_vD = d_table_vD.at[_clipped(targets_N, table_vD)].add(
         jnp.where(_held(targets_N, n_real)[:, None], -h_ND.astype(jnp.float32), 0.0))
     return jnp.sum(ces), (d_table_vD.astype(table_vD.dtype), d_h_XND)
+
+
+def _rounded_before_the_loop(h_XND, dtype):
+    """The chunks' hidden states rounded to the matmul dtype once, before the loop, where the sums of exponentials come
+    from the MXU (a TPU's; elsewhere the loop rounds each chunk): rounded inside it, XLA:TPU gave the logits' product
+    the fp32 chunk, an fp32 x bf16 product (scripts/levers.py's ce_hidden_states_rounded_in_the_loop: a barrier)."""
+    return h_XND.astype(dtype)
 
 
 def _ce_bwd(dtype, axes, sums_by_product, residuals, g):

@@ -197,6 +197,24 @@ def ce_exponentials_behind_barrier():
         chunked_loss._chunk_ce = plain
 
 
+@contextlib.contextmanager
+def ce_hidden_states_rounded_in_the_loop():
+    """The output layer's chunks of hidden states each rounded to the matmul dtype in the loop, behind an optimization
+    barrier (so that XLA does not fold the rounding into the logits' product), rather than all before it: compiled
+    for a v5e on the CPU, the program before the rounding moved out of the loop (timed 2.7 ms faster) but for its
+    fp32 x bf16 product, where the rounding before the loop added 882 of XLA's slices into VMEM
+    (docs/performance-log.md#2026-12-07-tpu-attention-rows)."""
+    plain_before, plain_chunk = chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce
+
+    def chunk_ce(axes, table_r, h_r, *rest):
+        return plain_chunk(axes, table_r, lax.optimization_barrier(h_r), *rest)
+    chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce = (lambda h_XND, dtype: None), chunk_ce
+    try:
+        yield
+    finally:
+        chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce = plain_before, plain_chunk
+
+
 # name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
@@ -223,6 +241,7 @@ LEVERS = {
     "batch_16_in_2_grad_steps": (("--grad_step", "2"), None),     # 8 sequences twice, one optimizer pass
     "batch_16_ce_chunks_of_8192_tokens": (("--train_batch_size", "16"), cross_entropy_chunks_of(8192)),
     "ce_exponentials_behind_barrier": ((), None, ce_exponentials_behind_barrier),
+    "ce_hidden_states_rounded_in_the_loop": ((), None, ce_hidden_states_rounded_in_the_loop),
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
     "dropout_whole_threefry_words": ((), None, functools.partial(dropout_swapped, dropout_from_whole_threefry_words)),
     **{f"layers_apart_remat_{remat}": (("--remat", remat), LayersApart) for remat in ("full", "dots")},

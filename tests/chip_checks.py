@@ -11,7 +11,6 @@ CASE's: the compiler's verdict and plan, measure.planned_gib, and what the devic
 bytes_in_use, and the program's reserved temporaries, bytes_reserved). One process runs them all: each start and
 shutdown of a TPU runtime costs tens of seconds.
 """
-import dataclasses
 import functools
 import gc
 import json
@@ -31,6 +30,7 @@ import utils  # noqa: E402
 from bench import build_step  # noqa: E402
 from engine import attention_kernels, expert_kernels, tpu_attention  # noqa: E402
 from planning import measure  # noqa: E402
+from scripts import levers  # noqa: E402
 
 GiB = 2**30
 # the moe1B preset's layers at 4 blocks of 6 on one chip: a model at the edge of a 16 GiB chip
@@ -82,11 +82,7 @@ def fp32():
 def optimizer():
     """The largest difference (its share of the leaf's largest value) of each state leaf after the tiny preset's first
     step in fp32, the update by engine/tpu_update.py's kernel (the fast engine's on a TPU) against optax's chain."""
-    @dataclasses.dataclass(frozen=True)
-    class Chain(engine.Fast):
-        def optimizer_kernel(self):
-            return None
-    engine.ENGINES["chain"] = Chain
+    engine.ENGINES["chain"] = levers.OptimizerInXla
     cfg = utils.config_from_args(["--preset", "tiny", "--model_dtype", "float32", "--n_device_axis", "1", "1", "1"])
     states = []
     for name in ("fast", "chain"):

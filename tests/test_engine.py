@@ -12,6 +12,7 @@ import engine
 import pipeline
 import sharding
 from engine import chunked_loss
+from scripts import levers
 from model_util import (CFG, CIRCULAR, DSV3, EP, KEY, ROUTER_BIAS, batch, one_device_run, rel_err,
                         sharded_value_and_grad, with_model)
 
@@ -59,21 +60,13 @@ def test_the_reference_engine_equals_the_fast_one_in_fp32(fast_one_device, shape
         assert rel_err(g, g_fast) < 1e-5, jax.tree_util.keystr(path)
 
 
-@dataclasses.dataclass(frozen=True)
-class LayersApart(engine.Fast):
-    """The fast engine with the training step's layers traced apart on any platform, as a TPU's are with --remat
-    none (its kernels cannot run here)."""
-
-    def layer_loop(self, cfg, train):
-        return super().layer_loop(cfg, train)._replace(apart=train)
-
-
 @pytest.mark.parametrize("shape,n_micro,changes", [((1, 1, 1), 2, {}), ((2, 2, 2), 4, EP | CIRCULAR)])
 def test_layers_traced_apart_give_the_scans_loss_and_gradients(monkeypatch, shape, n_micro, changes):
     """Python loops over the blocks and their dense layers, each layer traced on its own, in place of the scans:
     in fp32 the scanned step's loss and metrics bit for bit and every gradient to rounding, on one device and
     through the circular pipeline with expert parallelism."""
-    monkeypatch.setitem(engine.ENGINES, "apart", LayersApart)
+    # levers.py's LayersApart: the layers traced apart on any platform, as a TPU's are with --remat none
+    monkeypatch.setitem(engine.ENGINES, "apart", levers.LayersApart)
     params = sharding.init_params(CFG, KEY)
     mesh = sharding.make_mesh(shape)
 
