@@ -43,6 +43,12 @@ def experts_in_buffers(w, x_BTD, experts_BTk, slot_BTk, C, mm):
     buffer_BECD = buffer_BECD.at[b_BTk, experts_BTk, _distinct_drops(slot_BTk, C)].set(
         x_BTkD, mode="drop", unique_indices=True)
     y_BECD = ffn(buffer_BECD, w["expert_up"], w["expert_down"], "becd,edf->becf", mm, w_gate=w.get("expert_gate"))
+    return _choices_outputs(y_BECD, b_BTk, experts_BTk, slot_BTk, C)
+
+
+def _choices_outputs(y_BECD, b_BTk, experts_BTk, slot_BTk, C):
+    """Each choice's row of the buffers' outputs, [B, T, k, D]; a dropped one's (slot C) the expert's last (the MoE
+    masks it, so the cotangent its gradient adds there is 0)."""
     return y_BECD[b_BTk, experts_BTk, jnp.minimum(slot_BTk, C - 1)]
 
 

@@ -215,6 +215,24 @@ def ce_hidden_states_rounded_in_the_loop():
         chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce = plain_before, plain_chunk
 
 
+@contextlib.contextmanager
+def experts_combined_by_unique_gather():
+    """Each routed choice's output gathered from the expert buffers with a dropped choice sent to a place of its own
+    past the buffer (read as 0), as the dispatch's scatter already does, the gather promising unique indices: its
+    transpose, the backward's scatter-add into the buffers, then has no duplicates to add up (the dropped choices
+    read the expert's last slot, a kept one's). The same numbers (the MoE masks the dropped choices)."""
+    plain = expert_kernels._choices_outputs
+
+    def unique_gather(y_BECD, b_BTk, experts_BTk, slot_BTk, C):
+        return y_BECD.at[b_BTk, experts_BTk, expert_kernels._distinct_drops(slot_BTk, C)].get(
+            mode="fill", fill_value=0, unique_indices=True)
+    expert_kernels._choices_outputs = unique_gather
+    try:
+        yield
+    finally:
+        expert_kernels._choices_outputs = plain
+
+
 # name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
@@ -242,6 +260,7 @@ LEVERS = {
     "batch_16_ce_chunks_of_8192_tokens": (("--train_batch_size", "16"), cross_entropy_chunks_of(8192)),
     "ce_exponentials_behind_barrier": ((), None, ce_exponentials_behind_barrier),
     "ce_hidden_states_rounded_in_the_loop": ((), None, ce_hidden_states_rounded_in_the_loop),
+    "experts_combined_by_unique_gather": ((), None, experts_combined_by_unique_gather),
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
     "dropout_whole_threefry_words": ((), None, functools.partial(dropout_swapped, dropout_from_whole_threefry_words)),
     **{f"layers_apart_remat_{remat}": (("--remat", remat), LayersApart) for remat in ("full", "dots")},
