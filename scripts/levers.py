@@ -84,7 +84,8 @@ def attention_kernel(block=None, keep_outputs=False, narrow_block=None, rows=Non
             return attention_kernels.keep_kernel_outputs(kernel, *operands) if keep_outputs else kernel(*operands)
     AttentionKernel.__doc__ = (f"The TPU attention kernel in blocks of {block or 'the engine'}'s side (the engine's: the "
                                f"largest of {tpu_attention.BLOCK_SIZES} dividing T)" +
-                               (f", {rows} rows a piece (the diagonal's squares {rows} wide)" if rows else "") +
+                               (f", {rows} rows a piece (the diagonal's squares {rows} wide; the engine's: half a "
+                                f"block from blocks of {tpu_attention.HALVED_BLOCK})" if rows else "") +
                                (", its outputs kept by every remat policy" if keep_outputs else "") +
                                (f", blocks of {narrow_block} for q.k 64 (the NoPE layers)" if narrow_block else ""))
     return AttentionKernel
@@ -200,9 +201,9 @@ def ce_exponentials_behind_barrier():
 @contextlib.contextmanager
 def ce_hidden_states_rounded_in_the_loop():
     """The output layer's chunks of hidden states each rounded to the matmul dtype in the loop, behind an optimization
-    barrier (so that XLA does not fold the rounding into the logits' product), rather than all before it: compiled
-    for a v5e on the CPU, the program before the rounding moved out of the loop (timed 2.7 ms faster) but for its
-    fp32 x bf16 product, where the rounding before the loop added 882 of XLA's slices into VMEM
+    barrier (so that XLA does not fold the rounding into the logits' product), rather than all before it. Compiled
+    for a v5e on the CPU it is the program that timed 2.7 ms faster before the rounding left the loop, its products
+    bf16 x bf16 now; the rounding before the loop added 882 of XLA's slices into VMEM
     (docs/performance-log.md#2026-12-07-tpu-attention-rows)."""
     plain_before, plain_chunk = chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce
 
@@ -243,7 +244,7 @@ LEVERS = {
     **{f"attention_in_{n}_chunks": ((), attention_in(n)) for n in (1, 2, 4, 8)},
     **{f"attention_kernel_blocks_of_{n}": ((), attention_kernel(n)) for n in (128, 256, 512)},
     "attention_kernel_blocks_of_256_for_nope": ((), attention_kernel(narrow_block=256)),
-    **{f"attention_kernel_rows_of_{n}": ((), attention_kernel(rows=n)) for n in (128, 256)},
+    **{f"attention_kernel_rows_of_{n}": ((), attention_kernel(rows=n)) for n in (128, 256, 512)},   # 512: square
     "attention_kernel_blocks_of_1024_rows_of_128": ((), attention_kernel(1024, rows=128)),
     "attention_kernel_outputs_kept": ((), attention_kernel(keep_outputs=True)),
     "remat_full": (("--remat", "full"), None),
