@@ -22,16 +22,20 @@ REFERENCE = with_model(CFG, engine="reference")
 CASES = [((1, 1, 1), 2, {}), ((1, 2, 4), 4, {}), ((2, 2, 2), 4, EP | CIRCULAR)]
 
 
+def run_on_mesh(cfg, mesh, n_micro, params):
+    """((loss, metrics), grads) of cfg's loss on mesh in n_micro micro-batches of the test batch, from params stored
+    in cfg's pipeline layout and placed by its shardings."""
+    stored = sharding.Layout(cfg.pipeline_repeats).store(params)
+    placed = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
+    return jax.device_get(sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(placed, *batch()))
+
+
 @pytest.mark.slow("~25 s; the reference engine's three meshes below and test_model's DeepSeek-V3 cases stay")
 def test_the_reference_engine_equals_the_fast_one_in_deepseek_v3s_architecture():
     """The reference engine on (2,2,2), expert parallel, two repeats, against the fast one on one device."""
     _, fast_loss, _, fast_grads = one_device_run(DSV3)
-    params = sharding.init_params(DSV3, KEY)
     cfg = with_model(DSV3, engine="reference", **EP, **CIRCULAR)
-    mesh = sharding.make_mesh((2, 2, 2))
-    stored = sharding.Layout(cfg.pipeline_repeats).store(params)
-    placed = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
-    (loss, _), grads = sharded_value_and_grad(cfg, mesh, 4, ROUTER_BIAS)(placed, *batch())
+    (loss, _), grads = run_on_mesh(cfg, sharding.make_mesh((2, 2, 2)), 4, sharding.init_params(DSV3, KEY))
     assert rel_err(loss, fast_loss) < 1e-5
     for (path, g_fast), g in zip(jax.tree_util.tree_leaves_with_path(fast_grads),
                                  jax.tree.leaves(sharding.model_order(grads))):
@@ -47,10 +51,7 @@ def fast_one_device():
 def test_the_reference_engine_equals_the_fast_one_in_fp32(fast_one_device, shape, n_micro, changes):
     params, fast_loss, fast_metrics, fast_grads = fast_one_device
     cfg = with_model(REFERENCE, **changes)
-    mesh = sharding.make_mesh(shape)
-    stored = sharding.Layout(cfg.pipeline_repeats).store(params)
-    placed = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
-    (loss, metrics), grads = sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(placed, *batch())
+    (loss, metrics), grads = run_on_mesh(cfg, sharding.make_mesh(shape), n_micro, params)
     assert rel_err(loss, fast_loss) < 1e-5
     for name in ("ce", "balance", "drop_rate"):
         assert rel_err(metrics[name], fast_metrics[name]) < 1e-5, name
@@ -67,14 +68,8 @@ def test_layers_traced_apart_give_the_scans_loss_and_gradients(monkeypatch, shap
     through the circular pipeline with expert parallelism."""
     # levers.py's LayersApart: the layers traced apart on any platform, as a TPU's are with --remat none
     monkeypatch.setitem(engine.ENGINES, "apart", levers.LayersApart)
-    params = sharding.init_params(CFG, KEY)
-    mesh = sharding.make_mesh(shape)
-
-    def run(engine_name):
-        cfg = with_model(CFG, engine=engine_name, **changes)
-        stored = sharding.Layout(cfg.pipeline_repeats).store(params)
-        placed = jax.device_put(stored, sharding.param_shardings(stored, mesh, cfg.expert_parallel))
-        return jax.device_get(sharded_value_and_grad(cfg, mesh, n_micro, ROUTER_BIAS)(placed, *batch()))
+    params, mesh = sharding.init_params(CFG, KEY), sharding.make_mesh(shape)
+    run = lambda engine_name: run_on_mesh(with_model(CFG, engine=engine_name, **changes), mesh, n_micro, params)
     (loss, metrics), grads = run("apart")
     (scan_loss, scan_metrics), scan_grads = run("fast")
     np.testing.assert_array_equal(loss, scan_loss)
@@ -99,13 +94,8 @@ def test_a_tpus_sums_of_exponentials_from_the_product_give_the_loss_and_gradient
     a TPU's way), on one device and with the vocabulary split over tp 4: in fp32 the pass's loss and every
     gradient to rounding (the sums in another order)."""
     monkeypatch.setitem(engine.ENGINES, "sums_by_product", SumsByProduct)
-    params = sharding.init_params(CFG, KEY)
-    mesh = sharding.make_mesh(shape)
-
-    def run(engine_name):
-        cfg = with_model(CFG, engine=engine_name)
-        placed = jax.device_put(params, sharding.param_shardings(params, mesh, cfg.expert_parallel))
-        return jax.device_get(sharded_value_and_grad(cfg, mesh, 2, ROUTER_BIAS)(placed, *batch()))
+    params, mesh = sharding.init_params(CFG, KEY), sharding.make_mesh(shape)
+    run = lambda engine_name: run_on_mesh(with_model(CFG, engine=engine_name), mesh, 2, params)
     ((loss, metrics), grads), ((plain_loss, plain_metrics), plain_grads) = run("sums_by_product"), run("fast")
     assert rel_err(loss, plain_loss) < 1e-6 and rel_err(metrics["ce"], plain_metrics["ce"]) < 1e-6
     for (path, g_plain), g in zip(jax.tree_util.tree_leaves_with_path(plain_grads), jax.tree.leaves(grads)):
