@@ -91,9 +91,9 @@ def _chunk_token_nats(axes, table_r, h_r, local_targets_N, n_real, table_ones_vE
     the combined one (over tp), whether this rank holds each target, the target rows, and where table_ones_vE
     (the table and a column of ones, [v, D + 1]) is given, the product of the table and the exponentials
     rounded to the matmul dtype, [N, D] (the hidden states' gradient but for its factors per token). Its last
-    column is then each token's sum of exponentials, added up by the MXU as it multiplies, where a pass of its
-    own over the fp32 exponentials took 13% of a v5e's cross-entropy: the sum of the rounded exponentials the
-    gradient uses (in bf16 the loss within 1e-6 of the fp32 sum's; docs/performance-log.md#2026-12-07-tpu-ce-sums)."""
+    column is then each token's sum of exponentials, added up by the MXU as it multiplies, rather than in a pass of
+    its own over the fp32 exponentials: the sum of the rounded exponentials the gradient uses
+    (docs/performance-log.md#2026-12-07-tpu-ce-sums)."""
     exp_vN, local_max_N = _exp_logits_vN(table_r, h_r, n_real)
     product_NE = None
     if table_ones_vE is not None:

@@ -28,8 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 BLOCK_SIZES = (512, 256, 128)        # a block is the largest of these that divides T
-# From blocks this long, rows of half a block (the diagonal's squares half as wide): on a v5e 1.011x a step at T 1024
-# (docs/performance-log.md#2026-12-07-tpu-attention-rows); shorter ones not measured.
+# From blocks this long, rows of half a block: the diagonal's squares half as wide, fewer masked scores computed, for
+# products still long enough to keep the MXU busy (docs/performance-log.md#2026-12-07-tpu-attention-rows); shorter
+# blocks keep square ones, not measured.
 HALVED_BLOCK = 512
 VMEM_LIMIT_BYTES = 64 * 2**20
 # The longest sequence whose blocks (a grid step holds its heads' whole sequences) a core's VMEM holds, as

@@ -201,9 +201,8 @@ def ce_exponentials_behind_barrier():
 @contextlib.contextmanager
 def ce_hidden_states_rounded_in_the_loop():
     """The output layer's chunks of hidden states each rounded to the matmul dtype in the loop, behind an optimization
-    barrier (so that XLA does not fold the rounding into the logits' product), rather than all before it. Compiled
-    for a v5e on the CPU it is the program that timed 2.7 ms faster before the rounding left the loop, its products
-    bf16 x bf16 now; the rounding before the loop added 882 of XLA's slices into VMEM
+    barrier (so that XLA does not fold the rounding into the logits' product), rather than all before it: compiled
+    for a v5e, the step XLA staged before the rounding left the loop (and timed faster), with bf16 x bf16 products
     (docs/performance-log.md#2026-12-07-tpu-attention-rows)."""
     plain_before, plain_chunk = chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce
 
