@@ -138,11 +138,10 @@ def _ce_fwd(dtype, axes, sums_by_product, table_vD, h_XND, local_targets_XN, n_r
     table_r = table_vD.astype(dtype)
     table_ones_vE = (jnp.concatenate([table_r, jnp.ones((table_r.shape[0], 1), dtype)], axis=1)
                      if sums_by_product else None)
-    h_r_XND = _rounded_before_the_loop(h_XND, dtype) if sums_by_product else None
 
     def one(d_table_vD, chunk):
-        h_ND, h_r, y_N = chunk
-        h_r = h_ND.astype(dtype) if h_r is None else h_r
+        h_ND, y_N = chunk
+        h_r = _rounded_behind_barrier(h_ND, dtype) if sums_by_product else h_ND.astype(dtype)
         ce, (exp_vN, c_N, inside_N, rows_ND, product_ND) = _chunk_ce(axes, table_r, h_r, y_N, n_real, table_ones_vE)
         exp_vN, minus_N = exp_vN.astype(dtype), jnp.where(inside_N, -1.0, 0.0)
         d_h_ND = (c_N[:, None] * (dot32("vd,vt->td", table_r, exp_vN) if product_ND is None else product_ND)
@@ -151,18 +150,19 @@ def _ce_fwd(dtype, axes, sums_by_product, table_vD, h_XND, local_targets_XN, n_r
         return d_table_vD + d_chunk_vD, (ce, d_h_ND.astype(h_ND.dtype))
 
     zeros_vD, = vary_like((jnp.zeros(table_vD.shape, jnp.float32),), (table_vD,))
-    d_table_vD, (ces, d_h_XND) = lax.scan(one, zeros_vD, (h_XND, h_r_XND, local_targets_XN))
+    d_table_vD, (ces, d_h_XND) = lax.scan(one, zeros_vD, (h_XND, local_targets_XN))
     targets_N, h_ND = local_targets_XN.reshape(-1), h_XND.reshape(-1, h_XND.shape[-1]).astype(dtype)
     d_table_vD = d_table_vD.at[_clipped(targets_N, table_vD)].add(
         jnp.where(_held(targets_N, n_real)[:, None], -h_ND.astype(jnp.float32), 0.0))
     return jnp.sum(ces), (d_table_vD.astype(table_vD.dtype), d_h_XND)
 
 
-def _rounded_before_the_loop(h_XND, dtype):
-    """The chunks' hidden states rounded to the matmul dtype once, before the loop, where the sums of exponentials come
-    from the MXU (a TPU's; elsewhere the loop rounds each chunk): rounded inside it, XLA:TPU gave the logits' product
-    the fp32 chunk, an fp32 x bf16 product (scripts/levers.py's ce_hidden_states_rounded_in_the_loop: a barrier)."""
-    return h_XND.astype(dtype)
+def _rounded_behind_barrier(h_ND, dtype):
+    """A chunk's hidden states rounded to the matmul dtype behind an optimization barrier, where the sums of exponentials
+    come from the MXU (a TPU's): XLA:TPU otherwise folds the rounding into the logits' product, an fp32 x bf16 one, and
+    all the chunks rounded once before the loop, it staged the step 1.7% slower
+    (docs/performance-log.md#2026-12-08-tpu-rounding-in-the-loop)."""
+    return lax.optimization_barrier(h_ND.astype(dtype))
 
 
 def _ce_bwd(dtype, axes, sums_by_product, residuals, g):

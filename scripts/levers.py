@@ -199,20 +199,16 @@ def ce_exponentials_behind_barrier():
 
 
 @contextlib.contextmanager
-def ce_hidden_states_rounded_in_the_loop():
-    """The output layer's chunks of hidden states each rounded to the matmul dtype in the loop, behind an optimization
-    barrier (so that XLA does not fold the rounding into the logits' product), rather than all before it: compiled
-    for a v5e, the step XLA staged before the rounding left the loop (and timed faster), with bf16 x bf16 products
-    (docs/performance-log.md#2026-12-07-tpu-attention-rows)."""
-    plain_before, plain_chunk = chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce
-
-    def chunk_ce(axes, table_r, h_r, *rest):
-        return plain_chunk(axes, table_r, lax.optimization_barrier(h_r), *rest)
-    chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce = (lambda h_XND, dtype: None), chunk_ce
+def ce_hidden_states_rounded_without_barrier():
+    """The output layer's chunks of hidden states rounded to the matmul dtype in the loop with no optimization barrier
+    (the engine's elsewhere than on a TPU): XLA:TPU folds the rounding into the logits' product, an fp32 x bf16 one
+    (docs/performance-log.md#2026-12-07-tpu-ce-sums)."""
+    plain = chunked_loss._rounded_behind_barrier
+    chunked_loss._rounded_behind_barrier = lambda h_ND, dtype: h_ND.astype(dtype)
     try:
         yield
     finally:
-        chunked_loss._rounded_before_the_loop, chunked_loss._chunk_ce = plain_before, plain_chunk
+        chunked_loss._rounded_behind_barrier = plain
 
 
 @contextlib.contextmanager
@@ -259,7 +255,7 @@ LEVERS = {
     "batch_16_in_2_grad_steps": (("--grad_step", "2"), None),     # 8 sequences twice, one optimizer pass
     "batch_16_ce_chunks_of_8192_tokens": (("--train_batch_size", "16"), cross_entropy_chunks_of(8192)),
     "ce_exponentials_behind_barrier": ((), None, ce_exponentials_behind_barrier),
-    "ce_hidden_states_rounded_in_the_loop": ((), None, ce_hidden_states_rounded_in_the_loop),
+    "ce_hidden_states_rounded_without_barrier": ((), None, ce_hidden_states_rounded_without_barrier),
     "experts_combined_by_unique_gather": ((), None, experts_combined_by_unique_gather),
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
     "dropout_whole_threefry_words": ((), None, functools.partial(dropout_swapped, dropout_from_whole_threefry_words)),
