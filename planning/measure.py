@@ -83,11 +83,11 @@ def target_mesh(cfg, target):
 
 # ---- the compile, and what it plans
 
-def compiled_or_shortfall(jitted, args):
+def compiled_or_shortfall(jitted, args, compiler_options=None):
     """(jitted compiled for args, None), or (None, GiB it needs) where the compiler refuses it as too large for the
-    device (libtpu does, saying how large)."""
+    device (libtpu does, saying how large). compiler_options: XLA's, for this compile alone."""
     try:
-        return jitted.lower(*args).compile(), None
+        return jitted.lower(*args).compile(compiler_options), None
     except Exception as e:               # noqa: BLE001 - libtpu refuses some plans that do not fit so
         needed = hbm_shortfall(str(e))
         if needed is None:

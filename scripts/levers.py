@@ -2,7 +2,8 @@
 ratios of one run are what to trust): `python scripts/levers.py [--preset moe1B-v5e-1] [--levers A,B,...]
 [--steps 8] [--warmup 2] [main.py flags ...]`.
 
-A lever is one choice changed: a setting (flags on top of the run's), one seam of engine.Fast done another
+A lever is one choice changed: a setting (flags on top of the run's), an option of XLA's compiler for the step
+(COMPILER_OPTIONS: a TPU's; a CPU refuses them), one seam of engine.Fast done another
 way (a subclass of it, registered in engine.ENGINES under the lever's name for this process), or a function of
 the core swapped while the lever's step is built (a context). Each is compiled and timed as bench.py times a
 step (bench.build_step, bench.time_steps), one JSON line as it is done, then a table: step time, its ratio to
@@ -230,6 +231,11 @@ def experts_combined_by_unique_gather():
 
 
 # name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
+# Options of XLA's TPU compiler, each a lever for its step's compile alone: the VMEM each of XLA's fusions may use (16 MiB
+# on a v5e unless set; MaxText sets 96 on a v5e or v6e for a dense model), room for larger tiles of a product.
+COMPILER_OPTIONS = {f"xla_fusions_vmem_of_{mib}_mib": {"xla_tpu_scoped_vmem_limit_kib": str(mib * 1024)}
+                    for mib in (32, 64, 96)}
+
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
     "optimizer_in_xla": ((), OptimizerInXla),
@@ -260,6 +266,7 @@ LEVERS = {
     "no_dropout": (("--dropout_rate", "0"), None),          # what dropout's random bits cost (not a lever to keep)
     "dropout_whole_threefry_words": ((), None, functools.partial(dropout_swapped, dropout_from_whole_threefry_words)),
     **{f"layers_apart_remat_{remat}": (("--remat", remat), LayersApart) for remat in ("full", "dots")},
+    **{name: ((), None) for name in COMPILER_OPTIONS},
 }
 
 
@@ -293,7 +300,7 @@ def measure(name, cfg, args):
     mesh = sharding.run_mesh(cfg.run)
     step, make_state, make_batch, abstract_args = bench.build_step(cfg, mesh)
     t = time.perf_counter()
-    compiled, needed_gib = compiled_or_shortfall(step, abstract_args())
+    compiled, needed_gib = compiled_or_shortfall(step, abstract_args(), COMPILER_OPTIONS.get(name))
     if compiled is None:
         return {"lever": name, "error": f"out of memory: needs {needed_gib:.2f} GiB a device"}
     compile_s = time.perf_counter() - t
