@@ -230,12 +230,12 @@ def experts_combined_by_unique_gather():
         expert_kernels._choices_outputs = plain
 
 
-# name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 # Options of XLA's TPU compiler, each a lever for its step's compile alone: the VMEM each of XLA's fusions may use (16 MiB
 # on a v5e unless set; MaxText sets 96 on a v5e or v6e for a dense model), room for larger tiles of a product.
 COMPILER_OPTIONS = {f"xla_fusions_vmem_of_{mib}_mib": {"xla_tpu_scoped_vmem_limit_kib": str(mib * 1024)}
                     for mib in (32, 64, 96)}
 
+# name: (flags on top of the run's, engine class or None[, a context the lever's step is built in])
 LEVERS = {
     "unrolled_layers": ((), UnrolledLayers),
     "optimizer_in_xla": ((), OptimizerInXla),
