@@ -160,7 +160,7 @@ def _ce_fwd(dtype, axes, sums_by_product, table_vD, h_XND, local_targets_XN, n_r
 def _rounded_behind_barrier(h_ND, dtype):
     """A chunk's hidden states rounded to the matmul dtype behind an optimization barrier, where the sums of exponentials
     come from the MXU (a TPU's): XLA:TPU otherwise folds the rounding into the logits' product, an fp32 x bf16 one, and
-    all the chunks rounded once before the loop, it staged the step 1.7% slower
+    with all the chunks rounded once before the loop it staged the whole step slower
     (docs/performance-log.md#2026-12-08-tpu-rounding-in-the-loop)."""
     return lax.optimization_barrier(h_ND.astype(dtype))
 
